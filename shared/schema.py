@@ -1,0 +1,142 @@
+"""The wire schema, imported by both the verifier and the drafter client.
+
+JSON bodies are serialised with orjson. Vocabulary-sized rows never travel as JSON lists of floats:
+:class:`EncodedRow` carries base64 of little-endian float32 probabilities, plus int32 ids when the
+row is sparse (top-k / top-p left a small support).
+
+Positions: a session's ``position`` is the number of committed tokens (prompt + generated). The
+verifier's KV cache holds all of them but the last, which the next verify call feeds first.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from shared.sampling import SamplingConfig
+
+PROTOCOL_VERSION = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParams(_Strict):
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 means greedy")
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="1.0 disables top-p")
+
+    def to_config(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p)
+
+
+class InfoResponse(_Strict):
+    protocol_version: int
+    model: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    eos_token_ids: list[int]
+    max_context: int
+    max_draft_tokens: int
+    max_new_tokens: int
+    dtype: str
+    device: str
+
+
+class CreateSessionRequest(_Strict):
+    protocol_version: int = PROTOCOL_VERSION
+    prompt_ids: list[int] = Field(min_length=1)
+    sampling: SamplingParams = SamplingParams()
+
+
+class CreateSessionResponse(_Strict):
+    session_id: str
+    position: int
+    prefill_ms: float
+
+
+class VerifyRequest(_Strict):
+    position: int = Field(ge=1, description="committed tokens so far; must equal the session's")
+    last_token: int = Field(ge=0, description="the last committed token, not yet in the KV cache")
+    draft_ids: list[int] = Field(default_factory=list)
+    draft_logprobs: list[float] | None = Field(
+        None, description="log q_i(x_i) of each draft; null for a deterministic (one-hot) draft"
+    )
+    log_uniforms: list[float] = Field(default_factory=list, description="log u_i, one per draft")
+    final_uniform: float = Field(ge=0.0, lt=1.0, description="uniform for the recovered/bonus draw")
+
+    @field_validator("log_uniforms")
+    @classmethod
+    def _non_positive(cls, values: list[float]) -> list[float]:
+        if any(not v <= 0.0 for v in values):
+            raise ValueError("log uniforms must be <= 0")
+        return values
+
+
+class EncodedRow(_Strict):
+    """A probability row: dense (ids is None, probs has vocab entries) or sparse."""
+
+    ids: str | None = None  # base64 of little-endian int32 ids
+    probs: str  # base64 of little-endian float32 probabilities
+
+    @classmethod
+    def encode(cls, probs: torch.Tensor, sparse_below: float = 0.5) -> EncodedRow:
+        """Send only the support when it covers less than ``sparse_below`` of the vocabulary."""
+        probs = probs.float().cpu()  # [vocab]
+        support = torch.nonzero(probs > 0).flatten()
+        if len(support) < sparse_below * len(probs):
+            ids = support.numpy().astype("<i4")
+            values = probs[support].numpy().astype("<f4")
+            return cls(ids=base64.b64encode(ids.tobytes()).decode(),
+                       probs=base64.b64encode(values.tobytes()).decode())
+        return cls(probs=base64.b64encode(probs.numpy().astype("<f4").tobytes()).decode())
+
+    def decode(self, vocab_size: int) -> torch.Tensor:
+        values = np.frombuffer(base64.b64decode(self.probs), dtype="<f4")
+        if self.ids is None:
+            if len(values) != vocab_size:
+                raise ValueError(f"dense row has {len(values)} entries, expected {vocab_size}")
+            return torch.from_numpy(values.astype(np.float32))
+        ids = np.frombuffer(base64.b64decode(self.ids), dtype="<i4")
+        row = torch.zeros(vocab_size, dtype=torch.float32)
+        row[torch.from_numpy(ids.astype(np.int64))] = torch.from_numpy(values.astype(np.float32))
+        return row
+
+
+class VerifyResponse(_Strict):
+    num_accepted: int
+    target_logprobs: list[float] | None  # [k] processed log p_i(x_i); null in greedy mode
+    target_argmax: list[int] | None  # [k + 1]; greedy mode only
+    next_token: int | None  # recovered / bonus token when the verifier could draw it
+    row: EncodedRow | None  # target probs at the rejected position, when next_token is null
+    position: int  # the session's position once the client commits next_token
+    forward_ms: float
+
+
+class GenerateRequest(_Strict):
+    protocol_version: int = PROTOCOL_VERSION
+    prompt_ids: list[int] = Field(min_length=1)
+    sampling: SamplingParams = SamplingParams()
+    max_new_tokens: int = Field(128, ge=1)
+    seed: int = 0
+    stop_at_eos: bool = True
+
+
+class GenerateResponse(_Strict):
+    token_ids: list[int]
+    forward_ms: float
+    forward_calls: int
+
+
+class ErrorBody(_Strict):
+    code: str
+    message: str
+    field: str | None = None
+
+
+class ErrorResponse(_Strict):
+    error: ErrorBody

@@ -1,0 +1,47 @@
+"""Greedy speculative output equals the target's own generate(do_sample=False), through a real
+uvicorn verifier, in fp32, for several prompts and k in {1, 2, 4, 8}."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter_client import SpecDecClient
+from shared.models import load_causal_lm
+
+PROMPTS = ["the cat sat on", "def x ( y ) :", "a big red dog ran to the", "if x = 1"]
+
+
+def hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
+    model = load_causal_lm(str(model_dir), torch.float32, torch.device("cpu"))
+    out = model.generate(torch.tensor([prompt_ids]), do_sample=False,
+                         max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_greedy_matches_target_generate(arch, k, tiny_models, gpt2_server, llama_server):  # type: ignore[no-untyped-def]
+    server = gpt2_server if arch == "gpt2" else llama_server
+    client = SpecDecClient(server.url, str(tiny_models[f"{arch}-drafter"]), dtype="float32",
+                           device="cpu")
+    for prompt in PROMPTS:
+        ids = client.encode(prompt)
+        result = client.generate(ids, num_draft_tokens=k, max_new_tokens=24)
+        expected = hf_greedy(tiny_models[f"{arch}-target"], ids, 24)
+        eos = client.info.eos_token_ids
+        cut = next((i + 1 for i, t in enumerate(expected) if t in eos), len(expected))
+        assert result.token_ids == expected[:cut], f"prompt {prompt!r}, k={k}"
+        m = result.metrics
+        assert m.verify_calls < m.new_tokens or m.accepted_tokens == 0
+        assert m.new_tokens == len(result.token_ids)
+
+
+def test_baseline_matches_target_generate(tiny_models, gpt2_server):  # type: ignore[no-untyped-def]
+    client = SpecDecClient(gpt2_server.url, None, tokenizer=str(tiny_models["gpt2-target"]))
+    ids = client.encode("the cat sat on")
+    result = client.baseline(ids, max_new_tokens=20)
+    expected = hf_greedy(tiny_models["gpt2-target"], ids, 20)
+    cut = next((i + 1 for i, t in enumerate(expected) if t in client.info.eos_token_ids),
+               len(expected))
+    assert result.token_ids == expected[:cut]

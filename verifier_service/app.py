@@ -1,0 +1,147 @@
+"""FastAPI app factory for the verifier. No state at import time: everything lives on app.state."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any, TypeVar
+
+import orjson
+import torch
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.responses import Response
+
+from shared.schema import (
+    CreateSessionRequest,
+    CreateSessionResponse,
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    InfoResponse,
+    VerifyRequest,
+    VerifyResponse,
+)
+from verifier_service.errors import (
+    VerifierError,
+    validation_error_handler,
+    verifier_error_handler,
+)
+from verifier_service.service import VerifierService
+from verifier_service.settings import Settings
+from verifier_service.target import TargetRunner
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ORJSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        if hasattr(content, "model_dump"):
+            content = content.model_dump()
+        return orjson.dumps(content)
+
+
+class ModelThread:
+    """Runs model work on one dedicated thread, off the event loop, one call at a time."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+def get_service(request: Request) -> VerifierService:
+    return request.app.state.service  # type: ignore[no-any-return]
+
+
+def get_model_thread(request: Request) -> ModelThread:
+    return request.app.state.model_thread  # type: ignore[no-any-return]
+
+
+ServiceDep = Annotated[VerifierService, Depends(get_service)]
+ModelThreadDep = Annotated[ModelThread, Depends(get_model_thread)]
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 404, 409, 413, 422)
+}
+
+
+def create_app(settings: Settings, runner: TargetRunner | None = None) -> FastAPI:
+    """Build the verifier. ``runner`` lets tests share one loaded target between apps."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        model_thread = ModelThread()
+        target = runner or await model_thread.run(
+            TargetRunner.load, settings.model, settings.dtype, settings.device,
+            settings.max_context,
+        )
+        app.state.service = VerifierService(target, settings)
+        app.state.model_thread = model_thread
+        sweeper = asyncio.create_task(_expire_sessions(app.state.service))
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            model_thread.shutdown()
+
+    app = FastAPI(title="specdec verifier", version="0.1.0", lifespan=lifespan,
+                  default_response_class=ORJSONResponse)
+    app.add_exception_handler(VerifierError, verifier_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_error_handler)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(service: ServiceDep) -> dict[str, Any]:
+        return {"status": "ready", "model": service.runner.name,
+                "sessions": len(service.sessions)}
+
+    @app.get("/v1/info", response_model=InfoResponse)
+    async def info(service: ServiceDep) -> InfoResponse:
+        return service.info()
+
+    @app.post("/v1/sessions", response_model=CreateSessionResponse, responses=ERRORS)
+    async def create_session(body: CreateSessionRequest, service: ServiceDep,
+                             model_thread: ModelThreadDep) -> CreateSessionResponse:
+        return await model_thread.run(service.create_session, body)
+
+    @app.post("/v1/sessions/{session_id}/verify", response_model=VerifyResponse,
+              responses=ERRORS)
+    async def verify(session_id: str, body: VerifyRequest, service: ServiceDep,
+                     model_thread: ModelThreadDep) -> VerifyResponse:
+        return await model_thread.run(service.verify, session_id, body)
+
+    @app.delete("/v1/sessions/{session_id}", status_code=204, responses=ERRORS)
+    async def delete_session(session_id: str, service: ServiceDep,
+                             model_thread: ModelThreadDep) -> Response:
+        await model_thread.run(service.delete_session, session_id)
+        return Response(status_code=204)
+
+    @app.post("/v1/generate", response_model=GenerateResponse, responses=ERRORS)
+    async def generate(body: GenerateRequest, service: ServiceDep,
+                       model_thread: ModelThreadDep) -> GenerateResponse:
+        return await model_thread.run(service.generate, body)
+
+    return app
+
+
+async def _expire_sessions(service: VerifierService, every_s: float = 10.0) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        dropped = service.sessions.expire_idle()
+        if dropped:
+            log.info("expired %d idle sessions", dropped)

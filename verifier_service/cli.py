@@ -1,0 +1,45 @@
+"""`specdec-verifier`: serve a target model for speculative decoding clients."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import uvicorn
+
+from verifier_service.app import create_app
+from verifier_service.settings import Settings
+
+
+def parse_settings(argv: list[str] | None = None) -> Settings:
+    defaults = Settings()  # environment variables (SPECDEC_*) first, flags override them
+    p = argparse.ArgumentParser(prog="specdec-verifier", description=__doc__)
+    p.add_argument("--model", default=defaults.model,
+                   help="short name (qwen2.5-coder-1.5b), local folder, .gguf file or hub id")
+    p.add_argument("--dtype", default=defaults.dtype,
+                   choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=defaults.device, help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=int, default=defaults.threads,
+                   help="torch CPU threads (0: torch default)")
+    p.add_argument("--host", default=defaults.host)
+    p.add_argument("--port", type=int, default=defaults.port)
+    p.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
+    p.add_argument("--session-ttl-s", type=float, default=defaults.session_ttl_s)
+    p.add_argument("--max-draft-tokens", type=int, default=defaults.max_draft_tokens)
+    p.add_argument("--max-context", type=int, default=defaults.max_context,
+                   help="0: the model's own limit")
+    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
+                   help="cap for /v1/generate")
+    args = p.parse_args(argv)
+    return Settings(**{k: v for k, v in vars(args).items()})
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = parse_settings(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""One error type for the verifier, rendered as ``{"error": {"code", "message", "field"}}``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from starlette.responses import Response
+
+
+class VerifierError(Exception):
+    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.field = status, code, message, field
+
+
+def error_response(status: int, code: str, message: str, field: str | None = None) -> Response:
+    body = {"error": {"code": code, "message": message, "field": field}}
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+
+
+async def verifier_error_handler(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, VerifierError)
+    return error_response(exc.status, exc.code, exc.message, exc.field)
+
+
+def _location(error: dict[str, Any]) -> str:
+    parts = [str(p) for p in error.get("loc", ()) if p != "body"]
+    return ".".join(parts) or "body"
+
+
+async def validation_error_handler(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    messages = [f"{_location(e)}: {e.get('msg', 'invalid')}" for e in errors]
+    field = _location(errors[0]) if errors else None
+    return error_response(422, "invalid_request", "; ".join(messages), field)

@@ -1,0 +1,79 @@
+"""Per-client sessions: a KV cache, a position and sampling settings, with LRU and idle TTL."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.sampling import SamplingConfig
+from verifier_service.errors import VerifierError
+
+
+@dataclass
+class Session:
+    cache: Any  # DynamicCache holding position - 1 tokens
+    position: int  # committed tokens (prompt + generated)
+    config: SamplingConfig
+    id: str = field(default_factory=lambda: secrets.token_urlsafe(12))
+    last_used: float = 0.0
+
+
+class SessionStore:
+    """Sessions by id. Over ``max_sessions`` the least recently used is evicted; sessions idle
+    longer than ``ttl_s`` expire. Unknown, evicted and expired ids all answer 404."""
+
+    def __init__(self, max_sessions: int, ttl_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.max_sessions, self.ttl_s, self.clock = max_sessions, ttl_s, clock
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._lock = threading.Lock()
+        self.evicted = 0
+        self.expired = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def add(self, session: Session) -> None:
+        with self._lock:
+            session.last_used = self.clock()
+            self._sessions[session.id] = session
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+                self.evicted += 1
+
+    def get(self, session_id: str) -> Session:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            now = self.clock()
+            if session is not None and now - session.last_used > self.ttl_s:
+                del self._sessions[session_id]
+                self.expired += 1
+                session = None
+            if session is None:
+                raise VerifierError(404, "session_not_found",
+                                    f"session {session_id!r} is unknown, expired or evicted; "
+                                    "open a new one with POST /v1/sessions", "session_id")
+            session.last_used = now
+            self._sessions.move_to_end(session_id)
+            return session
+
+    def remove(self, session_id: str) -> None:
+        with self._lock:
+            if self._sessions.pop(session_id, None) is None:
+                raise VerifierError(404, "session_not_found",
+                                    f"session {session_id!r} is unknown, expired or evicted",
+                                    "session_id")
+
+    def expire_idle(self) -> int:
+        with self._lock:
+            now = self.clock()
+            stale = [sid for sid, s in self._sessions.items() if now - s.last_used > self.ttl_s]
+            for sid in stale:
+                del self._sessions[sid]
+            self.expired += len(stale)
+            return len(stale)
