@@ -13,7 +13,7 @@ from drafter_client.drafters import Drafter
 from drafter_client.metrics import GenerationMetrics
 from drafter_client.transport import HttpVerifier, SpecDecError
 from shared.sampling import accept_drafts, accept_greedy, draw_uniforms, recover_token
-from shared.schema import CreateSessionRequest, SamplingParams, VerifyRequest
+from shared.schema import CreateSessionRequest, SamplingParams, VerifyRequest, decode_logprobs
 
 
 @dataclass
@@ -76,7 +76,7 @@ def speculative_generate(
             if config.greedy:
                 accepted = accept_greedy(ids, torch.tensor(reply.target_argmax or []))
             else:
-                accepted = accept_drafts(torch.tensor(reply.target_logprobs or []),
+                accepted = accept_drafts(decode_logprobs(reply.target_logprobs or []),
                                          None if deterministic else draft.logprobs, log_uniforms)
             if accepted != reply.num_accepted:
                 raise SpecDecError(f"verifier accepted {reply.num_accepted} drafts where the "

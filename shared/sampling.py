@@ -108,7 +108,7 @@ def accept_drafts(
 
 
 def accept_greedy(draft_ids: torch.Tensor, target_argmax: torch.Tensor) -> int:
-    """Number of leading drafts equal to the target's argmax. draft_ids: [k]; target_argmax: [>=k]."""
+    """Leading drafts equal to the target argmax. draft_ids: [k]; target_argmax: [>= k]."""
     k = draft_ids.shape[0]
     mismatch = torch.nonzero(draft_ids != target_argmax[:k])
     return int(mismatch[0].item()) if len(mismatch) else k

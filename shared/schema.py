@@ -107,9 +107,19 @@ class EncodedRow(_Strict):
         return row
 
 
+def encode_logprobs(logprobs: torch.Tensor) -> list[float | None]:
+    """JSON has no -inf: a zero probability travels as null."""
+    return [None if v == float("-inf") else v for v in logprobs.tolist()]
+
+
+def decode_logprobs(values: list[float | None]) -> torch.Tensor:
+    return torch.tensor([float("-inf") if v is None else v for v in values], dtype=torch.float64)
+
+
 class VerifyResponse(_Strict):
     num_accepted: int
-    target_logprobs: list[float] | None  # [k] processed log p_i(x_i); null in greedy mode
+    # [k] processed log p_i(x_i), null in greedy mode; an entry is null where p_i(x_i) = 0 (-inf)
+    target_logprobs: list[float | None] | None
     target_argmax: list[int] | None  # [k + 1]; greedy mode only
     next_token: int | None  # recovered / bonus token when the verifier could draw it
     row: EncodedRow | None  # target probs at the rejected position, when next_token is null

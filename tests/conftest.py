@@ -12,8 +12,13 @@ import pytest
 import torch
 import uvicorn
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-from transformers import PreTrainedTokenizerFast
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 from verifier_service.app import create_app
 from verifier_service.settings import Settings
@@ -56,20 +61,35 @@ def save_tiny(folder: Path, arch: str, vocab_size: int, seed: int,
     return folder
 
 
+def save_perturbed(source: Path, folder: Path, noise: float, seed: int) -> Path:
+    """A drafter correlated with its target: the target's weights plus Gaussian noise."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(noise * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(folder)
+    build_tokenizer(model.config.vocab_size).save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Local checkpoint folders. 'gpt2-*' and 'llama-*': vocab 64 target/drafter pairs;
     'peaky-*': vocab 16 with peaked distributions, for the statistical tests."""
     root = tmp_path_factory.mktemp("models")
-    return {
+    paths = {
         "gpt2-target": save_tiny(root / "gpt2-target", "gpt2", 64, seed=1, init_range=0.3),
-        "gpt2-drafter": save_tiny(root / "gpt2-drafter", "gpt2", 64, seed=2, init_range=0.3),
         "llama-target": save_tiny(root / "llama-target", "llama", 64, seed=3, init_range=0.3),
-        "llama-drafter": save_tiny(root / "llama-drafter", "llama", 64, seed=4, init_range=0.3),
         "peaky-target": save_tiny(root / "peaky-target", "llama", 16, seed=5, init_range=0.5),
-        "peaky-drafter": save_tiny(root / "peaky-drafter", "llama", 16, seed=6, init_range=0.5),
         "other-vocab": save_tiny(root / "other-vocab", "gpt2", 48, seed=7),
     }
+    for name, noise in (("gpt2", 0.02), ("llama", 0.01), ("peaky", 0.02)):
+        paths[f"{name}-drafter"] = save_perturbed(paths[f"{name}-target"],
+                                                  root / f"{name}-drafter", noise, seed=11)
+    return paths
 
 
 def free_port() -> int:

@@ -17,6 +17,7 @@ from shared.schema import (
     InfoResponse,
     VerifyRequest,
     VerifyResponse,
+    encode_logprobs,
 )
 from verifier_service.errors import VerifierError
 from verifier_service.sessions import Session, SessionStore
@@ -117,7 +118,7 @@ class VerifierService:
         self.verify_calls += 1
         return VerifyResponse(
             num_accepted=verdict.num_accepted,
-            target_logprobs=(verdict.target_logprobs.tolist()
+            target_logprobs=(encode_logprobs(verdict.target_logprobs)
                              if verdict.target_logprobs is not None else None),
             target_argmax=(verdict.target_argmax.tolist()
                            if verdict.target_argmax is not None else None),
