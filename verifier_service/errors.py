@@ -31,8 +31,12 @@ def _location(error: dict[str, Any]) -> str:
     return ".".join(parts) or "body"
 
 
-async def validation_error_handler(_: Request, exc: Exception) -> Response:
+async def validation_error_handler(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
+    content_type = request.headers.get("content-type", "")
+    if request.method == "POST" and "json" not in content_type:
+        return error_response(415, "unsupported_media_type", "the body must be JSON sent with "
+                              f"content-type: application/json (got {content_type!r})", "body")
     errors = exc.errors()
     messages = [f"{_location(e)}: {e.get('msg', 'invalid')}" for e in errors]
     field = _location(errors[0]) if errors else None

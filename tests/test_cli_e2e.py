@@ -1,0 +1,104 @@
+"""End to end across processes: `specdec-verifier` (uvicorn) and the `specdec` CLI as subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from tests.conftest import free_port
+from tests.test_greedy_e2e import hf_greedy
+
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="module")
+def verifier_url(tiny_models: dict[str, Path]) -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(BIN / "specdec-verifier"), "--model", str(tiny_models["gpt2-target"]),
+         "--dtype", "float32", "--device", "cpu", "--port", str(port), "--threads", "1"],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"verifier did not start: {proc.stdout.read().decode()[-2000:]}")  # type: ignore[union-attr]
+        time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(BIN / "specdec"), *args], env=ENV, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_generate_json_matches_target_greedy(verifier_url, tiny_models):  # type: ignore[no-untyped-def]
+    out = run_cli("generate", "--verifier-url", verifier_url, "--drafter",
+                  str(tiny_models["gpt2-drafter"]), "--prompt", "the cat sat on", "-k", "4",
+                  "--max-new-tokens", "20", "--dtype", "float32", "--json")
+    assert out.returncode == 0, out.stderr
+    result = orjson.loads(out.stdout)
+    assert result["prompt_token_ids"] == [2, 3, 5, 6]
+    expected = hf_greedy(tiny_models["gpt2-target"], result["prompt_token_ids"], 20)
+    cut = next((i + 1 for i, t in enumerate(expected) if t == 1), len(expected))
+    assert result["token_ids"] == expected[:cut]
+    metrics = result["metrics"]
+    assert metrics["new_tokens"] == len(result["token_ids"])
+    assert metrics["verify_calls"] >= 1 and metrics["bytes_sent"] > 0
+    assert isinstance(result["text"], str)
+
+
+def test_generate_streams_text_then_summary(verifier_url, tiny_models):  # type: ignore[no-untyped-def]
+    out = run_cli("generate", "--verifier-url", verifier_url, "--drafter",
+                  str(tiny_models["gpt2-drafter"]), "--prompt", "a big red dog",
+                  "--num-draft-tokens", "3", "--max-new-tokens", "12", "--temperature", "0.8",
+                  "--top-k", "10", "--seed", "3", "--dtype", "float32")
+    assert out.returncode == 0, out.stderr
+    assert "--- generate:" in out.stdout and "per-position acceptance" in out.stdout
+
+
+def test_baseline_cli_and_prompt_file(verifier_url, tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("the cat sat on")
+    out = run_cli("baseline", "--verifier-url", verifier_url, "--prompt-file", str(prompt),
+                  "--tokenizer", str(tiny_models["gpt2-target"]), "--max-new-tokens", "20",
+                  "--json")
+    assert out.returncode == 0, out.stderr
+    result = orjson.loads(out.stdout)
+    expected = hf_greedy(tiny_models["gpt2-target"], result["prompt_token_ids"], 20)
+    cut = next((i + 1 for i, t in enumerate(expected) if t == 1), len(expected))
+    assert result["token_ids"] == expected[:cut]
+
+
+def test_tokenizer_mismatch_is_one_clear_line(verifier_url, tiny_models):  # type: ignore[no-untyped-def]
+    out = run_cli("generate", "--verifier-url", verifier_url, "--drafter",
+                  str(tiny_models["other-vocab"]), "--prompt", "the cat")
+    assert out.returncode == 2
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("specdec: error: tokenizer mismatch")
+    assert str(tiny_models["other-vocab"]) in line and str(tiny_models["gpt2-target"]) in line
+
+
+def test_unreachable_verifier_is_one_clear_line(tiny_models):  # type: ignore[no-untyped-def]
+    out = run_cli("baseline", "--verifier-url", f"http://127.0.0.1:{free_port()}",
+                  "--prompt", "x", "--tokenizer", str(tiny_models["gpt2-target"]))
+    assert out.returncode == 2
+    assert "cannot reach the verifier" in out.stderr.strip().splitlines()[-1]

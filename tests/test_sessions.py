@@ -1,0 +1,79 @@
+"""Session store: LRU eviction, idle TTL, clear 404s; the HF drafter's cache rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter_client.drafters import HFDrafter, common_prefix
+from shared.models import load_causal_lm
+from shared.sampling import SamplingConfig
+from verifier_service.errors import VerifierError
+from verifier_service.sessions import Session, SessionStore
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(store: SessionStore) -> Session:
+    session = Session(cache=None, position=1, config=SamplingConfig())
+    store.add(session)
+    return session
+
+
+def test_lru_evicts_least_recently_used() -> None:
+    store = SessionStore(max_sessions=2, ttl_s=100, clock=FakeClock())
+    a, b = make(store), make(store)
+    store.get(a.id)  # a is now more recent than b
+    c = make(store)
+    assert store.get(a.id) is a and store.get(c.id) is c
+    with pytest.raises(VerifierError) as err:
+        store.get(b.id)
+    assert err.value.status == 404 and store.evicted == 1
+
+
+def test_idle_sessions_expire() -> None:
+    clock = FakeClock()
+    store = SessionStore(max_sessions=8, ttl_s=10, clock=clock)
+    a, b = make(store), make(store)
+    clock.now = 8
+    store.get(a.id)  # touching a keeps it alive
+    clock.now = 15
+    assert store.expire_idle() == 1 and len(store) == 1
+    with pytest.raises(VerifierError):
+        store.get(b.id)
+    clock.now = 30
+    with pytest.raises(VerifierError) as err:
+        store.get(a.id)
+    assert "expired" in err.value.message
+
+
+def test_common_prefix() -> None:
+    assert common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix([], [1]) == 0
+
+
+def test_hf_drafter_rolls_back_to_the_committed_prefix(tiny_models) -> None:  # type: ignore[no-untyped-def]
+    model = load_causal_lm(str(tiny_models["llama-drafter"]), torch.float32, torch.device("cpu"))
+    drafter = HFDrafter(model, vocab_size=64)
+    drafter.reset([2, 3, 4])
+    draft = drafter.propose(4, SamplingConfig(), torch.Generator())
+    # cache holds the prompt and the first 3 drafts (the 4th is never fed)
+    assert drafter.cached == [2, 3, 4, *draft.ids[:3]]
+    drafter.commit([draft.ids[0], 7 if draft.ids[1] != 7 else 8])  # 1 accepted + a recovered
+    assert drafter.cached == [2, 3, 4, draft.ids[0]]
+    assert drafter.cache.get_seq_length() == 4
+    # All accepted + bonus: the next propose feeds the last draft and the bonus first.
+    drafter.reset([2, 3, 4])
+    draft = drafter.propose(2, SamplingConfig(), torch.Generator())
+    drafter.commit([*draft.ids, 9])
+    assert drafter.cached == [2, 3, 4, draft.ids[0]]
+    follow = drafter.propose(1, SamplingConfig(), torch.Generator())
+    fresh = HFDrafter(model, vocab_size=64)
+    fresh.reset([2, 3, 4, *draft.ids, 9])
+    assert follow.ids == fresh.propose(1, SamplingConfig(), torch.Generator()).ids
