@@ -1,4 +1,4 @@
-"""End to end across processes: `specdec-verifier` (uvicorn) and the `specdec` CLI as subprocesses."""
+"""End to end across processes: `specdec-verifier` and the `specdec` CLI as subprocesses."""
 
 from __future__ import annotations
 
