@@ -61,6 +61,7 @@ class SpecDecClient:
             torch_device = pick_device(device)
             model = load_causal_lm(drafter, pick_dtype(dtype, torch_device), torch_device)
             drafter = HFDrafter(model, self.info.vocab_size, name=drafter)
+            drafter.warm_up()
         self.drafter: Drafter | None = drafter
 
     def _check_tokenizer(self) -> None:

@@ -73,6 +73,11 @@ class HFDrafter:
         self.cached: list[int] = []
         self.cache: DynamicCache | None = None
 
+    def warm_up(self) -> None:
+        """A throwaway draft, so the first real block does not pay for kernel warm-up."""
+        self.reset([i % self.model.config.vocab_size for i in range(16)])
+        self.propose(2, SamplingConfig(), torch.Generator())
+
     def reset(self, prompt_ids: list[int]) -> None:
         self.committed = list(prompt_ids)
         self.cached = []
