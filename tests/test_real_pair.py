@@ -1,0 +1,47 @@
+"""The real Qwen2.5-Coder 0.5B -> 1.5B pair (`make test-real`; needs scripts/fetch_models.py).
+
+fp32 so that greedy speculative output must equal the target's own generate() token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter_client import SpecDecClient
+from shared.models import ModelSpecError, load_causal_lm, resolve_model_spec
+from tests.conftest import LiveServer
+from verifier_service.settings import Settings
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def server():  # type: ignore[no-untyped-def]
+    try:
+        resolve_model_spec("qwen2.5-coder-1.5b")
+        resolve_model_spec("qwen2.5-coder-0.5b")
+    except ModelSpecError as exc:
+        pytest.skip(str(exc))
+    settings = Settings(model="qwen2.5-coder-1.5b", dtype="float32", device="cpu")
+    with LiveServer(settings) as live:
+        yield live
+
+
+def test_real_pair_greedy_is_exact_in_fp32(server):  # type: ignore[no-untyped-def]
+    client = SpecDecClient(server.url, "qwen2.5-coder-0.5b", dtype="float32", device="cpu")
+    prompt = client.encode("Write a Python function that reverses a string.", chat=True)
+    result = client.generate(prompt, num_draft_tokens=4, max_new_tokens=32)
+    target = load_causal_lm("qwen2.5-coder-1.5b", torch.float32, torch.device("cpu"))
+    expected = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=32,
+                               eos_token_id=client.info.eos_token_ids)[0, len(prompt):].tolist()
+    assert result.token_ids == expected
+    assert result.metrics.accepted_tokens > 0
+
+
+def test_real_pair_sampling_runs(server):  # type: ignore[no-untyped-def]
+    client = SpecDecClient(server.url, "qwen2.5-coder-0.5b", dtype="float32", device="cpu")
+    result = client.generate("def fibonacci(n):", num_draft_tokens=4, max_new_tokens=24,
+                             temperature=0.7, top_p=0.9, seed=1)
+    assert 0 < len(result.token_ids) <= 24
+    assert result.metrics.verify_calls < len(result.token_ids) or len(result.token_ids) == 1
