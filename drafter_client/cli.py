@@ -66,7 +66,8 @@ class TextStream:
     """Prints decoded text as tokens arrive, holding back an incomplete UTF-8 sequence."""
 
     def __init__(self, client: SpecDecClient) -> None:
-        self.client, self.ids, self.printed = client, [], 0
+        self.client, self.printed = client, 0
+        self.ids: list[int] = []
 
     def __call__(self, new_ids: list[int]) -> None:
         self.ids.extend(new_ids)

@@ -61,12 +61,12 @@ def speculative_generate(
             #    log(1 - u) with u in [0, 1) is the log of a uniform on (0, 1], never -inf.
             uniforms = draw_uniforms(generator, k + 1)  # [k + 1]
             log_uniforms = torch.log1p(-uniforms[:k])  # [k]
-            deterministic = draft.logprobs is None or config.greedy
+            draft_logprobs = None if config.greedy else draft.logprobs  # None: one-hot draft
             reply = verifier.verify(session.session_id, VerifyRequest(
                 position=position,
                 last_token=prompt_ids[-1] if not generated else generated[-1],
                 draft_ids=draft.ids,
-                draft_logprobs=None if deterministic else draft.logprobs.tolist(),
+                draft_logprobs=None if draft_logprobs is None else draft_logprobs.tolist(),
                 log_uniforms=log_uniforms.tolist(),
                 final_uniform=float(uniforms[k]),
             ))
@@ -77,7 +77,7 @@ def speculative_generate(
                 accepted = accept_greedy(ids, torch.tensor(reply.target_argmax or []))
             else:
                 accepted = accept_drafts(decode_logprobs(reply.target_logprobs or []),
-                                         None if deterministic else draft.logprobs, log_uniforms)
+                                         draft_logprobs, log_uniforms)
             if accepted != reply.num_accepted:
                 raise SpecDecError(f"verifier accepted {reply.num_accepted} drafts where the "
                                    f"acceptance rule gives {accepted}: protocol mismatch")

@@ -122,7 +122,7 @@ def load_causal_lm(spec: str, dtype: torch.dtype, device: torch.device) -> Any:
 
     path, gguf_file = resolve_model_spec(spec)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     return model.to(device).eval()
 
 

@@ -83,10 +83,10 @@ def create_app(settings: Settings, runner: TargetRunner | None = None) -> FastAP
         if settings.threads:
             torch.set_num_threads(settings.threads)
         model_thread = ModelThread()
-        target = runner or await model_thread.run(
-            TargetRunner.load, settings.model, settings.dtype, settings.device,
-            settings.max_context,
-        )
+        target = runner
+        if target is None:
+            target = await model_thread.run(TargetRunner.load, settings.model, settings.dtype,
+                                            settings.device, settings.max_context)
         app.state.service = VerifierService(target, settings)
         app.state.model_thread = model_thread
         sweeper = asyncio.create_task(_expire_sessions(app.state.service))
