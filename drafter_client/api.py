@@ -11,12 +11,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from drafter_client.draft_length import make_draft_length
 from drafter_client.drafters import Drafter, HFDrafter
 from drafter_client.metrics import GenerationMetrics
+from drafter_client.model_free import (
+    BigramDrafter,
+    NGramDrafter,
+    NGramOptions,
+    PromptLookupDrafter,
+)
 from drafter_client.speculative import GenerationResult, speculative_generate
 from drafter_client.transport import HttpVerifier, SpecDecError
 from shared.models import (
@@ -29,19 +37,47 @@ from shared.models import (
 )
 from shared.schema import PROTOCOL_VERSION, GenerateRequest, SamplingParams
 
+MODEL_FREE_DRAFTERS = ("ngram", "prompt-lookup", "bigram")
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """Options of the built-in drafters (see drafter_client/model_free.py)."""
+
+    ngram_n: int = 3
+    ngram_kind: str = "multi"  # "simple" (SimpleDynaGram) or "multi" (MultiDynaGram)
+    ngram_top_k_filler: int = 0
+    ngram_stop_if_unknown: bool = False
+    lookup_min_ngram: int = 1
+    lookup_max_ngram: int = 3
+    draft_min_prob: float = 0.0  # model drafter: stop a block below this top probability
+
+
+def build_model_free(name: str, options: DrafterOptions) -> Drafter:
+    if name == "ngram":
+        return NGramDrafter(NGramOptions(options.ngram_n, options.ngram_kind,
+                                         options.ngram_top_k_filler,
+                                         options.ngram_stop_if_unknown))
+    if name == "prompt-lookup":
+        return PromptLookupDrafter(options.lookup_min_ngram, options.lookup_max_ngram)
+    return BigramDrafter()
+
 
 class SpecDecClient:
     """A drafter next to the user, a verifier behind ``verifier_url``.
 
-    ``drafter``: a model spec (short name, folder, .gguf, hub id), a ready :class:`Drafter`, or
-    None for baseline-only use. ``tokenizer``: a spec or a tokenizer object; defaults to the
+    ``drafter``: a model spec (short name, folder, .gguf, hub id), one of the model-free drafters
+    ``ngram``, ``prompt-lookup``, ``bigram``, a ready :class:`Drafter`, or None for baseline-only
+    use. ``tokenizer``: a spec or a tokenizer object; defaults to the
     drafter's, else to the verifier's model spec when it resolves on this machine.
     """
 
     def __init__(self, verifier_url: str, drafter: str | Drafter | None = None,
                  tokenizer: Any = None, dtype: str = "auto", device: str = "auto",
-                 http_client: httpx.Client | None = None, timeout_s: float = 120.0) -> None:
-        self.verifier = HttpVerifier(verifier_url, timeout_s, http_client)
+                 http_client: httpx.Client | None = None, timeout_s: float = 120.0,
+                 options: DrafterOptions = DrafterOptions(),
+                 simulated_rtt_ms: float = 0.0) -> None:
+        self.verifier = HttpVerifier(verifier_url, timeout_s, http_client, simulated_rtt_ms / 1e3)
         self.info = self.verifier.info()
         if self.info.protocol_version != PROTOCOL_VERSION:
             raise SpecDecError(f"verifier speaks protocol {self.info.protocol_version}, this "
@@ -50,17 +86,24 @@ class SpecDecClient:
             if isinstance(tokenizer, str):
                 tokenizer = load_tokenizer(tokenizer)
             elif tokenizer is None:
-                spec = drafter if isinstance(drafter, str) else self.info.model
-                tokenizer = load_tokenizer(spec)
+                is_model = isinstance(drafter, str) and drafter not in MODEL_FREE_DRAFTERS
+                tokenizer = load_tokenizer(drafter if isinstance(drafter, str) and is_model
+                                           else self.info.model)
         except (ModelSpecError, OSError) as exc:
             raise SpecDecError(f"cannot load a tokenizer: {exc}") from exc
         self.tokenizer = tokenizer
         self.drafter_name = drafter if isinstance(drafter, str) else getattr(drafter, "name", None)
         self._check_tokenizer()
-        if isinstance(drafter, str):
+        if isinstance(drafter, str) and drafter in MODEL_FREE_DRAFTERS:
+            try:
+                drafter = build_model_free(drafter, options)
+            except ValueError as exc:
+                raise SpecDecError(f"drafter {drafter}: {exc}") from exc
+        elif isinstance(drafter, str):
             torch_device = pick_device(device)
             model = load_causal_lm(drafter, pick_dtype(dtype, torch_device), torch_device)
-            drafter = HFDrafter(model, self.info.vocab_size, name=drafter)
+            drafter = HFDrafter(model, self.info.vocab_size, name=drafter,
+                                min_prob=options.draft_min_prob)
             drafter.warm_up()
         self.drafter: Drafter | None = drafter
 
@@ -89,20 +132,23 @@ class SpecDecClient:
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def generate(self, prompt: str | list[int], *, num_draft_tokens: int = 4,
+    def generate(self, prompt: str | list[int], *, num_draft_tokens: int | str = 4,
                  max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, chat: bool = False,
                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-        """Speculative generation; exactly the target's distribution for these settings."""
+        """Speculative generation; exactly the target's distribution for these settings.
+
+        ``num_draft_tokens``: k, or ``"auto"`` (cost model) or ``"heuristic"`` (grow/shrink)."""
         if self.drafter is None:
             raise SpecDecError("this client has no drafter; use baseline() or pass drafter=")
-        if not 0 <= num_draft_tokens <= self.info.max_draft_tokens:
-            raise SpecDecError(f"num_draft_tokens must be in [0, {self.info.max_draft_tokens}] "
-                               f"(the verifier's max_draft_tokens); got {num_draft_tokens}")
+        try:
+            draft_length = make_draft_length(str(num_draft_tokens), self.info.max_draft_tokens)
+        except ValueError as exc:
+            raise SpecDecError(str(exc)) from exc
         result = speculative_generate(
             self.verifier, self.drafter, self.encode(prompt, chat),
             SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
-            num_draft_tokens, max_new_tokens, seed, self.info.eos_token_ids,
+            draft_length, max_new_tokens, seed, self.info.eos_token_ids,
             self.info.vocab_size, self.info.max_context, on_tokens,
         )
         result.text = self.decode(result.token_ids)

@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import torch
 
-from drafter_client.api import SpecDecClient
+from drafter_client.api import DrafterOptions, SpecDecClient
 from drafter_client.speculative import GenerationResult
 from drafter_client.transport import SpecDecError
 
@@ -32,6 +32,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", help="tokenizer spec (default: the drafter's, or the "
                    "verifier's model when it resolves here)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="HTTP timeout per call")
+    p.add_argument("--simulated-rtt-ms", type=float, default=0.0,
+                   help="add this delay before every call to the verifier (network studies)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -42,8 +44,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="speculative decoding against a verifier")
     _common(gen)
     gen.add_argument("--drafter", required=True,
-                     help="drafter model: short name, local folder, .gguf file or hub id")
-    gen.add_argument("-k", "--num-draft-tokens", type=int, default=4)
+                     help="a model (short name, local folder, .gguf file, hub id), or one of "
+                     "ngram, prompt-lookup, bigram")
+    gen.add_argument("-k", "--num-draft-tokens", default="4",
+                     help="drafts per block: an integer, 'auto' (cost model) or 'heuristic' "
+                     "(grow by 2 after a fully accepted block, shrink by 1 otherwise)")
+    gen.add_argument("--ngram-n", type=int, default=3, help="ngram: the order n")
+    gen.add_argument("--ngram-kind", choices=["simple", "multi"], default="multi",
+                     help="ngram: fixed n (SimpleDynaGram) or all orders 2..n longest first "
+                     "(MultiDynaGram)")
+    gen.add_argument("--ngram-top-k-filler", type=int, default=0, metavar="K",
+                     help="ngram: also learn the target's top-K ids at each scored position")
+    gen.add_argument("--ngram-stop-if-unknown", action="store_true",
+                     help="ngram: stop a draft at an unknown context instead of padding it")
+    gen.add_argument("--lookup-min-ngram", type=int, default=1,
+                     help="prompt-lookup: shortest match")
+    gen.add_argument("--lookup-max-ngram", type=int, default=3,
+                     help="prompt-lookup: longest match")
+    gen.add_argument("--draft-min-prob", type=float, default=0.0, metavar="P",
+                     help="model drafter: stop a block when its top probability drops below P")
     gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                           "float16"])
     gen.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -110,14 +129,22 @@ def run(argv: list[str] | None = None) -> int:
     prompt = _read_prompt(args)
     try:
         if args.command == "generate":
+            options = DrafterOptions(
+                ngram_n=args.ngram_n, ngram_kind=args.ngram_kind,
+                ngram_top_k_filler=args.ngram_top_k_filler,
+                ngram_stop_if_unknown=args.ngram_stop_if_unknown,
+                lookup_min_ngram=args.lookup_min_ngram, lookup_max_ngram=args.lookup_max_ngram,
+                draft_min_prob=args.draft_min_prob)
             client = SpecDecClient(args.verifier_url, args.drafter, args.tokenizer, args.dtype,
-                                   args.device, timeout_s=args.timeout_s)
+                                   args.device, timeout_s=args.timeout_s, options=options,
+                                   simulated_rtt_ms=args.simulated_rtt_ms)
             stream = None if args.json else TextStream(client)
             result = client.generate(prompt, num_draft_tokens=args.num_draft_tokens,
                                      on_tokens=stream, **sampling)
         else:
             client = SpecDecClient(args.verifier_url, None, args.tokenizer,
-                                   timeout_s=args.timeout_s)
+                                   timeout_s=args.timeout_s,
+                                   simulated_rtt_ms=args.simulated_rtt_ms)
             result = client.baseline(prompt, **sampling)
             if not args.json:
                 sys.stdout.write(result.text)

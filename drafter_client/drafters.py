@@ -66,8 +66,10 @@ class HFDrafter:
     block feeds the last draft and the bonus token before drafting again.
     """
 
-    def __init__(self, model: Any, vocab_size: int, name: str = "hf") -> None:
+    def __init__(self, model: Any, vocab_size: int, name: str = "hf",
+                 min_prob: float = 0.0) -> None:
         self.model, self.vocab_size, self.name = model, vocab_size, name
+        self.min_prob = min_prob  # stop a block when the drafter's top probability falls below
         self.device = next(model.parameters()).device
         self.committed: list[int] = []
         self.cached: list[int] = []
@@ -99,6 +101,8 @@ class HFDrafter:
         ids: list[int] = []
         logprobs, rows = [], []
         for i in range(k):
+            if self.min_prob and torch.softmax(logits, -1).max() < self.min_prob:
+                break  # not confident: let the target decide
             if config.greedy:
                 token = int(greedy_tokens(logits).item())
             else:
@@ -111,6 +115,8 @@ class HFDrafter:
                 logits = self._forward([token])
         if config.greedy:
             return Draft(ids, None, None)
+        if not ids:
+            return Draft([], torch.empty(0), torch.empty(0, self.vocab_size))
         return Draft(ids, torch.stack(logprobs), torch.stack(rows))  # [k], [k, vocab]
 
     def commit(self, tokens: list[int]) -> None:

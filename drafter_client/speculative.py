@@ -9,11 +9,24 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter_client.drafters import Drafter
+from drafter_client.draft_length import DraftLength, FixedLength
+from drafter_client.drafters import Draft, Drafter
 from drafter_client.metrics import GenerationMetrics
 from drafter_client.transport import HttpVerifier, SpecDecError
-from shared.sampling import accept_drafts, accept_greedy, draw_uniforms, recover_token
-from shared.schema import CreateSessionRequest, SamplingParams, VerifyRequest, decode_logprobs
+from shared.sampling import (
+    SamplingConfig,
+    accept_drafts,
+    accept_greedy,
+    draw_uniforms,
+    recover_token,
+)
+from shared.schema import (
+    CreateSessionRequest,
+    SamplingParams,
+    VerifyRequest,
+    VerifyResponse,
+    decode_logprobs,
+)
 
 
 @dataclass
@@ -24,12 +37,27 @@ class GenerationResult:
     text: str = ""
 
 
+def _check_verdict(reply: VerifyResponse, draft: Draft, draft_logprobs: torch.Tensor | None,
+                   log_uniforms: torch.Tensor, config: SamplingConfig) -> int:
+    """Our own copy of the acceptance rule must agree with the verifier's verdict."""
+    ids = torch.tensor(draft.ids, dtype=torch.long)  # [k]
+    if config.greedy:
+        accepted = accept_greedy(ids, torch.tensor(reply.target_argmax or [], dtype=torch.long))
+    else:
+        accepted = accept_drafts(decode_logprobs(reply.target_logprobs or []), draft_logprobs,
+                                 log_uniforms)
+    if accepted != reply.num_accepted:
+        raise SpecDecError(f"verifier accepted {reply.num_accepted} drafts where the acceptance "
+                           f"rule gives {accepted}: protocol mismatch")
+    return accepted
+
+
 def speculative_generate(
     verifier: HttpVerifier,
     drafter: Drafter,
     prompt_ids: list[int],
     sampling: SamplingParams,
-    num_draft_tokens: int,
+    num_draft_tokens: int | DraftLength,
     max_new_tokens: int,
     seed: int,
     eos_token_ids: list[int],
@@ -39,6 +67,9 @@ def speculative_generate(
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens whose distribution is exactly the target's."""
     config = sampling.to_config()
+    draft_length = (FixedLength(num_draft_tokens) if isinstance(num_draft_tokens, int)
+                    else num_draft_tokens)
+    top_ids = int(getattr(drafter, "top_k_filler", 0))  # NASD: the target's top-k per position
     generator = torch.Generator().manual_seed(seed)
     metrics = GenerationMetrics()
     sent_before, received_before = verifier.bytes_sent, verifier.bytes_received
@@ -47,42 +78,32 @@ def speculative_generate(
                                                            sampling=sampling))
     metrics.prefill_s = time.perf_counter() - started
     drafter.reset(prompt_ids)
-    generated: list[int] = []
-    position = len(prompt_ids)
+    committed = list(prompt_ids)
     try:
-        while len(generated) < max_new_tokens and position <= max_context:
-            # 1. Block size: a block yields up to k + 1 tokens and needs position + k <= context.
-            k = max(0, min(num_draft_tokens, max_new_tokens - len(generated) - 1,
-                           max_context - position))
+        while len(committed) - len(prompt_ids) < max_new_tokens and len(committed) <= max_context:
+            # 1. Draft: a block yields up to k + 1 tokens and needs position + k <= context.
+            remaining = max_new_tokens - (len(committed) - len(prompt_ids))
+            k = max(0, min(draft_length.next_k(), remaining - 1, max_context - len(committed)))
             t0 = time.perf_counter()
             draft = drafter.propose(k, config, generator)
+            k = len(draft.ids)  # a drafter may stop early
             t1 = time.perf_counter()
             # 2. Our randomness for the verdict: k acceptance uniforms + 1 for the last token.
             #    log(1 - u) with u in [0, 1) is the log of a uniform on (0, 1], never -inf.
             uniforms = draw_uniforms(generator, k + 1)  # [k + 1]
             log_uniforms = torch.log1p(-uniforms[:k])  # [k]
             draft_logprobs = None if config.greedy else draft.logprobs  # None: one-hot draft
+            # 3. One round trip: the verifier scores [last token, x_1..x_k] in one forward.
             reply = verifier.verify(session.session_id, VerifyRequest(
-                position=position,
-                last_token=prompt_ids[-1] if not generated else generated[-1],
-                draft_ids=draft.ids,
+                position=len(committed), last_token=committed[-1], draft_ids=draft.ids,
                 draft_logprobs=None if draft_logprobs is None else draft_logprobs.tolist(),
-                log_uniforms=log_uniforms.tolist(),
-                final_uniform=float(uniforms[k]),
+                log_uniforms=log_uniforms.tolist(), final_uniform=float(uniforms[k]),
+                return_top_ids=top_ids,
             ))
             t2 = time.perf_counter()
-            # 3. Re-check the verifier's verdict with our own copy of the acceptance rule.
-            ids = torch.tensor(draft.ids, dtype=torch.long)
-            if config.greedy:
-                accepted = accept_greedy(ids, torch.tensor(reply.target_argmax or []))
-            else:
-                accepted = accept_drafts(decode_logprobs(reply.target_logprobs or []),
-                                         draft_logprobs, log_uniforms)
-            if accepted != reply.num_accepted:
-                raise SpecDecError(f"verifier accepted {reply.num_accepted} drafts where the "
-                                   f"acceptance rule gives {accepted}: protocol mismatch")
-            # 4. The recovered or bonus token: drawn by the verifier when it could, else here from
-            #    norm(max(0, p_j - q_j)) with p_j from the reply and our own q_j.
+            accepted = _check_verdict(reply, draft, draft_logprobs, log_uniforms, config)
+            # 4. The recovered or bonus token: drawn by the verifier when it could, else here
+            #    from norm(max(0, p_j - q_j)) with p_j from the reply and our own q_j.
             if reply.next_token is not None:
                 next_token = reply.next_token
             elif reply.row is not None and draft.probs is not None:
@@ -90,26 +111,29 @@ def speculative_generate(
                                            float(uniforms[k]))
             else:
                 raise SpecDecError("verifier sent neither the next token nor the target row")
-            # 5. Commit: accepted drafts + one token, cut at EOS.
+            # 5. Commit accepted drafts + one token, cut at EOS; tell the drafter.
             new_tokens = [*draft.ids[:accepted], next_token]
-            for i, token in enumerate(new_tokens):
-                if token in eos_token_ids:
-                    new_tokens = new_tokens[: i + 1]
-                    break
-            generated.extend(new_tokens)
-            position = reply.position
+            eos_at = next((i for i, t in enumerate(new_tokens) if t in eos_token_ids), None)
+            if eos_at is not None:
+                new_tokens = new_tokens[: eos_at + 1]
+            if reply.top_ids is not None and hasattr(drafter, "observe_top_k"):
+                for i in range(accepted + 1):  # row i follows committed + x_1..x_i
+                    drafter.observe_top_k([*committed, *draft.ids[:i]], reply.top_ids[i])
+            committed.extend(new_tokens)
             drafter.commit(new_tokens)
             metrics.record_block(k, accepted)
             metrics.drafting_s += t1 - t0
             metrics.verify_rtt_s += t2 - t1
             metrics.verify_forward_s += reply.forward_ms / 1e3
+            draft_length.update(k, accepted, t1 - t0, t2 - t1)
             if on_tokens is not None:
                 on_tokens(new_tokens)
-            if new_tokens[-1] in eos_token_ids:
+            if eos_at is not None:
                 break
     finally:
         with contextlib.suppress(SpecDecError):  # else it expires on the verifier by itself
             verifier.delete_session(session.session_id)
+    generated = committed[len(prompt_ids):]
     metrics.new_tokens = len(generated)
     metrics.wall_s = time.perf_counter() - started
     metrics.bytes_sent = verifier.bytes_sent - sent_before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TypeVar
 
 import httpx
@@ -35,8 +36,9 @@ class HttpVerifier:
     """Talks to one verifier. Pass ``client`` to reuse an httpx.Client (or a TestClient)."""
 
     def __init__(self, url: str, timeout_s: float = 120.0,
-                 client: httpx.Client | None = None) -> None:
+                 client: httpx.Client | None = None, simulated_rtt_s: float = 0.0) -> None:
         self.url = url.rstrip("/")
+        self.simulated_rtt_s = simulated_rtt_s  # added before each call, to study distance
         self.client = client or httpx.Client(base_url=self.url, timeout=timeout_s)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -44,6 +46,8 @@ class HttpVerifier:
     def _call(self, method: str, path: str, body: BaseModel | None,
               response_model: type[M] | None) -> M | None:
         content = orjson.dumps(body.model_dump()) if body is not None else None
+        if self.simulated_rtt_s:
+            time.sleep(self.simulated_rtt_s)
         try:
             response = self.client.request(
                 method, path, content=content,

@@ -68,6 +68,8 @@ class VerifyRequest(_Strict):
     )
     log_uniforms: list[float] = Field(default_factory=list, description="log u_i, one per draft")
     final_uniform: float = Field(ge=0.0, lt=1.0, description="uniform for the recovered/bonus draw")
+    return_top_ids: int = Field(0, ge=0, le=64, description="also return the target's top-n ids "
+                                "at each scored position (n-gram filler)")
 
     @field_validator("log_uniforms")
     @classmethod
@@ -125,6 +127,7 @@ class VerifyResponse(_Strict):
     row: EncodedRow | None  # target probs at the rejected position, when next_token is null
     position: int  # the session's position once the client commits next_token
     forward_ms: float
+    top_ids: list[list[int]] | None = None  # [k + 1][n] when return_top_ids = n > 0
 
 
 class GenerateRequest(_Strict):

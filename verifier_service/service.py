@@ -126,6 +126,8 @@ class VerifierService:
             row=EncodedRow.encode(verdict.row) if verdict.row is not None else None,
             position=session.position,
             forward_ms=1e3 * (time.perf_counter() - started),
+            top_ids=(torch.topk(logits, min(req.return_top_ids, logits.shape[-1])).indices
+                     .tolist() if req.return_top_ids else None),
         )
 
     def delete_session(self, session_id: str) -> None:

@@ -1,0 +1,133 @@
+"""How many tokens to draft per block: fixed, a heuristic schedule, or a cost model (`-k auto`).
+
+The cost model keeps running estimates of
+  * c_i, the probability that draft i is accepted given drafts 1..i-1 were (per position),
+  * the drafting time per token, and
+  * the verify round trip as a line in k: rtt(k) = r0 + r1 k (least squares over recent blocks),
+and picks the k that maximises expected tokens per second,
+    E[tokens](k) / (k t_draft + rtt(k)),  E[tokens](k) = 1 + sum_{i<=k} prod_{j<=i} c_j,
+which is (1 - a^(k+1)) / (1 - a) when every c_j = a (Leviathan et al. 2023). Because the round
+trip is measured, a distant verifier makes longer drafts worth it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class DraftLength(Protocol):
+    name: str
+
+    def next_k(self) -> int:
+        """k for the next block."""
+
+    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float) -> None:
+        """What the last block did: drafts proposed and accepted, and what it cost."""
+
+
+class FixedLength:
+    def __init__(self, k: int) -> None:
+        self.k, self.name = k, str(k)
+
+    def next_k(self) -> int:
+        return self.k
+
+    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float) -> None:
+        pass
+
+
+class HeuristicLength:
+    """Grow by 2 after a fully accepted block, shrink by 1 otherwise (transformers' schedule)."""
+
+    name = "heuristic"
+
+    def __init__(self, start: int = 4, max_k: int = 16) -> None:
+        self.k, self.max_k = start, max_k
+
+    def next_k(self) -> int:
+        return self.k
+
+    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float) -> None:
+        if proposed and accepted == proposed:
+            self.k = min(self.k + 2, self.max_k)
+        elif proposed:
+            self.k = max(self.k - 1, 1)
+
+
+class CostModelLength:
+    """`-k auto`: the k with the highest expected tokens per second under running estimates."""
+
+    name = "auto"
+
+    def __init__(self, max_k: int = 16, start: int = 4, decay: float = 0.95,
+                 prior_acceptance: float = 0.6, prior_weight: float = 2.0) -> None:
+        self.max_k, self.k, self.decay = max_k, start, decay
+        self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
+        self.reached = [0.0] * max_k  # decayed count of blocks that tested position i
+        self.passed = [0.0] * max_k  # ... and accepted it
+        self.draft_s_per_token: float | None = None
+        self._rtt = [0.0] * 5  # decayed sums: n, k, k^2, rtt, k * rtt
+
+    def acceptance(self) -> list[float]:
+        """c_i per position, shrunk towards the pooled rate where a position has little data."""
+        pooled_pass, pooled_reach = sum(self.passed), sum(self.reached)
+        pooled = ((pooled_pass + self.prior_acceptance * self.prior_weight)
+                  / (pooled_reach + self.prior_weight))
+        return [(p + pooled * self.prior_weight) / (r + self.prior_weight)
+                for p, r in zip(self.passed, self.reached, strict=True)]
+
+    def rtt(self, k: int) -> float:
+        n, sk, skk, sr, skr = self._rtt
+        if n == 0:
+            return 0.0
+        spread = n * skk - sk * sk
+        slope = max((n * skr - sk * sr) / spread, 0.0) if spread > 1e-9 else 0.0
+        intercept = (sr - slope * sk) / n
+        return max(intercept + slope * k, 0.0)
+
+    def expected_rate(self, k: int) -> float:
+        """Expected tokens per second of a block of k drafts."""
+        tokens, survive = 1.0, 1.0
+        for c in self.acceptance()[:k]:
+            survive *= c
+            tokens += survive
+        seconds = k * (self.draft_s_per_token or 0.0) + self.rtt(k)
+        return tokens / seconds if seconds > 0 else tokens
+
+    def next_k(self) -> int:
+        if self._rtt[0] == 0:
+            return self.k  # nothing measured yet
+        self.k = max(range(1, self.max_k + 1), key=self.expected_rate)
+        return self.k
+
+    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float) -> None:
+        d = self.decay
+        for i in range(self.max_k):
+            self.reached[i] *= d
+            self.passed[i] *= d
+        for i in range(min(accepted + 1, proposed)):  # positions 0..accepted were tested
+            self.reached[i] += 1
+            self.passed[i] += float(i < accepted)
+        if proposed:
+            per_token = drafting_s / proposed
+            self.draft_s_per_token = per_token if self.draft_s_per_token is None else (
+                d * self.draft_s_per_token + (1 - d) * per_token)
+        k = float(proposed)
+        self._rtt = [d * v for v in self._rtt]
+        for i, v in enumerate((1.0, k, k * k, rtt_s, k * rtt_s)):
+            self._rtt[i] += v
+
+
+def make_draft_length(spec: str, max_k: int) -> DraftLength:
+    """``-k`` values: an integer, ``auto`` (cost model) or ``heuristic``."""
+    if spec == "auto":
+        return CostModelLength(max_k=max_k)
+    if spec == "heuristic":
+        return HeuristicLength(max_k=max_k)
+    try:
+        k = int(spec)
+    except ValueError:
+        raise ValueError(f"-k must be an integer, 'auto' or 'heuristic'; got {spec!r}") from None
+    if not 0 <= k <= max_k:
+        raise ValueError(f"-k must be in [0, {max_k}] (the verifier's max_draft_tokens); got {k}")
+    return FixedLength(k)

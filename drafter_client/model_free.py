@@ -1,0 +1,191 @@
+"""Model-free drafters: n-gram pools (NASD), prompt lookup and a bigram table.
+
+Their drafts are deterministic, so q is one-hot: the verifier accepts x with probability p(x) and
+draws the recovered token from p with x removed. No vocabulary-sized row crosses the wire.
+
+N-gram assisted speculative decoding (NASD) keeps a pool of n-grams from the prompt, updated with
+every token the target emits, and optionally with the target's top-k tokens at every scored
+position ("filler"). Two pool kinds:
+  * ``simple`` (SimpleDynaGram): contexts of exactly n - 1 tokens;
+  * ``multi`` (MultiDynaGram): every order 2..n, longest matching context first.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from drafter_client.drafters import Draft
+from shared.sampling import SamplingConfig
+
+
+class _Continuations:
+    """Next-token counts per context; the best is the most frequent, then the most recent."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[int, ...], dict[int, int]] = defaultdict(dict)
+        self.last_seen: dict[tuple[int, ...], dict[int, int]] = defaultdict(dict)
+        self.clock = 0
+
+    def add(self, context: tuple[int, ...], token: int) -> None:
+        self.clock += 1
+        self.counts[context][token] = self.counts[context].get(token, 0) + 1
+        self.last_seen[context][token] = self.clock
+
+    def best(self, context: tuple[int, ...]) -> int | None:
+        options = self.counts.get(context)
+        if not options:
+            return None
+        seen = self.last_seen[context]
+        return max(options, key=lambda t: (options[t], seen[t]))
+
+
+class _SequenceDrafter:
+    """Shared bookkeeping: the committed sequence, and drafts of up to k tokens."""
+
+    name = "model-free"
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.tokens = []
+        self._on_reset()
+        self.commit(prompt_ids)
+
+    def _on_reset(self) -> None:
+        raise NotImplementedError
+
+    def commit(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.tokens.append(token)
+            self._learn(len(self.tokens) - 1)
+
+    def _learn(self, index: int) -> None:
+        """The token at ``index`` was committed."""
+
+    def _next(self, sequence: list[int]) -> int | None:
+        raise NotImplementedError
+
+    def _pad(self) -> int:
+        """Filler for an unknown context: the last token (a cheap, often-repeated guess)."""
+        return self.tokens[-1]
+
+    stop_if_unknown = False
+
+    def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
+        sequence = list(self.tokens)
+        draft: list[int] = []
+        for _ in range(k):
+            token = self._next(sequence)
+            if token is None:
+                if self.stop_if_unknown:
+                    break
+                token = self._pad()
+            draft.append(token)
+            sequence.append(token)
+        return Draft(draft, None, None)
+
+
+@dataclass(frozen=True)
+class NGramOptions:
+    n: int = 3
+    kind: str = "multi"  # "simple" or "multi"
+    top_k_filler: int = 0  # ask the verifier for its top-k ids per scored position
+    stop_if_unknown: bool = False
+
+
+class NGramDrafter(_SequenceDrafter):
+    """NASD: SimpleDynaGram (``kind="simple"``) or MultiDynaGram (``kind="multi"``)."""
+
+    def __init__(self, options: NGramOptions = NGramOptions()) -> None:
+        super().__init__()
+        if options.n < 2:
+            raise ValueError("n-gram order n must be at least 2")
+        if options.kind not in ("simple", "multi"):
+            raise ValueError(f"n-gram kind must be 'simple' or 'multi', not {options.kind!r}")
+        self.options = options
+        self.name = f"ngram-{options.kind}-{options.n}"
+        self.stop_if_unknown = options.stop_if_unknown
+        self.top_k_filler = options.top_k_filler
+        self._on_reset()
+
+    @property
+    def _orders(self) -> range:
+        """Context lengths to try, longest first."""
+        longest = self.options.n - 1
+        return range(longest, 0 if self.options.kind == "multi" else longest - 1, -1)
+
+    def _on_reset(self) -> None:
+        self.pool = _Continuations()
+        self.filler = _Continuations()  # the target's top-k guesses, used after the pool
+
+    def _learn(self, index: int) -> None:
+        for order in self._orders:
+            if index - order >= 0:
+                self.pool.add(tuple(self.tokens[index - order:index]), self.tokens[index])
+
+    def observe_top_k(self, context: list[int], top_ids: list[int]) -> None:
+        """The target's top-k next-token ids after ``context`` (a committed prefix)."""
+        for order in self._orders:
+            if len(context) >= order:
+                key = tuple(context[len(context) - order:])
+                for token in reversed(top_ids):  # the best id is added last: most recent
+                    self.filler.add(key, token)
+
+    def _next(self, sequence: list[int]) -> int | None:
+        for table in (self.pool, self.filler):
+            for order in self._orders:
+                if len(sequence) >= order:
+                    token = table.best(tuple(sequence[len(sequence) - order:]))
+                    if token is not None:
+                        return token
+        return None
+
+
+class PromptLookupDrafter(_SequenceDrafter):
+    """Match the last m tokens (m = max_ngram .. min_ngram) against the earlier context and
+    propose what followed the most recent match."""
+
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 3) -> None:
+        super().__init__()
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("prompt lookup needs 1 <= min_ngram <= max_ngram")
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.name = f"prompt-lookup-{min_ngram}-{max_ngram}"
+        self.stop_if_unknown = True  # nothing to pad with that is better than stopping
+
+    def _on_reset(self) -> None:
+        pass
+
+    def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
+        tokens = self.tokens
+        for m in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            tail = tokens[-m:]
+            for start in range(len(tokens) - m - 1, -1, -1):  # most recent match first
+                if tokens[start:start + m] == tail:
+                    follow = tokens[start + m:start + m + k]
+                    return Draft(follow, None, None)
+        return Draft([], None, None)
+
+
+class BigramDrafter(_SequenceDrafter):
+    """A bigram table over the prompt and the generated text (a weak baseline)."""
+
+    name = "bigram"
+
+    def _on_reset(self) -> None:
+        self.table = _Continuations()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._on_reset()
+
+    def _learn(self, index: int) -> None:
+        if index > 0:
+            self.table.add((self.tokens[index - 1],), self.tokens[index])
+
+    def _next(self, sequence: list[int]) -> int | None:
+        return self.table.best((sequence[-1],))

@@ -1,0 +1,142 @@
+"""Model-free drafters and draft-length policies, on hand-built sequences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter_client.draft_length import (
+    CostModelLength,
+    FixedLength,
+    HeuristicLength,
+    make_draft_length,
+)
+from drafter_client.model_free import (
+    BigramDrafter,
+    NGramDrafter,
+    NGramOptions,
+    PromptLookupDrafter,
+)
+from shared.sampling import SamplingConfig
+
+GREEDY, GEN = SamplingConfig(), torch.Generator()
+
+
+def propose(drafter, k: int) -> list[int]:  # type: ignore[no-untyped-def]
+    draft = drafter.propose(k, GREEDY, GEN)
+    assert draft.logprobs is None and draft.probs is None  # one-hot: nothing to send
+    return list(draft.ids)
+
+
+def test_simple_ngram_follows_the_prompt() -> None:
+    drafter = NGramDrafter(NGramOptions(n=3, kind="simple"))
+    drafter.reset([1, 2, 3, 4, 1, 2])
+    assert propose(drafter, 3) == [3, 4, 1]  # (1,2)->3, (2,3)->4, (3,4)->1
+
+
+def test_simple_ngram_pads_or_stops_at_unknown_context() -> None:
+    padded = NGramDrafter(NGramOptions(n=3, kind="simple"))
+    padded.reset([1, 2, 3, 9])
+    assert propose(padded, 2) == [9, 9]  # (3,9) unknown: pad with the last token
+    stopping = NGramDrafter(NGramOptions(n=3, kind="simple", stop_if_unknown=True))
+    stopping.reset([1, 2, 3, 9])
+    assert propose(stopping, 2) == []
+
+
+def test_multi_ngram_falls_back_to_shorter_contexts() -> None:
+    drafter = NGramDrafter(NGramOptions(n=3, kind="multi", stop_if_unknown=True))
+    drafter.reset([5, 7, 1, 2, 8, 7])
+    # (8,7) is unknown; the bigram context (7,) -> 1, then (7,1) -> 2, then (1,2) -> 8
+    assert propose(drafter, 3) == [1, 2, 8]
+
+
+def test_ngram_learns_emitted_tokens_and_prefers_frequent_then_recent() -> None:
+    drafter = NGramDrafter(NGramOptions(n=2, kind="simple", stop_if_unknown=True))
+    drafter.reset([1, 2, 1, 3])
+    assert propose(drafter, 1) == []  # nothing follows 3 yet
+    drafter.commit([1, 3])  # 1 -> 3 seen twice now, 1 -> 2 once
+    drafter.commit([1])
+    assert propose(drafter, 1) == [3]
+    drafter.reset([1, 2, 1, 3, 3])
+    drafter.commit([1])
+    assert propose(drafter, 1) == [3]  # tie 1->2 / 1->3: the most recent wins
+
+
+def test_ngram_top_k_filler_is_used_after_the_pool() -> None:
+    drafter = NGramDrafter(NGramOptions(n=2, kind="simple", top_k_filler=2,
+                                        stop_if_unknown=True))
+    drafter.reset([4, 5])
+    assert propose(drafter, 1) == []
+    drafter.observe_top_k([4, 5], [6, 7])  # the target ranks 6 first after ...5
+    assert propose(drafter, 1) == [6]
+    drafter.commit([7])  # the target emitted 7 after 5: the pool wins over the filler
+    drafter.reset([4, 5, 7, 4, 5])
+    drafter.observe_top_k([4, 5], [6])
+    assert propose(drafter, 1) == [7]
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
+    drafter = PromptLookupDrafter(min_ngram=1, max_ngram=3)
+    drafter.reset([1, 2, 3, 4, 5, 9, 1, 2, 3])
+    assert propose(drafter, 3) == [4, 5, 9]
+    drafter.reset([1, 2, 3, 6, 8, 2, 3])  # (2,3) matched at the most recent place: 6, 8
+    assert propose(drafter, 2) == [6, 8]
+    drafter.reset([1, 2, 3])
+    assert propose(drafter, 2) == []  # no earlier match
+
+
+def test_bigram_chains_the_most_frequent_successor() -> None:
+    drafter = BigramDrafter()
+    drafter.reset([1, 2, 1, 2, 1, 3, 2])
+    assert propose(drafter, 3) == [1, 2, 1]
+
+
+def test_bad_ngram_options() -> None:
+    with pytest.raises(ValueError):
+        NGramDrafter(NGramOptions(n=1))
+    with pytest.raises(ValueError):
+        NGramDrafter(NGramOptions(kind="other"))
+
+
+def test_heuristic_schedule_grows_by_two_and_shrinks_by_one() -> None:
+    policy = HeuristicLength(start=4, max_k=8)
+    policy.update(4, 4, 0.0, 0.1)
+    assert policy.next_k() == 6
+    policy.update(6, 6, 0.0, 0.1)
+    assert policy.next_k() == 8  # capped
+    policy.update(8, 3, 0.0, 0.1)
+    assert policy.next_k() == 7
+
+
+def test_cost_model_prefers_long_drafts_when_the_round_trip_dominates() -> None:
+    near, far = CostModelLength(max_k=16), CostModelLength(max_k=16)
+    for _ in range(50):  # acceptance about 0.75 per position; drafting 10 ms per token
+        for policy, rtt in ((near, 0.02), (far, 0.5)):
+            k = policy.next_k()
+            accepted = min(k, 3)
+            policy.update(k, accepted, 0.01 * k, rtt)
+    assert far.next_k() > near.next_k()
+    # expected tokens per block follow 1 + sum of survival products
+    model = CostModelLength(max_k=4, prior_weight=1e-9)
+    model.reached, model.passed = [1.0] * 4, [0.5] * 4  # c_i = 0.5 at every position
+    model.draft_s_per_token, model._rtt = 0.0, [1.0, 0.0, 0.0, 1.0, 0.0]  # rtt(k) = 1 s
+    assert model.expected_rate(4) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
+
+
+def test_cost_model_shortens_drafts_when_drafting_is_expensive() -> None:
+    cheap, costly = CostModelLength(max_k=16), CostModelLength(max_k=16)
+    for _ in range(50):
+        for policy, per_token in ((cheap, 0.001), (costly, 0.2)):
+            k = policy.next_k()
+            policy.update(k, min(k, 2), per_token * k, 0.2)
+    assert costly.next_k() < cheap.next_k()
+
+
+def test_make_draft_length() -> None:
+    assert isinstance(make_draft_length("3", 8), FixedLength)
+    assert isinstance(make_draft_length("auto", 8), CostModelLength)
+    assert isinstance(make_draft_length("heuristic", 8), HeuristicLength)
+    with pytest.raises(ValueError, match="at most|in \\[0, 8\\]"):
+        make_draft_length("9", 8)
+    with pytest.raises(ValueError, match="'auto'"):
+        make_draft_length("often", 8)
