@@ -29,6 +29,7 @@ from transformers import (
 import drafter_client.speculative as speculative
 import shared.sampling as sampling
 from drafter_client import SpecDecClient
+from drafter_client.api import DrafterOptions
 from shared.models import load_causal_lm
 from tests.conftest import LiveServer, fp32_settings
 
@@ -45,10 +46,15 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module")
-def client(tiny_models: dict[str, Path]) -> Iterator[SpecDecClient]:
-    with LiveServer(fp32_settings(tiny_models["peaky-target"], max_draft_tokens=8)) as server:
-        yield SpecDecClient(server.url, str(tiny_models["peaky-drafter"]), dtype="float32",
-                            device="cpu")
+def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
+    with LiveServer(fp32_settings(tiny_models["peaky-target"], max_draft_tokens=8)) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server: LiveServer, tiny_models: dict[str, Path]) -> SpecDecClient:
+    return SpecDecClient(server.url, str(tiny_models["peaky-drafter"]), dtype="float32",
+                         device="cpu")
 
 
 def reference_probs(logits: torch.Tensor, params: dict[str, float]) -> torch.Tensor:
@@ -61,14 +67,14 @@ def reference_probs(logits: torch.Tensor, params: dict[str, float]) -> torch.Ten
     return torch.softmax(warpers(None, logits.double()), dim=-1)
 
 
-def exact_pair_distribution(model_dir: Path, params: dict[str, float],
-                            eos: list[int]) -> dict[tuple[int, int], float]:
+def exact_pair_distribution(model_dir: Path, params: dict[str, float], eos: list[int],
+                            prompt: list[int] = PROMPT) -> dict[tuple[int, int], float]:
     """P(first two tokens); a first token that is EOS ends the sequence: cell (eos, -1)."""
     model = load_causal_lm(str(model_dir), torch.float32, torch.device("cpu"))
     with torch.no_grad():
-        first = reference_probs(model(torch.tensor([PROMPT])).logits[0, -1:], params)[0]  # [V]
+        first = reference_probs(model(torch.tensor([prompt])).logits[0, -1:], params)[0]  # [V]
         vocab = first.shape[0]
-        batch = torch.tensor([[*PROMPT, t] for t in range(vocab)])  # [V, len + 1]
+        batch = torch.tensor([[*prompt, t] for t in range(vocab)])  # [V, len + 1]
         second = reference_probs(model(batch).logits[:, -1], params)  # [V, V]
     cells: dict[tuple[int, int], float] = {}
     for t1 in range(vocab):
@@ -80,10 +86,11 @@ def exact_pair_distribution(model_dir: Path, params: dict[str, float],
     return cells
 
 
-def sample_pairs(client: SpecDecClient, params: dict[str, float], runs: int) -> Counter:
+def sample_pairs(client: SpecDecClient, params: dict[str, float], runs: int,
+                 prompt: list[int] = PROMPT, k: int | str = 2) -> Counter:
     counts: Counter = Counter()
     for seed in range(runs):
-        ids = client.generate(PROMPT, num_draft_tokens=2, max_new_tokens=3, seed=seed,
+        ids = client.generate(prompt, num_draft_tokens=k, max_new_tokens=3, seed=seed,
                               **params).token_ids  # type: ignore[arg-type]
         counts[(ids[0], ids[1] if len(ids) > 1 else -1)] += 1
     return counts
@@ -142,4 +149,63 @@ def test_negative_control_fresh_resample(client: SpecDecClient, tiny_models: dic
     exact = exact_pair_distribution(tiny_models["peaky-target"], params,
                                      client.info.eos_token_ids)
     p_value, tv = chi_square_p(sample_pairs(client, params, CONTROL_RUNS), exact)
+    assert p_value < 1e-6, f"fresh resample not caught: p = {p_value:.2e}, TV = {tv:.3f}"
+
+
+# Model-free drafters: deterministic (one-hot) drafts. The verifier draws the recovered token from
+# p without the draft token. The prompt [2, 3, t, 5, 3] makes every drafter propose t first (it
+# followed 3 before); t is chosen so that p(t) is near 1/2, where a wrong recovery rule shows most
+# (the fresh-resample bug moves P(t) from p to p(2 - p)).
+MODEL_FREE = {
+    "ngram-simple": ("ngram", DrafterOptions(ngram_kind="simple", ngram_n=2)),
+    "ngram-multi+filler": ("ngram", DrafterOptions(ngram_n=4, ngram_top_k_filler=2)),
+    "prompt-lookup": ("prompt-lookup", DrafterOptions()),
+    "bigram": ("bigram", DrafterOptions()),
+}
+
+
+@pytest.fixture(scope="module")
+def repeat_prompt(tiny_models: dict[str, Path]) -> list[int]:
+    model = load_causal_lm(str(tiny_models["peaky-target"]), torch.float32, torch.device("cpu"))
+    candidates = list(range(2, 16))
+    with torch.no_grad():
+        logits = model(torch.tensor([[2, 3, t, 5, 3] for t in candidates])).logits[:, -1]
+    probs = torch.softmax(logits.double(), dim=-1)  # [candidates, V] at T=1
+    p_t = probs[torch.arange(len(candidates)), torch.tensor(candidates)]
+    best = int(torch.argmax(p_t * (1 - p_t)))
+    assert 0.15 < float(p_t[best]) < 0.85, "no useful draft token for this tiny model"
+    return [2, 3, candidates[best], 5, 3]
+
+
+def model_free_client(server: LiveServer, name: str) -> SpecDecClient:
+    drafter, options = MODEL_FREE[name]
+    return SpecDecClient(server.url, drafter, options=options)
+
+
+@pytest.mark.parametrize("name", list(MODEL_FREE))
+def test_model_free_drafters_follow_the_target(name: str, server: LiveServer,
+                                               tiny_models: dict[str, Path],
+                                               repeat_prompt: list[int]) -> None:
+    client = model_free_client(server, name)
+    params = CONFIGS["T=1"] if name != "ngram-multi+filler" else CONFIGS["T=0.7,top-k=5"]
+    exact = exact_pair_distribution(tiny_models["peaky-target"], params,
+                                     client.info.eos_token_ids, repeat_prompt)
+    counts = sample_pairs(client, params, RUNS, repeat_prompt, k=2)
+    p_value, tv = chi_square_p(counts, exact)
+    assert p_value > 1e-3, f"{name}: chi-square p = {p_value:.2e}, TV = {tv:.3f}"
+    assert tv < 0.1, f"{name}: TV = {tv:.3f}"
+
+
+def test_negative_control_fresh_resample_for_one_hot_drafts(
+        server: LiveServer, tiny_models: dict[str, Path], repeat_prompt: list[int],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The known NASD bug: after a rejected one-hot draft d, drawing a fresh token from p outputs
+    d with probability p(d)(2 - p(d)) instead of p(d). The same test must catch it."""
+    monkeypatch.setattr(sampling, "residual_without_token", lambda probs, token: probs)
+    client = model_free_client(server, "ngram-simple")
+    params = CONFIGS["T=1"]
+    exact = exact_pair_distribution(tiny_models["peaky-target"], params,
+                                     client.info.eos_token_ids, repeat_prompt)
+    counts = sample_pairs(client, params, CONTROL_RUNS, repeat_prompt, k=2)
+    p_value, tv = chi_square_p(counts, exact)
     assert p_value < 1e-6, f"fresh resample not caught: p = {p_value:.2e}, TV = {tv:.3f}"

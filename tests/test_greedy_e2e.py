@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from drafter_client import SpecDecClient
+from drafter_client.api import DrafterOptions
 from shared.models import load_causal_lm
 
 PROMPTS = ["the cat sat on", "def x ( y ) :", "a big red dog ran to the", "if x = 1"]
@@ -49,3 +50,26 @@ def test_baseline_matches_target_generate(tiny_models, gpt2_server):  # type: ig
     cut = next((i + 1 for i, t in enumerate(expected) if t in client.info.eos_token_ids),
                len(expected))
     assert result.token_ids == expected[:cut]
+
+
+@pytest.mark.parametrize(("drafter", "options"), [
+    ("ngram", DrafterOptions(ngram_kind="simple", ngram_n=3)),
+    ("ngram", DrafterOptions(ngram_kind="multi", ngram_n=4, ngram_top_k_filler=3)),
+    ("ngram", DrafterOptions(ngram_kind="multi", ngram_stop_if_unknown=True)),
+    ("prompt-lookup", DrafterOptions()),
+    ("bigram", DrafterOptions()),
+])
+@pytest.mark.parametrize("k", ["2", "auto", "heuristic"])
+def test_greedy_model_free_drafters_match_target(drafter, options, k, tiny_models,  # type: ignore[no-untyped-def]
+                                                 gpt2_server):
+    client = SpecDecClient(gpt2_server.url, drafter, options=options)
+    accepted = 0
+    for prompt in ["the cat sat on the mat the cat sat on", "x + y = 1 x + y = 2 x + y"]:
+        ids = client.encode(prompt)
+        result = client.generate(ids, num_draft_tokens=k, max_new_tokens=30)
+        expected = hf_greedy(tiny_models["gpt2-target"], ids, 30)
+        cut = next((i + 1 for i, t in enumerate(expected) if t == 1), len(expected))
+        assert result.token_ids == expected[:cut], f"{drafter} {options} k={k}"
+        accepted += result.metrics.accepted_tokens
+    if drafter != "bigram":
+        assert accepted > 0  # the drafts were useful at least once
