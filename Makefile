@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-real lint demo bench fetch-models clean
+.PHONY: install test test-fast test-real lint demo bench bench-drafters fetch-models clean \
+	ensure-nginx
 
 install: $(STAMP)
 
@@ -16,8 +17,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e ".[dev]"
 	touch $(STAMP)
 
-test: install
+test: install ensure-nginx
 	$(BIN)/python -m pytest -q
+
+# The load-balancer test runs the real nginx from Debian's packages; installed here when missing
+# and we are root, otherwise that test is skipped.
+ensure-nginx:
+	@command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing nginx (Debian package) for the load-balancer test"; \
+	    apt-get update -qq && (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light \
+	      || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx) >/dev/null \
+	      || echo "nginx could not be installed: the load-balancer test will be skipped"; \
+	  else echo "nginx missing and not root: the load-balancer test will be skipped"; fi; }
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow and not real"
@@ -37,6 +49,9 @@ demo: install fetch-models
 
 bench: install fetch-models
 	$(BIN)/python scripts/bench.py
+
+bench-drafters: install fetch-models
+	$(BIN)/python scripts/bench_drafters.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

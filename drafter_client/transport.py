@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from typing import TypeVar
 
@@ -10,6 +11,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 
 from shared.schema import (
+    SESSION_HEADER,
     CreateSessionRequest,
     CreateSessionResponse,
     GenerateRequest,
@@ -44,15 +46,15 @@ class HttpVerifier:
         self.bytes_received = 0
 
     def _call(self, method: str, path: str, body: BaseModel | None,
-              response_model: type[M] | None) -> M | None:
+              response_model: type[M] | None, session_id: str | None = None) -> M | None:
         content = orjson.dumps(body.model_dump()) if body is not None else None
+        headers = {"content-type": "application/json"} if content else {}
+        if session_id is not None:
+            headers[SESSION_HEADER] = session_id
         if self.simulated_rtt_s:
             time.sleep(self.simulated_rtt_s)
         try:
-            response = self.client.request(
-                method, path, content=content,
-                headers={"content-type": "application/json"} if content else None,
-            )
+            response = self.client.request(method, path, content=content, headers=headers)
         except httpx.TransportError as exc:
             raise SpecDecError(f"cannot reach the verifier at {self.url}{path}: {exc}") from exc
         self.bytes_sent += len(content or b"")
@@ -77,15 +79,18 @@ class HttpVerifier:
         return self._call("GET", "/v1/info", None, InfoResponse)  # type: ignore[return-value]
 
     def create_session(self, req: CreateSessionRequest) -> CreateSessionResponse:
+        """Opens a session under an id we choose, so a balancer can route every call by it."""
+        if req.session_id is None:
+            req = req.model_copy(update={"session_id": secrets.token_urlsafe(12)})
         return self._call("POST", "/v1/sessions", req,  # type: ignore[return-value]
-                          CreateSessionResponse)
+                          CreateSessionResponse, req.session_id)
 
     def verify(self, session_id: str, req: VerifyRequest) -> VerifyResponse:
         return self._call("POST", f"/v1/sessions/{session_id}/verify",  # type: ignore[return-value]
-                          req, VerifyResponse)
+                          req, VerifyResponse, session_id)
 
     def delete_session(self, session_id: str) -> None:
-        self._call("DELETE", f"/v1/sessions/{session_id}", None, None)
+        self._call("DELETE", f"/v1/sessions/{session_id}", None, None, session_id)
 
     def generate(self, req: GenerateRequest) -> GenerateResponse:
         return self._call("POST", "/v1/generate", req,  # type: ignore[return-value]

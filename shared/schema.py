@@ -47,10 +47,18 @@ class InfoResponse(_Strict):
     device: str
 
 
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"
+SESSION_HEADER = "X-Session-Id"  # sent with every session call, so a balancer can route by it
+REPLICA_HEADER = "X-Verifier-Replica"  # which verifier answered
+
+
 class CreateSessionRequest(_Strict):
     protocol_version: int = PROTOCOL_VERSION
     prompt_ids: list[int] = Field(min_length=1)
     sampling: SamplingParams = SamplingParams()
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN,
+                                   description="client-chosen id (lets a load balancer route the "
+                                   "session's first call by it); the verifier picks one if null")
 
 
 class CreateSessionResponse(_Strict):

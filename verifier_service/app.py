@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, TypeVar
@@ -16,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.responses import Response
 
 from shared.schema import (
+    REPLICA_HEADER,
     CreateSessionRequest,
     CreateSessionResponse,
     ErrorResponse,
@@ -98,6 +100,14 @@ def create_app(settings: Settings, runner: TargetRunner | None = None) -> FastAP
 
     app = FastAPI(title="specdec verifier", version="0.1.0", lifespan=lifespan,
                   default_response_class=ORJSONResponse)
+    replica = settings.replica_name or f"{socket.gethostname()}:{settings.port}"
+
+    @app.middleware("http")
+    async def name_the_replica(request: Request, call_next: Any) -> Response:
+        response: Response = await call_next(request)
+        response.headers[REPLICA_HEADER] = replica
+        return response
+
     app.add_exception_handler(VerifierError, verifier_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
 

@@ -30,6 +30,8 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
                    help="0: the model's own limit")
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
                    help="cap for /v1/generate")
+    p.add_argument("--replica-name", default=defaults.replica_name,
+                   help="name sent in the X-Verifier-Replica header (default host:port)")
     args = p.parse_args(argv)
     return Settings(**{k: v for k, v in vars(args).items()})
 

@@ -72,6 +72,11 @@ class VerifierService:
         cache = self.runner.prefill(req.prompt_ids)
         session = Session(cache=cache, position=len(req.prompt_ids),
                           config=req.sampling.to_config())
+        if req.session_id is not None:
+            if self.sessions.exists(req.session_id):
+                raise VerifierError(409, "session_exists", f"session {req.session_id!r} already "
+                                    "exists; choose another id", "session_id")
+            session.id = req.session_id
         self.sessions.add(session)
         return CreateSessionResponse(session_id=session.id, position=session.position,
                                      prefill_ms=1e3 * (time.perf_counter() - started))

@@ -62,6 +62,10 @@ class SessionStore:
             self._sessions.move_to_end(session_id)
             return session
 
+    def exists(self, session_id: str) -> bool:
+        with self._lock:
+            return session_id in self._sessions
+
     def remove(self, session_id: str) -> None:
         with self._lock:
             if self._sessions.pop(session_id, None) is None:

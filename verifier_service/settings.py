@@ -24,3 +24,4 @@ class Settings(BaseSettings):
     max_context: int = Field(0, ge=0, description="0: the model's max_position_embeddings")
     max_new_tokens: int = Field(1024, ge=1, description="cap for /v1/generate")
     max_prompt_tokens: int = Field(0, ge=0, description="0: max_context - 1")
+    replica_name: str = Field("", description="sent as X-Verifier-Replica; default host:port")

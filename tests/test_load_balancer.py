@@ -1,0 +1,122 @@
+"""The compose file's nginx config, for real: two verifier processes behind nginx on loopback.
+
+Every call of a session must land on the replica that holds its KV cache, new sessions must
+spread over both, and a greedy generation through the balancer must equal one against a single
+verifier. Skipped where nginx is not installed (`make test` installs it when it can).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from drafter_client import SpecDecClient
+from shared.schema import REPLICA_HEADER, SESSION_HEADER
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+pytestmark = [pytest.mark.nginx,
+              pytest.mark.skipif(NGINX is None, reason="nginx is not installed")]
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], path: str = "/readyz") -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + path, timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"{url} did not become ready")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[dict[str, str]]:
+    procs, urls = [], {}
+    for name in ("replica-a", "replica-b"):
+        port = free_port()
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "specdec-verifier"), "--model",
+             str(tiny_models["gpt2-target"]), "--dtype", "float32", "--device", "cpu",
+             "--port", str(port), "--threads", "1", "--replica-name", name],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(proc)
+        urls[name] = f"http://127.0.0.1:{port}"
+    root = tmp_path_factory.mktemp("nginx")
+    lb_port = free_port()
+    upstreams = " ".join(f"server {u.removeprefix('http://')};" for u in urls.values())
+    template = (ROOT / "deploy/nginx/specdec.conf.template").read_text()
+    site = template.replace("${SPECDEC_UPSTREAMS}", upstreams).replace(
+        "${SPECDEC_LB_PORT}", f"127.0.0.1:{lb_port}")
+    (root / "logs").mkdir()
+    (root / "nginx.conf").write_text(
+        f"pid {root}/nginx.pid;\nerror_log {root}/logs/error.log;\nworker_processes 1;\n"
+        "events { worker_connections 256; }\n"
+        f"http {{\n  access_log {root}/logs/access.log;\n"
+        f"  client_body_temp_path {root}/body;\n  proxy_temp_path {root}/proxy;\n"
+        f"  fastcgi_temp_path {root}/fcgi;\n  uwsgi_temp_path {root}/uwsgi;\n"
+        f"  scgi_temp_path {root}/scgi;\n{site}\n}}\n")
+    nginx = subprocess.Popen([str(NGINX), "-p", str(root), "-c", str(root / "nginx.conf"),
+                              "-g", "daemon off;"], stderr=subprocess.PIPE)
+    procs.append(nginx)
+    try:
+        for proc, url in zip(procs, urls.values(), strict=False):
+            wait_ready(url, proc)
+        urls["lb"] = f"http://127.0.0.1:{lb_port}"
+        wait_ready(urls["lb"], nginx, "/lb-healthz")
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=30)
+
+
+def test_sessions_stick_to_one_replica_and_spread(cluster: dict[str, str]) -> None:
+    seen: dict[str, str] = {}
+    with httpx.Client(base_url=cluster["lb"], timeout=30) as http:
+        for i in range(16):
+            sid = f"session-{i:04d}-abcdef"
+            headers = {SESSION_HEADER: sid}
+            created = http.post("/v1/sessions", json={"prompt_ids": [2, 3, 4], "session_id": sid},
+                                headers=headers)
+            assert created.status_code == 200, created.text
+            replica = created.headers[REPLICA_HEADER]
+            position = 3
+            for _ in range(3):
+                reply = http.post(f"/v1/sessions/{sid}/verify", headers=headers, json={
+                    "position": position, "last_token": 5, "draft_ids": [6, 7],
+                    "log_uniforms": [-0.5, -0.5], "final_uniform": 0.5})
+                assert reply.status_code == 200, reply.text  # a wrong replica would answer 404
+                assert reply.headers[REPLICA_HEADER] == replica
+                position = reply.json()["position"]
+            gone = http.delete(f"/v1/sessions/{sid}", headers=headers)
+            assert gone.status_code == 204 and gone.headers[REPLICA_HEADER] == replica
+            seen[sid] = replica
+    assert set(seen.values()) == {"replica-a", "replica-b"}  # new sessions spread over both
+
+
+def test_greedy_through_the_balancer_equals_a_single_verifier(
+        cluster: dict[str, str], tiny_models: dict[str, Path]) -> None:
+    drafter = str(tiny_models["gpt2-drafter"])
+    direct = SpecDecClient(cluster["replica-a"], drafter, dtype="float32", device="cpu")
+    balanced = SpecDecClient(cluster["lb"], drafter, dtype="float32", device="cpu")
+    for i, prompt in enumerate(["the cat sat on", "def x ( y ) :", "a big red dog"]):
+        expected = direct.generate(prompt, num_draft_tokens=3, max_new_tokens=20).token_ids
+        for _ in range(2):  # fresh sessions, likely on both replicas
+            got = balanced.generate(prompt, num_draft_tokens=3, max_new_tokens=20).token_ids
+            assert got == expected, f"prompt {i}"
