@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import secrets
 import time
 from typing import TypeVar
@@ -34,13 +35,26 @@ class VerifierHTTPError(SpecDecError):
         self.status, self.code, self.field = status, code, field
 
 
+def retry_delay(retry_after: str | None, attempt: int) -> float:
+    """Seconds to wait before retry ``attempt`` (0-based): Retry-After when given, else
+    exponential backoff from 0.1 s; jittered by up to +50% so clients do not retry in step."""
+    try:
+        base = float(retry_after) if retry_after is not None else 0.1 * 2**attempt
+    except ValueError:
+        base = 0.1 * 2**attempt
+    return min(base, 30.0) * (1 + 0.5 * random.random())
+
+
 class HttpVerifier:
     """Talks to one verifier. Pass ``client`` to reuse an httpx.Client (or a TestClient)."""
 
     def __init__(self, url: str, timeout_s: float = 120.0,
-                 client: httpx.Client | None = None, simulated_rtt_s: float = 0.0) -> None:
+                 client: httpx.Client | None = None, simulated_rtt_s: float = 0.0,
+                 max_retries: int = 8) -> None:
         self.url = url.rstrip("/")
         self.simulated_rtt_s = simulated_rtt_s  # added before each call, to study distance
+        self.max_retries = max_retries  # for 429 / 503 answers
+        self.retries = 0
         self.client = client or httpx.Client(base_url=self.url, timeout=timeout_s)
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -51,14 +65,21 @@ class HttpVerifier:
         headers = {"content-type": "application/json"} if content else {}
         if session_id is not None:
             headers[SESSION_HEADER] = session_id
-        if self.simulated_rtt_s:
-            time.sleep(self.simulated_rtt_s)
-        try:
-            response = self.client.request(method, path, content=content, headers=headers)
-        except httpx.TransportError as exc:
-            raise SpecDecError(f"cannot reach the verifier at {self.url}{path}: {exc}") from exc
-        self.bytes_sent += len(content or b"")
-        self.bytes_received += len(response.content)
+        for attempt in range(self.max_retries + 1):
+            if self.simulated_rtt_s:
+                time.sleep(self.simulated_rtt_s)
+            try:
+                response = self.client.request(method, path, content=content, headers=headers)
+            except httpx.TransportError as exc:
+                raise SpecDecError(f"cannot reach the verifier at {self.url}{path}: "
+                                   f"{exc}") from exc
+            self.bytes_sent += len(content or b"")
+            self.bytes_received += len(response.content)
+            if response.status_code not in (429, 503) or attempt == self.max_retries:
+                break
+            # Overloaded: wait as told (Retry-After), with jitter, then try again.
+            self.retries += 1
+            time.sleep(retry_delay(response.headers.get("retry-after"), attempt))
         if response.status_code >= 400:
             try:
                 error = orjson.loads(response.content)["error"]

@@ -11,10 +11,12 @@ with 2,000 draws.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -209,3 +211,34 @@ def test_negative_control_fresh_resample_for_one_hot_drafts(
     counts = sample_pairs(client, params, CONTROL_RUNS, repeat_prompt, k=2)
     p_value, tv = chi_square_p(counts, exact)
     assert p_value < 1e-6, f"fresh resample not caught: p = {p_value:.2e}, TV = {tv:.3f}"
+
+
+def test_distribution_holds_with_concurrent_clients(server: LiveServer,
+                                                    tiny_models: dict[str, Path]) -> None:
+    """Four clients at once, their blocks batched into shared forwards: still exact."""
+    params = CONFIGS["T=1"]
+    clients = [SpecDecClient(server.url, str(tiny_models["peaky-drafter"]), dtype="float32",
+                             device="cpu") for _ in range(4)]
+    before = httpx.get(f"{server.url}/v1/metrics").json()
+    counts: Counter = Counter()
+
+    def worker(index: int) -> None:
+        mine: Counter = Counter()
+        for seed in range(index, RUNS, len(clients)):
+            ids = clients[index].generate(PROMPT, num_draft_tokens=2, max_new_tokens=3,
+                                          seed=seed, **params).token_ids  # type: ignore[arg-type]
+            mine[(ids[0], ids[1] if len(ids) > 1 else -1)] += 1
+        counts.update(mine)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(clients))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = httpx.get(f"{server.url}/v1/metrics").json()
+    assert sum(counts.values()) == RUNS
+    assert after["jobs"] - before["jobs"] > after["batches"] - before["batches"]  # batched
+    exact = exact_pair_distribution(tiny_models["peaky-target"], params,
+                                     clients[0].info.eos_token_ids)
+    p_value, tv = chi_square_p(counts, exact)
+    assert p_value > 1e-3, f"concurrent: chi-square p = {p_value:.2e}, TV = {tv:.3f}"

@@ -21,13 +21,14 @@ class FakeClock:
 
 
 def make(store: SessionStore) -> Session:
-    session = Session(cache=None, position=1, config=SamplingConfig())
+    session = Session(slot=len(store), position=1, config=SamplingConfig())
     store.add(session)
     return session
 
 
 def test_lru_evicts_least_recently_used() -> None:
-    store = SessionStore(max_sessions=2, ttl_s=100, clock=FakeClock())
+    dropped: list[Session] = []
+    store = SessionStore(max_sessions=2, ttl_s=100, clock=FakeClock(), on_drop=dropped.append)
     a, b = make(store), make(store)
     store.get(a.id)  # a is now more recent than b
     c = make(store)
@@ -35,6 +36,9 @@ def test_lru_evicts_least_recently_used() -> None:
     with pytest.raises(VerifierError) as err:
         store.get(b.id)
     assert err.value.status == 404 and store.evicted == 1
+    assert dropped == [b]  # its KV slot was handed back
+    assert store.evict_lru(keep={a.id}) and dropped[-1] is c  # a is busy: c goes
+    assert not store.evict_lru(keep={a.id})
 
 
 def test_idle_sessions_expire() -> None:

@@ -32,6 +32,7 @@ from verifier_service.errors import (
     validation_error_handler,
     verifier_error_handler,
 )
+from verifier_service.scheduler import Scheduler
 from verifier_service.service import VerifierService
 from verifier_service.settings import Settings
 from verifier_service.target import TargetRunner
@@ -66,14 +67,19 @@ def get_service(request: Request) -> VerifierService:
     return request.app.state.service  # type: ignore[no-any-return]
 
 
+def get_scheduler(request: Request) -> Scheduler:
+    return request.app.state.scheduler  # type: ignore[no-any-return]
+
+
 def get_model_thread(request: Request) -> ModelThread:
     return request.app.state.model_thread  # type: ignore[no-any-return]
 
 
 ServiceDep = Annotated[VerifierService, Depends(get_service)]
+SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 ModelThreadDep = Annotated[ModelThread, Depends(get_model_thread)]
 ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 404, 409, 413, 422)
+    code: {"model": ErrorResponse} for code in (400, 404, 409, 413, 415, 422, 429, 503)
 }
 
 
@@ -88,14 +94,25 @@ def create_app(settings: Settings, runner: TargetRunner | None = None) -> FastAP
         target = runner
         if target is None:
             target = await model_thread.run(TargetRunner.load, settings.model, settings.dtype,
-                                            settings.device, settings.max_context)
-        app.state.service = VerifierService(target, settings)
+                                            settings.device, settings.max_context,
+                                            settings.kv_budget_tokens)
+        service = VerifierService(target, settings)
+        scheduler = Scheduler(
+            target, model_thread.run,
+            max_batch_size=settings.max_batch_size if settings.batching else 1,
+            max_batch_tokens=settings.max_batch_tokens,
+            batch_wait_ms=settings.batch_wait_ms if settings.batching else 0.0,
+            max_queue=settings.max_queue,
+        )
+        scheduler.start()
+        app.state.service, app.state.scheduler = service, scheduler
         app.state.model_thread = model_thread
-        sweeper = asyncio.create_task(_expire_sessions(app.state.service))
+        sweeper = asyncio.create_task(_expire_sessions(service, model_thread))
         try:
             yield
         finally:
             sweeper.cancel()
+            await scheduler.stop()
             model_thread.shutdown()
 
     app = FastAPI(title="specdec verifier", version="0.1.0", lifespan=lifespan,
@@ -124,16 +141,29 @@ def create_app(settings: Settings, runner: TargetRunner | None = None) -> FastAP
     async def info(service: ServiceDep) -> InfoResponse:
         return service.info()
 
+    @app.get("/v1/metrics")
+    async def metrics(service: ServiceDep, scheduler: SchedulerDep) -> dict[str, Any]:
+        pool = service.runner.pool
+        return {
+            "batching": settings.batching, **scheduler.stats.to_dict(),
+            "queued": scheduler.queue.qsize(), "sessions": len(service.sessions),
+            "evicted_sessions": service.sessions.evicted,
+            "expired_sessions": service.sessions.expired,
+            "kv_slots": pool.num_slots, "kv_slots_free": pool.free_slots,
+            "kv_slot_tokens": pool.slot_tokens, "kv_pool_bytes": pool.nbytes,
+            "verify_calls": service.verify_calls,
+        }
+
     @app.post("/v1/sessions", response_model=CreateSessionResponse, responses=ERRORS)
     async def create_session(body: CreateSessionRequest, service: ServiceDep,
-                             model_thread: ModelThreadDep) -> CreateSessionResponse:
-        return await model_thread.run(service.create_session, body)
+                             scheduler: SchedulerDep) -> CreateSessionResponse:
+        return await scheduler.submit(service.create_session_job(body))  # type: ignore[no-any-return]
 
     @app.post("/v1/sessions/{session_id}/verify", response_model=VerifyResponse,
               responses=ERRORS)
     async def verify(session_id: str, body: VerifyRequest, service: ServiceDep,
-                     model_thread: ModelThreadDep) -> VerifyResponse:
-        return await model_thread.run(service.verify, session_id, body)
+                     scheduler: SchedulerDep) -> VerifyResponse:
+        return await scheduler.submit(service.verify_job(session_id, body))  # type: ignore[no-any-return]
 
     @app.delete("/v1/sessions/{session_id}", status_code=204, responses=ERRORS)
     async def delete_session(session_id: str, service: ServiceDep,
@@ -143,15 +173,16 @@ def create_app(settings: Settings, runner: TargetRunner | None = None) -> FastAP
 
     @app.post("/v1/generate", response_model=GenerateResponse, responses=ERRORS)
     async def generate(body: GenerateRequest, service: ServiceDep,
-                       model_thread: ModelThreadDep) -> GenerateResponse:
-        return await model_thread.run(service.generate, body)
+                       scheduler: SchedulerDep) -> GenerateResponse:
+        return await service.generate(scheduler, body)
 
     return app
 
 
-async def _expire_sessions(service: VerifierService, every_s: float = 10.0) -> None:
+async def _expire_sessions(service: VerifierService, model_thread: ModelThread,
+                           every_s: float = 10.0) -> None:
     while True:
         await asyncio.sleep(every_s)
-        dropped = service.sessions.expire_idle()
+        dropped = await model_thread.run(service.sessions.expire_idle)
         if dropped:
             log.info("expired %d idle sessions", dropped)

@@ -30,6 +30,15 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
                    help="0: the model's own limit")
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens,
                    help="cap for /v1/generate")
+    p.add_argument("--kv-budget-tokens", type=int, default=defaults.kv_budget_tokens,
+                   help="KV pool size in tokens (slots = budget // max context)")
+    p.add_argument("--no-batching", dest="batching", action="store_false",
+                   default=defaults.batching, help="one session per forward (for comparison)")
+    p.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size)
+    p.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
+    p.add_argument("--batch-wait-ms", type=float, default=defaults.batch_wait_ms)
+    p.add_argument("--max-queue", type=int, default=defaults.max_queue,
+                   help="queued calls beyond which the verifier answers 429")
     p.add_argument("--replica-name", default=defaults.replica_name,
                    help="name sent in the X-Verifier-Replica header (default host:port)")
     args = p.parse_args(argv)

@@ -11,19 +11,24 @@ from starlette.responses import Response
 
 
 class VerifierError(Exception):
-    def __init__(self, status: int, code: str, message: str, field: str | None = None) -> None:
+    def __init__(self, status: int, code: str, message: str, field: str | None = None,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.field = status, code, message, field
+        self.retry_after_s = retry_after_s  # sent as Retry-After with 429 / 503
 
 
-def error_response(status: int, code: str, message: str, field: str | None = None) -> Response:
+def error_response(status: int, code: str, message: str, field: str | None = None,
+                   retry_after_s: int | None = None) -> Response:
     body = {"error": {"code": code, "message": message, "field": field}}
-    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json",
+                    headers=headers)
 
 
 async def verifier_error_handler(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, VerifierError)
-    return error_response(exc.status, exc.code, exc.message, exc.field)
+    return error_response(exc.status, exc.code, exc.message, exc.field, exc.retry_after_s)
 
 
 def _location(error: dict[str, Any]) -> str:

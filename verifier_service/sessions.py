@@ -8,7 +8,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from shared.sampling import SamplingConfig
 from verifier_service.errors import VerifierError
@@ -16,7 +15,7 @@ from verifier_service.errors import VerifierError
 
 @dataclass
 class Session:
-    cache: Any  # DynamicCache holding position - 1 tokens
+    slot: int  # KV pool slot holding position - 1 tokens
     position: int  # committed tokens (prompt + generated)
     config: SamplingConfig
     id: str = field(default_factory=lambda: secrets.token_urlsafe(12))
@@ -28,8 +27,10 @@ class SessionStore:
     longer than ``ttl_s`` expire. Unknown, evicted and expired ids all answer 404."""
 
     def __init__(self, max_sessions: int, ttl_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_drop: Callable[[Session], None] = lambda session: None) -> None:
         self.max_sessions, self.ttl_s, self.clock = max_sessions, ttl_s, clock
+        self.on_drop = on_drop  # frees what a session holds (its KV slot)
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.Lock()
         self.evicted = 0
@@ -43,7 +44,7 @@ class SessionStore:
             session.last_used = self.clock()
             self._sessions[session.id] = session
             while len(self._sessions) > self.max_sessions:
-                self._sessions.popitem(last=False)
+                self.on_drop(self._sessions.popitem(last=False)[1])
                 self.evicted += 1
 
     def get(self, session_id: str) -> Session:
@@ -51,7 +52,7 @@ class SessionStore:
             session = self._sessions.get(session_id)
             now = self.clock()
             if session is not None and now - session.last_used > self.ttl_s:
-                del self._sessions[session_id]
+                self.on_drop(self._sessions.pop(session_id))
                 self.expired += 1
                 session = None
             if session is None:
@@ -68,16 +69,28 @@ class SessionStore:
 
     def remove(self, session_id: str) -> None:
         with self._lock:
-            if self._sessions.pop(session_id, None) is None:
+            session = self._sessions.pop(session_id, None)
+            if session is None:
                 raise VerifierError(404, "session_not_found",
                                     f"session {session_id!r} is unknown, expired or evicted",
                                     "session_id")
+            self.on_drop(session)
+
+    def evict_lru(self, keep: set[str]) -> bool:
+        """Evict the least recently used session not in ``keep``; False if there is none."""
+        with self._lock:
+            for sid in self._sessions:
+                if sid not in keep:
+                    self.on_drop(self._sessions.pop(sid))
+                    self.evicted += 1
+                    return True
+            return False
 
     def expire_idle(self) -> int:
         with self._lock:
             now = self.clock()
             stale = [sid for sid, s in self._sessions.items() if now - s.last_used > self.ttl_s]
             for sid in stale:
-                del self._sessions[sid]
+                self.on_drop(self._sessions.pop(sid))
             self.expired += len(stale)
             return len(stale)

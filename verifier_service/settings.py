@@ -21,7 +21,16 @@ class Settings(BaseSettings):
     max_sessions: int = Field(64, ge=1, description="LRU-evicts the least recently used beyond")
     session_ttl_s: float = Field(600.0, gt=0, description="idle sessions older than this expire")
     max_draft_tokens: int = Field(16, ge=0, description="largest k a verify call may send")
-    max_context: int = Field(0, ge=0, description="0: the model's max_position_embeddings")
+    max_context: int = Field(4096, ge=0, description="tokens per session (one KV slot); "
+                             "0: the model's max_position_embeddings")
+    kv_budget_tokens: int = Field(65536, ge=1, description="KV pool size in tokens; slots = "
+                                  "budget // max_context; when all are taken the least recently "
+                                  "used idle session is evicted")
+    batching: bool = Field(True, description="batch concurrent calls into one forward pass")
+    max_batch_size: int = Field(16, ge=1, description="jobs per batched forward")
+    max_batch_tokens: int = Field(2048, ge=1, description="tokens per batched forward")
+    batch_wait_ms: float = Field(2.0, ge=0, description="how long a batch waits for more jobs")
+    max_queue: int = Field(256, ge=1, description="queued jobs; beyond it 429 + Retry-After")
     max_new_tokens: int = Field(1024, ge=1, description="cap for /v1/generate")
     max_prompt_tokens: int = Field(0, ge=0, description="0: max_context - 1")
     replica_name: str = Field("", description="sent as X-Verifier-Replica; default host:port")

@@ -1,4 +1,4 @@
-"""The target model and what the verifier does with it. Everything here runs on the model thread."""
+"""The target model and its KV pool. Everything here runs on the model thread."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
-from shared.kv_cache import crop_cache
 from shared.models import (
     load_causal_lm,
     load_tokenizer,
@@ -18,13 +16,7 @@ from shared.models import (
     pick_dtype,
     tokenizer_fingerprint,
 )
-from shared.sampling import (
-    SamplingConfig,
-    draw_uniforms,
-    greedy_tokens,
-    process_logits,
-    sample_from_probs,
-)
+from verifier_service.kv_pool import ATTENTION_NAME, KVPool, RaggedBatch, Segment
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +33,21 @@ def eos_ids_of(model: Any, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-@dataclass
-class GenerationOutput:
+@dataclass(frozen=True)
+class ForwardItem:
+    """New tokens for one slot; ``keep_logits`` asks for their logits rows back."""
+
+    slot: int
+    start: int  # tokens already in the slot
     token_ids: list[int]
-    forward_s: float
-    forward_calls: int
+    keep_logits: bool
 
 
 class TargetRunner:
-    """Holds the target model; ``prefill`` / ``forward`` / ``generate`` work on one KV cache."""
+    """Holds the target model and a pool of KV slots; one ``forward`` serves many sessions."""
 
-    def __init__(self, model: Any, tokenizer: Any, name: str, max_context: int = 0) -> None:
+    def __init__(self, model: Any, tokenizer: Any, name: str, max_context: int = 0,
+                 kv_budget_tokens: int = 32768) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -62,59 +58,66 @@ class TargetRunner:
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         model_max = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 32768
         self.max_context = min(max_context, model_max) if max_context else model_max
+        # One slot holds one session's whole context; the budget decides how many slots exist.
+        self.max_context = min(self.max_context, kv_budget_tokens)
+        num_slots = max(kv_budget_tokens // self.max_context, 1)
+        self.pool = KVPool(model.config, num_slots, self.max_context, self.dtype, self.device)
+        model.set_attn_implementation(ATTENTION_NAME)
+        log.info("KV pool: %d slots x %d tokens (%.0f MiB)", num_slots, self.max_context,
+                 self.pool.nbytes / 2**20)
 
     @classmethod
-    def load(cls, spec: str, dtype: str = "auto", device: str = "auto",
-             max_context: int = 0) -> TargetRunner:
+    def load(cls, spec: str, dtype: str = "auto", device: str = "auto", max_context: int = 0,
+             kv_budget_tokens: int = 32768) -> TargetRunner:
         started = time.perf_counter()
         torch_device = pick_device(device)
         model = load_causal_lm(spec, pick_dtype(dtype, torch_device), torch_device)
-        runner = cls(model, load_tokenizer(spec), spec, max_context)
+        runner = cls(model, load_tokenizer(spec), spec, max_context, kv_budget_tokens)
         runner.warm_up()
         log.info("loaded target %s (%s, %s) in %.1f s", spec, runner.dtype, runner.device,
                  time.perf_counter() - started)
         return runner
 
     def warm_up(self) -> None:
-        """One small prefill and block forward, so the first client does not pay for kernel
-        selection and allocator growth (seconds on CPU for a 1.5B model)."""
+        """One small forward, so the first client does not pay for kernel selection and
+        allocator growth (seconds on CPU for a 1.5B model)."""
+        slot = self.pool.allocate()
+        if slot is None:
+            return
         ids = [i % self.vocab_size for i in range(16)]
-        self.forward(self.prefill(ids), ids[:5])
+        self.forward([ForwardItem(slot, 0, ids, False)])
+        self.forward([ForwardItem(slot, 16, ids[:5], True)])
+        self.pool.release(slot)
 
     @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int]) -> DynamicCache:
-        """A cache holding every prompt token but the last (fed by the first block)."""
-        cache = DynamicCache(config=self.model.config)
-        if len(prompt_ids) > 1:
-            ids = torch.tensor([prompt_ids[:-1]], device=self.device)  # [1, n - 1]
-            self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-        return cache
-
-    @torch.inference_mode()
-    def forward(self, cache: DynamicCache, token_ids: list[int]) -> torch.Tensor:
-        """Append ``token_ids`` to the cache in one forward pass; [n, vocab] float32 logits."""
-        ids = torch.tensor([token_ids], device=self.device)  # [1, n]
-        out = self.model(input_ids=ids, cache=cache, use_cache=True)
-        return out.logits[0].float().cpu()  # [n, vocab]
-
-    def generate(self, prompt_ids: list[int], config: SamplingConfig, max_new_tokens: int,
-                 seed: int, stop_at_eos: bool) -> GenerationOutput:
-        """Target-only autoregressive decoding: the baseline, with the same sampling math."""
-        generator = torch.Generator().manual_seed(seed)
-        started = time.perf_counter()
-        cache = self.prefill(prompt_ids)
-        last, generated = prompt_ids[-1], []
-        for _ in range(max_new_tokens):
-            logits = self.forward(cache, [last])[0]  # [vocab]
-            if config.greedy:
-                last = int(greedy_tokens(logits).item())
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
+        """One forward pass over the new tokens of every item; [n, vocab] float32 logits for
+        the items that asked for them."""
+        segments: list[Segment] = []
+        ids: list[int] = []  # [N] new tokens of all items, flattened
+        positions: list[int] = []  # [N] each token's position in its own sequence
+        keep: list[int] = []  # indices into ids whose logits are wanted
+        for item in items:
+            offset = len(ids)
+            segments.append(Segment(item.slot, item.start, offset, len(item.token_ids)))
+            ids.extend(item.token_ids)
+            positions.extend(range(item.start, item.start + len(item.token_ids)))
+            if item.keep_logits:
+                keep.extend(range(offset, offset + len(item.token_ids)))
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device),  # [1, N]
+            position_ids=torch.tensor([positions], device=self.device),  # [1, N]
+            use_cache=False,
+            logits_to_keep=torch.tensor(keep or [0], device=self.device),
+            ragged_batch=RaggedBatch(self.pool, segments),
+        )
+        logits = out.logits[0].float().cpu()  # [len(keep), vocab]
+        rows: list[torch.Tensor | None] = []
+        cursor = 0
+        for item in items:
+            if item.keep_logits:
+                rows.append(logits[cursor:cursor + len(item.token_ids)])
+                cursor += len(item.token_ids)
             else:
-                probs = process_logits(logits, config).exp()  # [vocab]
-                last = sample_from_probs(probs, float(draw_uniforms(generator, 1)[0]))
-            generated.append(last)
-            if stop_at_eos and last in self.eos_token_ids:
-                break
-        return GenerationOutput(generated, time.perf_counter() - started, len(generated))
-
-    def crop(self, cache: DynamicCache, keep: int) -> None:
-        crop_cache(cache, keep)
+                rows.append(None)
+        return rows

@@ -1,0 +1,102 @@
+"""A slot pool for the sessions' KV caches, and the ragged attention that reads it in place.
+
+Every session owns one slot: per layer a contiguous [kv_heads, slot_tokens, head_dim] region of
+one preallocated tensor. A batched forward flattens the new tokens of all sessions into one
+sequence ([1, num_tokens], each token with its own position id); the projections and MLPs run once
+for all of them, and attention runs per session over a *view* of its slot, so no session's cache
+is copied. Rolling back a rejected draft is moving the session's length; nothing is erased.
+
+The attention function is registered with transformers' AttentionInterface under the name
+``specdec_ragged``; transformers skips its own mask building for such custom functions, and passes
+our ``ragged_batch`` keyword through to every attention call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTENTION_NAME = "specdec_ragged"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One session's new tokens in a flattened batch."""
+
+    slot: int
+    start: int  # tokens already in the slot (the new ones go at start .. start + length - 1)
+    offset: int  # where the new tokens begin in the flattened batch
+    length: int
+
+
+@dataclass(frozen=True)
+class RaggedBatch:
+    pool: KVPool
+    segments: list[Segment]
+
+
+class KVPool:
+    """``num_slots`` slots of ``slot_tokens`` positions for every layer of one model."""
+
+    def __init__(self, config: Any, num_slots: int, slot_tokens: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        shape = (num_slots, kv_heads, slot_tokens, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device)
+                     for _ in range(config.num_hidden_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device)
+                       for _ in range(config.num_hidden_layers)]
+        self.num_slots, self.slot_tokens = num_slots, slot_tokens
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def allocate(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        if slot in self._free:
+            raise ValueError(f"slot {slot} is already free")
+        self._free.append(slot)
+
+
+def ragged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None,
+                     dropout: float = 0.0, ragged_batch: RaggedBatch | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """query: [1, heads, N, head_dim]; key / value: [1, kv_heads, N, head_dim] for the N new
+    tokens of all segments. Returns [1, N, heads, head_dim]."""
+    if ragged_batch is None:
+        raise RuntimeError("the specdec_ragged attention needs a ragged_batch argument")
+    layer = module.layer_idx
+    keys, values = ragged_batch.pool.keys[layer], ragged_batch.pool.values[layer]
+    outputs = []
+    for seg in ragged_batch.segments:
+        new = slice(seg.offset, seg.offset + seg.length)
+        end = seg.start + seg.length
+        keys[seg.slot, :, seg.start:end] = key[0, :, new]  # write the new K/V into the slot
+        values[seg.slot, :, seg.start:end] = value[0, :, new]
+        seen = torch.arange(end, device=query.device)  # [end]
+        rows = seg.start + torch.arange(seg.length, device=query.device)  # [length]
+        visible = seen[None, :] <= rows[:, None]  # [length, end]: causal over prefix + block
+        out = F.scaled_dot_product_attention(
+            query[:, :, new], keys[seg.slot, :, :end][None], values[seg.slot, :, :end][None],
+            attn_mask=visible, scale=scaling, enable_gqa=True,
+        )  # [1, heads, length, head_dim]
+        outputs.append(out)
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_NAME, ragged_attention)

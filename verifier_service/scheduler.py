@@ -1,0 +1,178 @@
+"""Batches concurrent jobs (prefills and verify blocks of many sessions) into one forward pass.
+
+Jobs wait in a bounded queue. The batching loop takes the first job, then keeps taking jobs that
+are already queued or arrive within ``batch_wait_ms``, up to ``max_batch_size`` jobs and
+``max_batch_tokens`` tokens, and runs them as one ragged forward on the model thread. While that
+forward runs, new jobs queue up, so under load batches form by themselves. Each job validates
+itself against its session on the model thread, so a bad job fails alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from verifier_service.errors import VerifierError
+from verifier_service.target import ForwardItem, TargetRunner
+
+log = logging.getLogger(__name__)
+
+
+class Job(Protocol):
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this job adds to a batched forward."""
+
+    @property
+    def session_id(self) -> str | None:
+        """At most one job per session in a batch."""
+
+    def prepare(self, busy: set[str]) -> ForwardItem | None:
+        """Validate and claim resources (model thread); None when nothing needs a forward.
+        ``busy``: sessions with a job in this batch, which must not be evicted."""
+
+    def finish(self, logits: torch.Tensor | None) -> Any:
+        """Turn the job's logits rows into its answer (model thread)."""
+
+    def abort(self) -> None:
+        """Undo ``prepare`` after a failed forward."""
+
+
+@dataclass
+class _Pending:
+    job: Job
+    future: asyncio.Future[Any]
+    queued_at: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class SchedulerStats:
+    batches: int = 0
+    jobs: int = 0
+    forward_s: float = 0.0
+    queue_wait_s: float = 0.0
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+    rejected_full: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "batches": self.batches, "jobs": self.jobs,
+            "mean_batch_size": round(self.jobs / self.batches, 3) if self.batches else 0.0,
+            "batch_sizes": dict(sorted(self.batch_sizes.items())),
+            "mean_forward_ms": round(1e3 * self.forward_s / self.batches, 3)
+            if self.batches else 0.0,
+            "mean_queue_wait_ms": round(1e3 * self.queue_wait_s / self.jobs, 3)
+            if self.jobs else 0.0,
+            "rejected_queue_full": self.rejected_full,
+        }
+
+
+class Scheduler:
+    def __init__(self, runner: TargetRunner, run_on_model_thread: Any, max_batch_size: int,
+                 max_batch_tokens: int, batch_wait_ms: float, max_queue: int) -> None:
+        self.runner, self.run = runner, run_on_model_thread
+        self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
+        self.batch_wait_s = batch_wait_ms / 1e3
+        self.queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=max_queue)
+        self.stats = SchedulerStats()
+        self._task: asyncio.Task[None] | None = None
+        self._held: _Pending | None = None  # taken from the queue but over the batch's limits
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def submit(self, job: Job) -> Any:
+        pending = _Pending(job, asyncio.get_running_loop().create_future())
+        try:
+            self.queue.put_nowait(pending)
+        except asyncio.QueueFull:
+            self.stats.rejected_full += 1
+            raise VerifierError(429, "overloaded", f"the verifier's queue is full "
+                                f"({self.queue.maxsize} jobs); retry later", None,
+                                retry_after_s=1) from None
+        return await pending.future
+
+    async def _next_batch(self) -> list[_Pending]:
+        first = self._held or await self.queue.get()
+        self._held = None
+        batch, tokens = [first], first.job.num_tokens
+        deadline = time.perf_counter() + self.batch_wait_s
+        while len(batch) < self.max_batch_size:
+            left = deadline - time.perf_counter()
+            try:
+                pending = (self.queue.get_nowait() if left <= 0
+                           else await asyncio.wait_for(self.queue.get(), left))
+            except (asyncio.QueueEmpty, asyncio.TimeoutError):
+                break
+            if tokens + pending.job.num_tokens > self.max_batch_tokens:
+                self._held = pending  # first in the next batch
+                break
+            batch.append(pending)
+            tokens += pending.job.num_tokens
+        return batch
+
+    async def _loop(self) -> None:
+        while True:
+            batch = await self._next_batch()
+            started = time.perf_counter()
+            for pending in batch:
+                self.stats.queue_wait_s += started - pending.queued_at
+            outcomes = await self.run(self._run_batch, [p.job for p in batch])
+            self.stats.forward_s += time.perf_counter() - started
+            self.stats.batches += 1
+            self.stats.jobs += len(batch)
+            self.stats.batch_sizes[len(batch)] += 1
+            for pending, (ok, value) in zip(batch, outcomes, strict=True):
+                if pending.future.done():  # the caller went away
+                    continue
+                if ok:
+                    pending.future.set_result(value)
+                else:
+                    pending.future.set_exception(value)
+
+    def _run_batch(self, jobs: list[Job]) -> list[tuple[bool, Any]]:
+        """Model thread: prepare every job, one forward for all, then finish each."""
+        outcomes: list[tuple[bool, Any] | None] = [None] * len(jobs)
+        prepared: list[tuple[int, ForwardItem | None]] = []
+        sessions: set[str] = set()
+        for i, job in enumerate(jobs):
+            if job.session_id is not None and job.session_id in sessions:
+                outcomes[i] = (False, VerifierError(
+                    409, "call_in_flight", f"session {job.session_id!r} already has a call in "
+                    "this batch; send one verify at a time", "session_id"))
+                continue
+            try:
+                item = job.prepare(sessions)
+            except VerifierError as exc:
+                outcomes[i] = (False, exc)
+                continue
+            if job.session_id is not None:
+                sessions.add(job.session_id)
+            prepared.append((i, item))
+        items = [item for _, item in prepared if item is not None and item.token_ids]
+        try:
+            rows = iter(self.runner.forward(items) if items else [])
+        except Exception as exc:  # the forward failed: every prepared job fails with it
+            log.exception("batched forward failed")
+            for i, _ in prepared:
+                jobs[i].abort()
+                outcomes[i] = (False, exc)
+            return [o for o in outcomes if o is not None]
+        for i, item in prepared:
+            logits = next(rows) if item is not None and item.token_ids else None
+            try:
+                outcomes[i] = (True, jobs[i].finish(logits))
+            except Exception as exc:  # noqa: BLE001 - reported to that job's caller only
+                jobs[i].abort()
+                outcomes[i] = (False, exc)
+        return [o for o in outcomes if o is not None]
