@@ -20,7 +20,8 @@ class GenerationMetrics:
     prefill_s: float = 0.0
     drafting_s: float = 0.0
     verify_rtt_s: float = 0.0
-    verify_forward_s: float = 0.0  # the verifier's own forward time, inside the round trip
+    verify_forward_s: float = 0.0  # time on the verifier (queue + forward), inside the trip
+    verify_latencies_s: list[float] = field(default_factory=list)  # one per verify round trip
 
     def record_block(self, proposed: int, accepted: int) -> None:
         self.verify_calls += 1
@@ -55,6 +56,10 @@ class GenerationMetrics:
             "bytes_received": self.bytes_received,
             "bytes_per_token": round((self.bytes_sent + self.bytes_received)
                                      / max(self.new_tokens, 1), 1),
+            "verify_latency_ms": {
+                "p50": round(1e3 * _quantile(self.verify_latencies_s, 0.5), 2),
+                "p95": round(1e3 * _quantile(self.verify_latencies_s, 0.95), 2),
+            },
             "time_s": {
                 "prefill_rtt": round(self.prefill_s, 4),
                 "drafting": round(self.drafting_s, 4),
@@ -63,3 +68,10 @@ class GenerationMetrics:
                 "client": round(client_s, 4),
             },
         }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]

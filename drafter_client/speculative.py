@@ -124,6 +124,7 @@ def speculative_generate(
             metrics.record_block(k, accepted)
             metrics.drafting_s += t1 - t0
             metrics.verify_rtt_s += t2 - t1
+            metrics.verify_latencies_s.append(t2 - t1)
             metrics.verify_forward_s += reply.forward_ms / 1e3
             draft_length.update(k, accepted, t1 - t0, t2 - t1)
             if on_tokens is not None:

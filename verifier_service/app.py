@@ -166,8 +166,9 @@ def create_app(settings: Settings, runner: TargetRunner | None = None) -> FastAP
         return await scheduler.submit(service.verify_job(session_id, body))  # type: ignore[no-any-return]
 
     @app.delete("/v1/sessions/{session_id}", status_code=204, responses=ERRORS)
-    async def delete_session(session_id: str, service: ServiceDep,
+    async def delete_session(session_id: str, service: ServiceDep, scheduler: SchedulerDep,
                              model_thread: ModelThreadDep) -> Response:
+        scheduler.forget(session_id)
         await model_thread.run(service.delete_session, session_id)
         return Response(status_code=204)
 

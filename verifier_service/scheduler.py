@@ -2,9 +2,10 @@
 
 Jobs wait in a bounded queue. The batching loop takes the first job, then keeps taking jobs that
 are already queued or arrive within ``batch_wait_ms``, up to ``max_batch_size`` jobs and
-``max_batch_tokens`` tokens, and runs them as one ragged forward on the model thread. While that
-forward runs, new jobs queue up, so under load batches form by themselves. Each job validates
-itself against its session on the model thread, so a bad job fails alone.
+``max_batch_tokens`` tokens, and runs them as one ragged forward on the model thread. It only
+waits while some other session sent a job in the last second, so a lone client never waits.
+While a forward runs, new jobs queue up, so under load batches form by themselves. Each job
+validates itself against its session on the model thread, so a bad job fails alone.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._task: asyncio.Task[None] | None = None
         self._held: _Pending | None = None  # taken from the queue but over the batch's limits
+        self._last_seen: dict[str, float] = {}  # session id -> when it last sent a job
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -91,7 +93,22 @@ class Scheduler:
         if self._task is not None:
             self._task.cancel()
 
+    def _others_active(self, batch: list[_Pending]) -> bool:
+        """Did a session outside this batch send a job in the last second?"""
+        horizon = time.perf_counter() - 1.0
+        mine = {p.job.session_id for p in batch}
+        stale = [sid for sid, at in self._last_seen.items() if at < horizon]
+        for sid in stale:
+            del self._last_seen[sid]
+        return any(sid not in mine for sid in self._last_seen)
+
+    def forget(self, session_id: str) -> None:
+        """The session was closed: it will not send more jobs."""
+        self._last_seen.pop(session_id, None)
+
     async def submit(self, job: Job) -> Any:
+        if job.session_id is not None:
+            self._last_seen[job.session_id] = time.perf_counter()
         pending = _Pending(job, asyncio.get_running_loop().create_future())
         try:
             self.queue.put_nowait(pending)
@@ -106,7 +123,8 @@ class Scheduler:
         first = self._held or await self.queue.get()
         self._held = None
         batch, tokens = [first], first.job.num_tokens
-        deadline = time.perf_counter() + self.batch_wait_s
+        wait = self.batch_wait_s if self._others_active(batch) else 0.0
+        deadline = time.perf_counter() + wait
         while len(batch) < self.max_batch_size:
             left = deadline - time.perf_counter()
             try:

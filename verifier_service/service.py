@@ -139,6 +139,7 @@ class VerifierService:
                 if req.stop_at_eos and last in self.runner.eos_token_ids:
                     break
         finally:
+            scheduler.forget(session_id)
             await scheduler.run(self._drop_quietly, session_id)
         return GenerateResponse(token_ids=tokens, forward_ms=forward_ms,
                                 forward_calls=len(tokens))
