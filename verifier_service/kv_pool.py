@@ -31,6 +31,18 @@ class Segment:
     start: int  # tokens already in the slot (the new ones go at start .. start + length - 1)
     offset: int  # where the new tokens begin in the flattened batch
     length: int
+    visible: torch.Tensor | None = None  # [length, start + length] causal mask; None: all
+
+    @classmethod
+    def build(cls, slot: int, start: int, offset: int, length: int,
+              device: torch.device) -> Segment:
+        """The mask is the same for every layer, so it is built once per forward."""
+        visible = None
+        if length > 1:
+            seen = torch.arange(start + length, device=device)  # [end]
+            rows = start + torch.arange(length, device=device)  # [length]
+            visible = seen[None, :] <= rows[:, None]  # [length, end]
+        return cls(slot, start, offset, length, visible)
 
 
 @dataclass(frozen=True)
@@ -88,12 +100,9 @@ def ragged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         end = seg.start + seg.length
         keys[seg.slot, :, seg.start:end] = key[0, :, new]  # write the new K/V into the slot
         values[seg.slot, :, seg.start:end] = value[0, :, new]
-        seen = torch.arange(end, device=query.device)  # [end]
-        rows = seg.start + torch.arange(seg.length, device=query.device)  # [length]
-        visible = seen[None, :] <= rows[:, None]  # [length, end]: causal over prefix + block
         out = F.scaled_dot_product_attention(
             query[:, :, new], keys[seg.slot, :, :end][None], values[seg.slot, :, :end][None],
-            attn_mask=visible, scale=scaling, enable_gqa=True,
+            attn_mask=seg.visible, scale=scaling, enable_gqa=True,
         )  # [1, heads, length, head_dim]
         outputs.append(out)
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None

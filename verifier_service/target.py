@@ -99,7 +99,8 @@ class TargetRunner:
         keep: list[int] = []  # indices into ids whose logits are wanted
         for item in items:
             offset = len(ids)
-            segments.append(Segment(item.slot, item.start, offset, len(item.token_ids)))
+            segments.append(Segment.build(item.slot, item.start, offset, len(item.token_ids),
+                                          self.device))
             ids.extend(item.token_ids)
             positions.extend(range(item.start, item.start + len(item.token_ids)))
             if item.keep_logits:
