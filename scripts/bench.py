@@ -10,7 +10,6 @@ interleaved in one run, after a warm-up. Prints a Markdown table and writes JSON
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -24,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from drafter_client import SpecDecClient  # noqa: E402
-from scripts.demo import free_port, start_verifier  # noqa: E402
 from scripts.fetch_models import fetch  # noqa: E402
+from scripts.verifier_process import free_port, start_verifier, write_results  # noqa: E402
 
 PROMPTS = {
     "code": [
@@ -114,10 +113,7 @@ def main() -> None:
                "cpu": platform.processor() or platform.machine(),
                "max_new_tokens": args.max_new_tokens, "target": args.target,
                "drafter": args.drafter}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": machine, "rows": rows}, indent=2))
-    print(f"\nwrote {out}")
+    write_results(args.out, {"machine": machine, "rows": rows})
 
 
 if __name__ == "__main__":

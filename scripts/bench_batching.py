@@ -11,7 +11,6 @@ input-grounded prompt. For each N the verifier's /v1/metrics give the mean batch
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import threading
@@ -27,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from drafter_client import SpecDecClient  # noqa: E402
 from drafter_client.metrics import _quantile  # noqa: E402
-from scripts.demo import free_port  # noqa: E402
+from scripts.verifier_process import free_port, start_verifier, write_results  # noqa: E402
 
 TEXTS = [
     "The river rose after three days of rain and the bridge was closed to traffic.",
@@ -47,26 +46,6 @@ def tiny_target(folder: Path) -> str:
     from conftest import save_tiny  # the test fixture's tiny Llama
 
     return str(save_tiny(folder / "tiny", "llama", 64, seed=3, init_range=0.3))
-
-
-def start(target: str, port: int, batching: bool, threads: int) -> Any:
-    import subprocess
-
-    cmd = [str(Path(sys.executable).parent / "specdec-verifier"), "--model", target, "--port",
-           str(port), "--threads", str(threads), "--max-batch-size", "16"]
-    if not batching:
-        cmd.append("--no-batching")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("verifier did not start")
 
 
 def run_clients(url: str, n: int, max_new_tokens: int, k: int) -> dict[str, Any]:
@@ -114,7 +93,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for batching in (True, False):
         port = free_port()
-        proc = start(target, port, batching, args.threads)
+        extra = ("--max-batch-size", "16") + (() if batching else ("--no-batching",))
+        proc = start_verifier(target, port, args.threads, extra, quiet=True)
         try:
             url = f"http://127.0.0.1:{port}"
             run_clients(url, 1, 8, args.k)  # warm-up
@@ -138,10 +118,7 @@ def main() -> None:
               f"{on['tokens_per_s'] / off['tokens_per_s']:.2f}x | {on['verify_p50_ms']} / "
               f"{off['verify_p50_ms']} | {on['verify_p95_ms']} / {off['verify_p95_ms']} | "
               f"{on['mean_batch_size']} | {on['outputs'] == off['outputs']} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
-    print(f"\nwrote {out}")
+    write_results(args.out, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

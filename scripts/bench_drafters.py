@@ -11,7 +11,6 @@ table per RTT and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from drafter_client import SpecDecClient  # noqa: E402
-from scripts.demo import free_port, start_verifier  # noqa: E402
 from scripts.fetch_models import fetch  # noqa: E402
+from scripts.verifier_process import free_port, start_verifier, write_results  # noqa: E402
 
 ARTICLE = (
     "The city council met on Tuesday to discuss the new bicycle lanes on Main Street. Residents "
@@ -110,10 +109,7 @@ def main() -> None:
             print(f"| {r['workload']} | {r['drafter']} | {r['k']} | {r['tokens_per_s']:.2f} | "
                   f"{r['speedup']:.2f}x | {r.get('acceptance_rate', '-')} | "
                   f"{r.get('mean_tokens_per_call', '-')} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
-    print(f"\nwrote {out}")
+    write_results(args.out, {"args": vars(args), "rows": rows})
 
 
 if __name__ == "__main__":

@@ -8,13 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -22,31 +17,10 @@ sys.path.insert(0, str(ROOT))
 from drafter_client import SpecDecClient  # noqa: E402
 from drafter_client.cli import TextStream  # noqa: E402
 from scripts.fetch_models import fetch  # noqa: E402
+from scripts.verifier_process import free_port, start_verifier  # noqa: E402
 
 PROMPT = ("Write a Python function `merge_intervals(intervals)` that merges overlapping "
           "intervals given as a list of [start, end] pairs. Include a docstring.")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_verifier(model: str, port: int, threads: int) -> subprocess.Popen[bytes]:
-    cmd = [str(Path(sys.executable).parent / "specdec-verifier"), "--model", model,
-           "--port", str(port), "--threads", str(threads)]
-    print(f"$ {' '.join(cmd)}", flush=True)
-    proc = subprocess.Popen(cmd)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the verifier did not become ready; see its log above")
 
 
 def main() -> None:
