@@ -2,8 +2,9 @@
 
 Jobs wait in a bounded queue. The batching loop takes the first job, then keeps taking jobs that
 are already queued or arrive within ``batch_wait_ms``, up to ``max_batch_size`` jobs and
-``max_batch_tokens`` tokens, and runs them as one ragged forward on the model thread. It only
-waits while some other session sent a job in the last second, so a lone client never waits.
+``max_batch_tokens`` tokens, and runs them as one ragged forward on the model thread. It waits
+only while a session that sent a job in the last second is missing from the batch, so a lone
+client never waits and a full set of clients is not kept waiting either.
 While a forward runs, new jobs queue up, so under load batches form by themselves. Each job
 validates itself against its session on the model thread, so a bad job fails alone.
 """
@@ -123,10 +124,9 @@ class Scheduler:
         first = self._held or await self.queue.get()
         self._held = None
         batch, tokens = [first], first.job.num_tokens
-        wait = self.batch_wait_s if self._others_active(batch) else 0.0
-        deadline = time.perf_counter() + wait
+        deadline = time.perf_counter() + self.batch_wait_s
         while len(batch) < self.max_batch_size:
-            left = deadline - time.perf_counter()
+            left = deadline - time.perf_counter() if self._others_active(batch) else 0.0
             try:
                 pending = (self.queue.get_nowait() if left <= 0
                            else await asyncio.wait_for(self.queue.get(), left))

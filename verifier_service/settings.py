@@ -29,7 +29,8 @@ class Settings(BaseSettings):
     batching: bool = Field(True, description="batch concurrent calls into one forward pass")
     max_batch_size: int = Field(16, ge=1, description="jobs per batched forward")
     max_batch_tokens: int = Field(2048, ge=1, description="tokens per batched forward")
-    batch_wait_ms: float = Field(2.0, ge=0, description="how long a batch waits for more jobs")
+    batch_wait_ms: float = Field(10.0, ge=0, description="how long a batch may wait for "
+                                 "sessions active in the last second that are not in it yet")
     max_queue: int = Field(256, ge=1, description="queued jobs; beyond it 429 + Retry-After")
     max_new_tokens: int = Field(1024, ge=1, description="cap for /v1/generate")
     max_prompt_tokens: int = Field(0, ge=0, description="0: max_context - 1")
