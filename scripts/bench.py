@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from drafter_client import SpecDecClient  # noqa: E402
 from scripts.fetch_models import fetch  # noqa: E402
-from scripts.verifier_process import free_port, start_verifier, write_results  # noqa: E402
+from scripts.verifier_process import free_port, start_verifier, stop_verifier, write_results  # noqa: E402
 
 PROMPTS = {
     "code": [
@@ -98,8 +98,7 @@ def main() -> None:
                 rows.append(row(workload, "specdec (model drafter)", k, results[k], base_tps))
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
+            stop_verifier(proc)
 
     header = ("| workload | system | k | tok/s | speedup | acceptance | tokens/call | B/token |\n"
               "|---|---|---|---|---|---|---|---|")

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from drafter_client import SpecDecClient  # noqa: E402
 from drafter_client.metrics import _quantile  # noqa: E402
-from scripts.verifier_process import free_port, start_verifier, write_results  # noqa: E402
+from scripts.verifier_process import free_port, start_verifier, stop_verifier, write_results  # noqa: E402
 
 TEXTS = [
     "The river rose after three days of rain and the bridge was closed to traffic.",
@@ -106,8 +106,7 @@ def main() -> None:
                       f"{row['verify_p95_ms']} ms, mean batch {row['mean_batch_size']}",
                       flush=True)
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            stop_verifier(proc)
 
     print("\n| clients | batching on tok/s | off tok/s | on/off | p50 on/off ms | p95 on/off ms "
           "| mean batch on | outputs equal |\n|---|---|---|---|---|---|---|---|")

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from drafter_client import SpecDecClient  # noqa: E402
 from scripts.fetch_models import fetch  # noqa: E402
-from scripts.verifier_process import free_port, start_verifier, write_results  # noqa: E402
+from scripts.verifier_process import free_port, start_verifier, stop_verifier, write_results  # noqa: E402
 
 ARTICLE = (
     "The city council met on Tuesday to discuss the new bicycle lanes on Main Street. Residents "
@@ -98,8 +98,7 @@ def main() -> None:
                               f"{m['acceptance_rate']:.2f}, {m['mean_tokens_per_call']:.2f} "
                               "tokens/call", flush=True)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_verifier(proc)
 
     for rtt in args.rtts:
         print(f"\n### simulated RTT {rtt:g} ms\n")

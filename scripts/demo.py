@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 from drafter_client import SpecDecClient  # noqa: E402
 from drafter_client.cli import TextStream  # noqa: E402
 from scripts.fetch_models import fetch  # noqa: E402
-from scripts.verifier_process import free_port, start_verifier  # noqa: E402
+from scripts.verifier_process import free_port, start_verifier, stop_verifier  # noqa: E402
 
 PROMPT = ("Write a Python function `merge_intervals(intervals)` that merges overlapping "
           "intervals given as a list of [start, end] pairs. Include a docstring.")
@@ -63,8 +63,7 @@ def main() -> None:
               f"no, from token {first_diff} (bf16: a k-token forward and 1-token forwards can "
               "round differently at near-ties)"))
     finally:
-        verifier.terminate()
-        verifier.wait(timeout=30)
+        stop_verifier(verifier)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,16 @@ def start_verifier(model: str, port: int, threads: int, extra_args: tuple[str, .
     raise SystemExit("the verifier did not become ready" + ("" if quiet else "; see its log"))
 
 
+def stop_verifier(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after ``grace_s``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def write_results(out: str, payload: dict[str, Any]) -> None:
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
