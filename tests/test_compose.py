@@ -44,7 +44,7 @@ def compose() -> dict[str, Any]:
 
 def test_compose_file_follows_the_specification(compose: dict[str, Any]) -> None:
     schema = json.loads((ROOT / "deploy" / "compose-spec.json").read_text())
-    validator = jsonschema.validators.validator_for(schema)(schema)
+    validator = jsonschema.Draft201909Validator(schema)  # the schema names draft 2019-09
     errors = [f"{'/'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(compose)]
     assert errors == []
 
@@ -54,7 +54,7 @@ def test_schema_check_is_not_vacuous(compose: dict[str, Any]) -> None:
     broken = json.loads(json.dumps(compose))
     broken["services"]["verifier"]["healthcheck"]["interval"] = {"seconds": 10}
     broken["services"]["verifier"]["restart_policy_typo"] = "always"
-    assert len(list(jsonschema.validators.validator_for(schema)(schema).iter_errors(broken))) >= 2
+    assert len(list(jsonschema.Draft201909Validator(schema).iter_errors(broken))) >= 2
 
 
 def test_services_keep_their_promises(compose: dict[str, Any]) -> None:
