@@ -57,8 +57,8 @@ class GenerationMetrics:
             "bytes_per_token": round((self.bytes_sent + self.bytes_received)
                                      / max(self.new_tokens, 1), 1),
             "verify_latency_ms": {
-                "p50": round(1e3 * _quantile(self.verify_latencies_s, 0.5), 2),
-                "p95": round(1e3 * _quantile(self.verify_latencies_s, 0.95), 2),
+                "p50": round(1e3 * quantile(self.verify_latencies_s, 0.5), 2),
+                "p95": round(1e3 * quantile(self.verify_latencies_s, 0.95), 2),
             },
             "time_s": {
                 "prefill_rtt": round(self.prefill_s, 4),
@@ -70,7 +70,7 @@ class GenerationMetrics:
         }
 
 
-def _quantile(values: list[float], q: float) -> float:
+def quantile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
     ordered = sorted(values)

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from drafter_client import SpecDecClient  # noqa: E402
-from drafter_client.metrics import _quantile  # noqa: E402
+from drafter_client.metrics import quantile  # noqa: E402
 from scripts.verifier_process import free_port, start_verifier, stop_verifier, write_results  # noqa: E402
 
 TEXTS = [
@@ -71,8 +71,8 @@ def run_clients(url: str, n: int, max_new_tokens: int, k: int) -> dict[str, Any]
         "clients": n, "tokens": sum(len(r.token_ids) for r in results),
         "wall_s": round(wall, 3),
         "tokens_per_s": round(sum(len(r.token_ids) for r in results) / wall, 3),
-        "verify_p50_ms": round(1e3 * _quantile(latencies, 0.5), 1),
-        "verify_p95_ms": round(1e3 * _quantile(latencies, 0.95), 1),
+        "verify_p50_ms": round(1e3 * quantile(latencies, 0.5), 1),
+        "verify_p95_ms": round(1e3 * quantile(latencies, 0.95), 1),
         "mean_batch_size": round((after["jobs"] - before["jobs"]) / max(batches, 1), 2),
         "outputs": [r.token_ids for r in results],
     }
