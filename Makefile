@@ -4,8 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-real lint demo bench bench-drafters fetch-models clean \
-	ensure-nginx
+.PHONY: install test test-fast test-real test-reliability lint demo bench bench-drafters \
+	bench-suite bench-network fetch-models clean ensure-nginx ensure-nettools
 
 install: $(STAMP)
 
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e ".[dev]"
 	touch $(STAMP)
 
-test: install ensure-nginx
+test: install ensure-nginx ensure-nettools
 	$(BIN)/python -m pytest -q
 
 # The load-balancer test runs the real nginx from Debian's packages; installed here when missing
@@ -31,8 +31,23 @@ ensure-nginx:
 	      || echo "nginx could not be installed: the load-balancer test will be skipped"; \
 	  else echo "nginx missing and not root: the load-balancer test will be skipped"; fi; }
 
+# The network tests put client and verifier in two namespaces (iproute2) and drop packets with
+# tc netem, or nftables where the kernel has no netem; installed here when missing and root.
+ensure-nettools:
+	@command -v nft >/dev/null 2>&1 && command -v ip >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing iproute2 and nftables (Debian packages) for the network tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      iproute2 nftables >/dev/null \
+	      || echo "iproute2/nftables could not be installed: the network tests will be skipped"; \
+	  else echo "ip/nft missing and not root: the network tests will be skipped"; fi; }
+
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not real"
+	$(BIN)/python -m pytest -q -m "not slow and not real and not faults and not fuzz and not netns"
+
+# Faults, fuzzing, load and the network namespaces alone (all are part of `make test`).
+test-reliability: install ensure-nettools
+	$(BIN)/python -m pytest -q -m "faults or fuzz or load or netns"
 
 test-real: install fetch-models
 	$(BIN)/python -m pytest -q -m real
@@ -52,6 +67,12 @@ bench: install fetch-models
 
 bench-drafters: install fetch-models
 	$(BIN)/python scripts/bench_drafters.py
+
+bench-suite: install fetch-models
+	$(BIN)/python scripts/bench_suite.py
+
+bench-network: install fetch-models ensure-nettools
+	$(BIN)/python scripts/bench_network.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,9 +77,14 @@ class SpecDecClient:
                  tokenizer: Any = None, dtype: str = "auto", device: str = "auto",
                  http_client: httpx.Client | None = None, timeout_s: float = 120.0,
                  options: DrafterOptions = DrafterOptions(),
-                 simulated_rtt_ms: float = 0.0) -> None:
-        self.verifier = HttpVerifier(verifier_url, timeout_s, http_client, simulated_rtt_ms / 1e3)
-        self.info = self.verifier.info()
+                 simulated_rtt_ms: float = 0.0, api_key: str | None = None,
+                 retry_budget_s: float = 60.0) -> None:
+        if api_key is None:
+            api_key = os.environ.get("SPECDEC_API_KEY") or None
+        self.verifier = HttpVerifier(verifier_url, timeout_s, http_client, simulated_rtt_ms / 1e3,
+                                     retry_budget_s=retry_budget_s, api_key=api_key)
+        # The first contact gives up sooner: a wrong URL should not take the whole budget.
+        self.info = self.verifier.info(budget_s=min(retry_budget_s, 10.0))
         if self.info.protocol_version != PROTOCOL_VERSION:
             raise SpecDecError(f"verifier speaks protocol {self.info.protocol_version}, this "
                                f"client {PROTOCOL_VERSION}")
@@ -145,12 +151,17 @@ class SpecDecClient:
             draft_length = make_draft_length(str(num_draft_tokens), self.info.max_draft_tokens)
         except ValueError as exc:
             raise SpecDecError(str(exc)) from exc
-        result = speculative_generate(
-            self.verifier, self.drafter, self.encode(prompt, chat),
-            SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
-            draft_length, max_new_tokens, seed, self.info.eos_token_ids,
-            self.info.vocab_size, self.info.max_context, on_tokens,
-        )
+        try:
+            result = speculative_generate(
+                self.verifier, self.drafter, self.encode(prompt, chat),
+                SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+                draft_length, max_new_tokens, seed, self.info.eos_token_ids,
+                self.info.vocab_size, self.info.max_context, on_tokens,
+            )
+        except SpecDecError as exc:
+            if exc.partial is not None:
+                exc.partial.text = self.decode(exc.partial.token_ids)
+            raise
         result.text = self.decode(result.token_ids)
         return result
 
@@ -161,10 +172,14 @@ class SpecDecClient:
         prompt_ids = self.encode(prompt, chat)
         sent, received = self.verifier.bytes_sent, self.verifier.bytes_received
         started = time.perf_counter()
-        reply = self.verifier.generate(GenerateRequest(
-            prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, seed=seed,
-            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
-        ))
+        try:
+            reply = self.verifier.generate(GenerateRequest(
+                prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, seed=seed,
+                sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+            ))
+        except SpecDecError as exc:  # one call: nothing was generated
+            exc.partial = GenerationResult(prompt_ids, [], GenerationMetrics())
+            raise
         metrics = GenerationMetrics(
             new_tokens=len(reply.token_ids), wall_s=time.perf_counter() - started,
             verify_forward_s=reply.forward_ms / 1e3,

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -31,7 +32,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", help="tokenizer spec (default: the drafter's, or the "
                    "verifier's model when it resolves here)")
+    p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                   help="the verifier's API key (default: $SPECDEC_API_KEY; prefer the "
+                   "variable, a flag shows in ps)")
     p.add_argument("--timeout-s", type=float, default=120.0, help="HTTP timeout per call")
+    p.add_argument("--retry-budget-s", type=float, default=60.0,
+                   help="how long to keep retrying a verifier that is down or overloaded "
+                   "before giving up (the first contact: at most 10 s)")
     p.add_argument("--simulated-rtt-ms", type=float, default=0.0,
                    help="add this delay before every call to the verifier (network studies)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -120,6 +127,20 @@ def _summary(result: GenerationResult, label: str) -> str:
     return "\n".join(lines)
 
 
+EXIT_ERROR = 2  # nothing was generated
+EXIT_PARTIAL = 3  # some tokens were generated (printed), then an unrecoverable error
+
+
+def _print_json(result: GenerationResult, error: str | None = None) -> None:
+    body: dict[str, Any] = {
+        "text": result.text, "token_ids": result.token_ids,
+        "prompt_token_ids": result.prompt_token_ids, "metrics": result.metrics.to_dict(),
+    }
+    if error is not None:
+        body.update(partial=True, error=error)
+    sys.stdout.write(orjson.dumps(body).decode() + "\n")
+
+
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
@@ -137,25 +158,34 @@ def run(argv: list[str] | None = None) -> int:
                 draft_min_prob=args.draft_min_prob)
             client = SpecDecClient(args.verifier_url, args.drafter, args.tokenizer, args.dtype,
                                    args.device, timeout_s=args.timeout_s, options=options,
-                                   simulated_rtt_ms=args.simulated_rtt_ms)
+                                   simulated_rtt_ms=args.simulated_rtt_ms,
+                                   api_key=args.api_key, retry_budget_s=args.retry_budget_s)
             stream = None if args.json else TextStream(client)
             result = client.generate(prompt, num_draft_tokens=args.num_draft_tokens,
                                      on_tokens=stream, **sampling)
         else:
             client = SpecDecClient(args.verifier_url, None, args.tokenizer,
                                    timeout_s=args.timeout_s,
-                                   simulated_rtt_ms=args.simulated_rtt_ms)
+                                   simulated_rtt_ms=args.simulated_rtt_ms,
+                                   api_key=args.api_key, retry_budget_s=args.retry_budget_s)
             result = client.baseline(prompt, **sampling)
             if not args.json:
                 sys.stdout.write(result.text)
     except SpecDecError as exc:
-        print(f"specdec: error: {exc}", file=sys.stderr)
-        return 2
+        partial: GenerationResult | None = exc.partial
+        if partial is None:  # nothing started: exit 2
+            print(f"specdec: error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        # Generation started and stopped: what was generated is on stdout, exit 3 says partial.
+        if args.json:
+            _print_json(partial, error=str(exc))
+        else:
+            sys.stdout.write("\n")
+        print(f"specdec: error: {exc} (partial output: {len(partial.token_ids)} tokens "
+              "generated before it)", file=sys.stderr)
+        return EXIT_PARTIAL
     if args.json:
-        sys.stdout.write(orjson.dumps({
-            "text": result.text, "token_ids": result.token_ids,
-            "prompt_token_ids": result.prompt_token_ids, "metrics": result.metrics.to_dict(),
-        }).decode() + "\n")
+        _print_json(result)
     else:
         print("\n" + _summary(result, args.command))
     return 0

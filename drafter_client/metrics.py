@@ -22,6 +22,8 @@ class GenerationMetrics:
     verify_rtt_s: float = 0.0
     verify_forward_s: float = 0.0  # time on the verifier (queue + forward), inside the trip
     verify_latencies_s: list[float] = field(default_factory=list)  # one per verify round trip
+    retries: int = 0  # HTTP calls repeated after a connection error, 429 or 502-504
+    session_reopens: int = 0  # sessions reopened after the verifier lost one
 
     def record_block(self, proposed: int, accepted: int) -> None:
         self.verify_calls += 1
@@ -56,6 +58,8 @@ class GenerationMetrics:
             "bytes_received": self.bytes_received,
             "bytes_per_token": round((self.bytes_sent + self.bytes_received)
                                      / max(self.new_tokens, 1), 1),
+            "retries": self.retries,
+            "session_reopens": self.session_reopens,
             "verify_latency_ms": {
                 "p50": round(1e3 * quantile(self.verify_latencies_s, 0.5), 2),
                 "p95": round(1e3 * quantile(self.verify_latencies_s, 0.95), 2),

@@ -12,7 +12,7 @@ import torch
 from drafter_client.draft_length import DraftLength, FixedLength
 from drafter_client.drafters import Draft, Drafter
 from drafter_client.metrics import GenerationMetrics
-from drafter_client.transport import HttpVerifier, SpecDecError
+from drafter_client.transport import HttpVerifier, SpecDecError, VerifierHTTPError
 from shared.sampling import (
     SamplingConfig,
     accept_drafts,
@@ -52,6 +52,16 @@ def _check_verdict(reply: VerifyResponse, draft: Draft, draft_logprobs: torch.Te
     return accepted
 
 
+MAX_REOPENS_PER_BLOCK = 3
+
+
+def _session_lost(exc: VerifierHTTPError) -> bool:
+    """The verifier no longer holds our session as we know it: restarted, evicted, expired, or
+    at another position (a call we never saw the answer to, then lost on the verifier too)."""
+    return ((exc.status == 404 and exc.code == "session_not_found")
+            or (exc.status == 409 and exc.code in ("position_mismatch", "step_conflict")))
+
+
 def speculative_generate(
     verifier: HttpVerifier,
     drafter: Drafter,
@@ -72,14 +82,41 @@ def speculative_generate(
     top_ids = int(getattr(drafter, "top_k_filler", 0))  # NASD: the target's top-k per position
     generator = torch.Generator().manual_seed(seed)
     metrics = GenerationMetrics()
-    sent_before, received_before = verifier.bytes_sent, verifier.bytes_received
+    sent_before, received_before, retries_before = (verifier.bytes_sent,
+                                                    verifier.bytes_received, verifier.retries)
     started = time.perf_counter()
-    session = verifier.create_session(CreateSessionRequest(prompt_ids=prompt_ids,
-                                                           sampling=sampling))
-    metrics.prefill_s = time.perf_counter() - started
-    drafter.reset(prompt_ids)
     committed = list(prompt_ids)
+    session_id: str | None = None
+
+    def open_session() -> str:
+        """A session holding every committed token; its position is len(committed)."""
+        return verifier.create_session(CreateSessionRequest(prompt_ids=committed,
+                                                            sampling=sampling)).session_id
+
+    def verify(req: VerifyRequest) -> VerifyResponse:
+        """One verify call; when the session is lost, reopen it with the committed tokens and
+        send the very same request again (same position, same uniforms), so the output is what
+        an undisturbed run gives."""
+        nonlocal session_id
+        for _ in range(MAX_REOPENS_PER_BLOCK):
+            assert session_id is not None
+            try:
+                return verifier.verify(session_id, req)
+            except VerifierHTTPError as exc:
+                if not _session_lost(exc):
+                    raise
+                if exc.status == 409:  # it still exists, at a position we cannot use
+                    with contextlib.suppress(SpecDecError):
+                        verifier.delete_session(session_id)
+            session_id = open_session()
+            metrics.session_reopens += 1
+        raise SpecDecError(f"the verifier lost this generation's session "
+                           f"{MAX_REOPENS_PER_BLOCK} times in one block; giving up")
+
     try:
+        session_id = open_session()
+        metrics.prefill_s = time.perf_counter() - started
+        drafter.reset(prompt_ids)
         while len(committed) - len(prompt_ids) < max_new_tokens and len(committed) <= max_context:
             # 1. Draft: a block yields up to k + 1 tokens and needs position + k <= context.
             remaining = max_new_tokens - (len(committed) - len(prompt_ids))
@@ -94,7 +131,7 @@ def speculative_generate(
             log_uniforms = torch.log1p(-uniforms[:k])  # [k]
             draft_logprobs = None if config.greedy else draft.logprobs  # None: one-hot draft
             # 3. One round trip: the verifier scores [last token, x_1..x_k] in one forward.
-            reply = verifier.verify(session.session_id, VerifyRequest(
+            reply = verify(VerifyRequest(
                 position=len(committed), last_token=committed[-1], draft_ids=draft.ids,
                 draft_logprobs=None if draft_logprobs is None else draft_logprobs.tolist(),
                 log_uniforms=log_uniforms.tolist(), final_uniform=float(uniforms[k]),
@@ -131,12 +168,25 @@ def speculative_generate(
                 on_tokens(new_tokens)
             if eos_at is not None:
                 break
+    except SpecDecError as exc:  # keep what was generated: the caller reports it as partial
+        exc.partial = _result(prompt_ids, committed, metrics, verifier, started,
+                              (sent_before, received_before, retries_before))
+        raise
     finally:
-        with contextlib.suppress(SpecDecError):  # else it expires on the verifier by itself
-            verifier.delete_session(session.session_id)
+        if session_id is not None:
+            with contextlib.suppress(SpecDecError):  # else it expires on the verifier
+                verifier.delete_session(session_id)
+    return _result(prompt_ids, committed, metrics, verifier, started,
+                   (sent_before, received_before, retries_before))
+
+
+def _result(prompt_ids: list[int], committed: list[int], metrics: GenerationMetrics,
+            verifier: HttpVerifier, started: float,
+            before: tuple[int, int, int]) -> GenerationResult:
     generated = committed[len(prompt_ids):]
     metrics.new_tokens = len(generated)
     metrics.wall_s = time.perf_counter() - started
-    metrics.bytes_sent = verifier.bytes_sent - sent_before
-    metrics.bytes_received = verifier.bytes_received - received_before
+    metrics.bytes_sent = verifier.bytes_sent - before[0]
+    metrics.bytes_received = verifier.bytes_received - before[1]
+    metrics.retries = verifier.retries - before[2]
     return GenerationResult(list(prompt_ids), generated, metrics)

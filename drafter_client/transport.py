@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import secrets
 import time
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -26,68 +26,114 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class SpecDecError(RuntimeError):
-    """An error the client cannot recover from; the message is one line for the user."""
+    """An error the client cannot recover from; the message is one line for the user.
+    ``partial``: what was generated before it (a GenerationResult), when anything was."""
+
+    partial: Any = None
 
 
 class VerifierHTTPError(SpecDecError):
-    def __init__(self, status: int, code: str, message: str, field: str | None) -> None:
+    def __init__(self, status: int, code: str, message: str, field: str | None,
+                 position: int | None = None) -> None:
         super().__init__(f"verifier answered {status} ({code}): {message}")
-        self.status, self.code, self.field = status, code, field
+        self.status, self.code, self.field, self.position = status, code, field, position
 
 
-def retry_delay(retry_after: str | None, attempt: int) -> float:
+class VerifierUnavailable(SpecDecError):
+    """The verifier stayed unreachable or overloaded for the whole retry budget."""
+
+
+RETRY_STATUSES = frozenset({429, 502, 503, 504})  # overloaded, or a proxy without a backend
+
+
+def retry_delay(retry_after: str | None, attempt: int, max_delay_s: float = 2.0) -> float:
     """Seconds to wait before retry ``attempt`` (0-based): Retry-After when given, else
-    exponential backoff from 0.1 s; jittered by up to +50% so clients do not retry in step."""
+    exponential backoff from 0.1 s up to ``max_delay_s``; jittered by up to +50% so clients do
+    not retry in step."""
     try:
         base = float(retry_after) if retry_after is not None else 0.1 * 2**attempt
     except ValueError:
         base = 0.1 * 2**attempt
+    if retry_after is None:
+        base = min(base, max_delay_s)
     return min(base, 30.0) * (1 + 0.5 * random.random())
 
 
+def _is_name_error(exc: Exception) -> bool:
+    """A host name that does not resolve will not start resolving by retrying."""
+    text = str(exc).lower()
+    return "name or service not known" in text or "nodename nor servname" in text
+
+
 class HttpVerifier:
-    """Talks to one verifier. Pass ``client`` to reuse an httpx.Client (or a TestClient)."""
+    """Talks to one verifier. Pass ``client`` to reuse an httpx.Client (or a TestClient).
+
+    Every call is safe to repeat (verify names its step, sessions are created under an id we
+    choose), so connection errors, timeouts, 429 and 502/503/504 are retried with jittered
+    exponential backoff (Retry-After when the verifier sends one) until ``retry_budget_s`` has
+    passed since the call's first failure."""
 
     def __init__(self, url: str, timeout_s: float = 120.0,
                  client: httpx.Client | None = None, simulated_rtt_s: float = 0.0,
-                 max_retries: int = 8) -> None:
+                 retry_budget_s: float = 60.0, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.simulated_rtt_s = simulated_rtt_s  # added before each call, to study distance
-        self.max_retries = max_retries  # for 429 / 503 answers
+        self.retry_budget_s = retry_budget_s
         self.retries = 0
         self.client = client or httpx.Client(base_url=self.url, timeout=timeout_s)
+        self.auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.bytes_sent = 0
         self.bytes_received = 0
 
     def _call(self, method: str, path: str, body: BaseModel | None,
-              response_model: type[M] | None, session_id: str | None = None) -> M | None:
+              response_model: type[M] | None, session_id: str | None = None,
+              budget_s: float | None = None) -> M | None:
         content = orjson.dumps(body.model_dump()) if body is not None else None
-        headers = {"content-type": "application/json"} if content else {}
+        headers = {"content-type": "application/json", **self.auth} if content else {**self.auth}
         if session_id is not None:
             headers[SESSION_HEADER] = session_id
-        for attempt in range(self.max_retries + 1):
+        budget = self.retry_budget_s if budget_s is None else budget_s
+        first_failure: float | None = None
+        attempt = 0
+        while True:
             if self.simulated_rtt_s:
                 time.sleep(self.simulated_rtt_s)
+            retry_after, why = None, ""
             try:
                 response = self.client.request(method, path, content=content, headers=headers)
             except httpx.TransportError as exc:
-                raise SpecDecError(f"cannot reach the verifier at {self.url}{path}: "
-                                   f"{exc}") from exc
-            self.bytes_sent += len(content or b"")
-            self.bytes_received += len(response.content)
-            if response.status_code not in (429, 503) or attempt == self.max_retries:
-                break
-            # Overloaded: wait as told (Retry-After), with jitter, then try again.
+                if _is_name_error(exc):
+                    raise SpecDecError(f"cannot reach the verifier at {self.url}: {exc}") from exc
+                why = f"{type(exc).__name__}: {exc}"
+            else:
+                self.bytes_sent += len(content or b"")
+                self.bytes_received += len(response.content)
+                if response.status_code not in RETRY_STATUSES:
+                    break
+                retry_after = response.headers.get("retry-after")
+                why = f"HTTP {response.status_code}"
+            now = time.monotonic()
+            first_failure = first_failure if first_failure is not None else now
+            delay = retry_delay(retry_after, attempt)
+            if now + delay - first_failure > budget:
+                raise VerifierUnavailable(
+                    f"the verifier at {self.url} did not answer {method} {path} for "
+                    f"{now - first_failure:.1f} s ({attempt + 1} attempts; last: {why}); "
+                    f"giving up (retry budget {budget:g} s)")
             self.retries += 1
-            time.sleep(retry_delay(response.headers.get("retry-after"), attempt))
+            attempt += 1
+            time.sleep(delay)
         if response.status_code >= 400:
             try:
                 error = orjson.loads(response.content)["error"]
-                raise VerifierHTTPError(response.status_code, error["code"], error["message"],
-                                        error.get("field"))
+                code, message = error["code"], error["message"]
+                field, position = error.get("field"), error.get("position")
             except (orjson.JSONDecodeError, KeyError, TypeError):
                 raise VerifierHTTPError(response.status_code, "http_error",
-                                        response.text[:200], None) from None
+                                        response.text[:200].replace("\n", " "), None) from None
+            if response.status_code == 401:
+                message += " - check --api-key / SPECDEC_API_KEY"
+            raise VerifierHTTPError(response.status_code, code, message, field, position)
         if response_model is None:
             return None
         try:
@@ -96,8 +142,9 @@ class HttpVerifier:
             raise SpecDecError(f"{self.url}{path} answered something that is not a specdec "
                                f"verifier response: {exc.errors()[0]['msg']}") from exc
 
-    def info(self) -> InfoResponse:
-        return self._call("GET", "/v1/info", None, InfoResponse)  # type: ignore[return-value]
+    def info(self, budget_s: float | None = None) -> InfoResponse:
+        return self._call("GET", "/v1/info", None, InfoResponse,  # type: ignore[return-value]
+                          budget_s=budget_s)
 
     def create_session(self, req: CreateSessionRequest) -> CreateSessionResponse:
         """Opens a session under an id we choose, so a balancer can route every call by it."""
@@ -110,8 +157,10 @@ class HttpVerifier:
         return self._call("POST", f"/v1/sessions/{session_id}/verify",  # type: ignore[return-value]
                           req, VerifyResponse, session_id)
 
-    def delete_session(self, session_id: str) -> None:
-        self._call("DELETE", f"/v1/sessions/{session_id}", None, None, session_id)
+    def delete_session(self, session_id: str, budget_s: float = 2.0) -> None:
+        """Best effort with a short budget: an unused session expires on the verifier anyway."""
+        self._call("DELETE", f"/v1/sessions/{session_id}", None, None, session_id,
+                   budget_s=budget_s)
 
     def generate(self, req: GenerateRequest) -> GenerateResponse:
         return self._call("POST", "/v1/generate", req,  # type: ignore[return-value]

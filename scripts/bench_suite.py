@@ -32,7 +32,6 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -273,8 +272,8 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                r["context"], r["rtt_ms"])
         groups.setdefault(key, []).append(r)
     rows = []
+    med = statistics.median
     for (suite, workload, system, k, temp, ctx, rtt), runs in groups.items():
-        med = statistics.median
 
         def m(name: str, runs: list[dict[str, Any]] = runs) -> float | None:
             values = [r[name] for r in runs if r.get(name) is not None]

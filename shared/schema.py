@@ -11,6 +11,7 @@ verifier's KV cache holds all of them but the last, which the next verify call f
 from __future__ import annotations
 
 import base64
+from typing import Annotated
 
 import numpy as np
 import torch
@@ -19,6 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from shared.sampling import SamplingConfig
 
 PROTOCOL_VERSION = 1
+INT32_MAX = 2**31 - 1
+# Integers a client sends are bounded here, so an absurd one is a 422 naming its field, never a
+# failure deep inside (token ids are checked against the vocabulary by the verifier itself).
+TokenId = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class _Strict(BaseModel):
@@ -27,7 +33,7 @@ class _Strict(BaseModel):
 
 class SamplingParams(_Strict):
     temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 means greedy")
-    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    top_k: int = Field(0, ge=0, le=INT32_MAX, description="0 disables top-k")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="1.0 disables top-p")
 
     def to_config(self) -> SamplingConfig:
@@ -53,8 +59,8 @@ REPLICA_HEADER = "X-Verifier-Replica"  # which verifier answered
 
 
 class CreateSessionRequest(_Strict):
-    protocol_version: int = PROTOCOL_VERSION
-    prompt_ids: list[int] = Field(min_length=1)
+    protocol_version: Count = PROTOCOL_VERSION
+    prompt_ids: list[TokenId] = Field(min_length=1)
     sampling: SamplingParams = SamplingParams()
     session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN,
                                    description="client-chosen id (lets a load balancer route the "
@@ -68,9 +74,11 @@ class CreateSessionResponse(_Strict):
 
 
 class VerifyRequest(_Strict):
-    position: int = Field(ge=1, description="committed tokens so far; must equal the session's")
-    last_token: int = Field(ge=0, description="the last committed token, not yet in the KV cache")
-    draft_ids: list[int] = Field(default_factory=list)
+    position: int = Field(ge=1, le=INT32_MAX,
+                          description="committed tokens so far; must equal the session's")
+    last_token: int = Field(ge=0, le=INT32_MAX,
+                            description="the last committed token, not yet in the KV cache")
+    draft_ids: list[TokenId] = Field(default_factory=list)
     draft_logprobs: list[float] | None = Field(
         None, description="log q_i(x_i) of each draft; null for a deterministic (one-hot) draft"
     )
@@ -139,11 +147,11 @@ class VerifyResponse(_Strict):
 
 
 class GenerateRequest(_Strict):
-    protocol_version: int = PROTOCOL_VERSION
-    prompt_ids: list[int] = Field(min_length=1)
+    protocol_version: Count = PROTOCOL_VERSION
+    prompt_ids: list[TokenId] = Field(min_length=1)
     sampling: SamplingParams = SamplingParams()
-    max_new_tokens: int = Field(128, ge=1)
-    seed: int = 0
+    max_new_tokens: int = Field(128, ge=1, le=INT32_MAX)
+    seed: int = Field(0, ge=0, le=2**63 - 1)
     stop_at_eos: bool = True
 
 
@@ -157,6 +165,7 @@ class ErrorBody(_Strict):
     code: str
     message: str
     field: str | None = None
+    position: int | None = Field(None, description="with 409: the session's current position")
 
 
 class ErrorResponse(_Strict):

@@ -32,6 +32,7 @@ from verifier_service.errors import (
     validation_error_handler,
     verifier_error_handler,
 )
+from verifier_service.guards import OWNER_KEY, ApiKeyAuth, BodyLimit
 from verifier_service.scheduler import Scheduler
 from verifier_service.service import VerifierService
 from verifier_service.settings import Settings
@@ -96,11 +97,17 @@ async def get_model_thread(request: Request) -> ModelThread:
     return request.app.state.model_thread  # type: ignore[no-any-return]
 
 
+async def get_owner(request: Request) -> str | None:
+    """The API key (by its digest's name) that sent the request; None without auth."""
+    return getattr(request.state, OWNER_KEY, None)
+
+
 ServiceDep = Annotated[VerifierService, Depends(get_service)]
+OwnerDep = Annotated[str | None, Depends(get_owner)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 ModelThreadDep = Annotated[ModelThread, Depends(get_model_thread)]
 ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 404, 409, 413, 415, 422, 429, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 415, 422, 429, 503)
 }
 
 
@@ -139,6 +146,8 @@ def create_app(settings: Settings, runner: TargetRunner | None = None) -> FastAP
     app = FastAPI(title="specdec verifier", version="0.1.0", lifespan=lifespan,
                   default_response_class=ORJSONResponse)
     replica = settings.replica_name or f"{socket.gethostname()}:{settings.port}"
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(ApiKeyAuth, keys=settings.key_list())  # outside BodyLimit: auth first
     app.add_middleware(ReplicaHeader, name=replica)
 
     app.add_exception_handler(VerifierError, verifier_error_handler)
@@ -167,31 +176,36 @@ def create_app(settings: Settings, runner: TargetRunner | None = None) -> FastAP
             "expired_sessions": service.sessions.expired,
             "kv_slots": pool.num_slots, "kv_slots_free": pool.free_slots,
             "kv_slot_tokens": pool.slot_tokens, "kv_pool_bytes": pool.nbytes,
-            "verify_calls": service.verify_calls,
+            "verify_calls": service.verify_calls, "replayed_calls": service.replayed_calls,
         }
 
     @app.post("/v1/sessions", response_model=CreateSessionResponse, responses=ERRORS)
     async def create_session(body: CreateSessionRequest, service: ServiceDep,
-                             scheduler: SchedulerDep) -> CreateSessionResponse:
-        return await scheduler.submit(service.create_session_job(body))  # type: ignore[no-any-return]
+                             scheduler: SchedulerDep, owner: OwnerDep) -> CreateSessionResponse:
+        """Open a session and prefill its prompt. Idempotent under a client-chosen
+        ``session_id``: the same request again answers the same while the session is unused."""
+        return await scheduler.submit(service.create_session_job(body, owner))  # type: ignore[no-any-return]
 
     @app.post("/v1/sessions/{session_id}/verify", response_model=VerifyResponse,
               responses=ERRORS)
     async def verify(session_id: str, body: VerifyRequest, service: ServiceDep,
-                     scheduler: SchedulerDep) -> VerifyResponse:
-        return await scheduler.submit(service.verify_job(session_id, body))  # type: ignore[no-any-return]
+                     scheduler: SchedulerDep, owner: OwnerDep) -> VerifyResponse:
+        """Score a drafted block in one forward. Idempotent: ``position`` names the step; the
+        same call again returns the same answer without advancing the session; another
+        position than the session's gets 409 with the session's ``position``."""
+        return await scheduler.submit(service.verify_job(session_id, body, owner))  # type: ignore[no-any-return]
 
     @app.delete("/v1/sessions/{session_id}", status_code=204, responses=ERRORS)
     async def delete_session(session_id: str, service: ServiceDep, scheduler: SchedulerDep,
-                             model_thread: ModelThreadDep) -> Response:
+                             model_thread: ModelThreadDep, owner: OwnerDep) -> Response:
         scheduler.forget(session_id)
-        await model_thread.run(service.delete_session, session_id)
+        await model_thread.run(service.delete_session, session_id, owner)
         return Response(status_code=204)
 
     @app.post("/v1/generate", response_model=GenerateResponse, responses=ERRORS)
     async def generate(body: GenerateRequest, service: ServiceDep,
-                       scheduler: SchedulerDep) -> GenerateResponse:
-        return await service.generate(scheduler, body)
+                       scheduler: SchedulerDep, owner: OwnerDep) -> GenerateResponse:
+        return await service.generate(scheduler, body, owner)
 
     return app
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 
 import uvicorn
 
@@ -41,16 +42,31 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
                    help="queued calls beyond which the verifier answers 429")
     p.add_argument("--replica-name", default=defaults.replica_name,
                    help="name sent in the X-Verifier-Replica header (default host:port)")
+    p.add_argument("--max-sessions-per-key", type=int, default=defaults.max_sessions_per_key,
+                   help="open sessions one API key may hold (0: no per-key limit)")
+    p.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    p.add_argument("--shutdown-grace-s", type=float, default=defaults.shutdown_grace_s,
+                   help="on SIGTERM, how long calls in flight may take to finish")
     args = p.parse_args(argv)
-    return Settings(**{k: v for k, v in vars(args).items()})
+    # API keys come only from the environment (SPECDEC_API_KEYS): a flag would show them in ps.
+    return Settings(**{k: v for k, v in vars(args).items()}, api_keys=defaults.api_keys)
 
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.key_list():
+        logging.getLogger(__name__).info("API keys required (%d configured)",
+                                         len(settings.key_list()))
+    # uvicorn on SIGTERM / SIGINT: stops accepting connections, lets requests in flight finish
+    # (up to the grace period), then runs the app's shutdown. It then re-raises the signal to
+    # whatever handler was there before it; these no-op handlers make a drained shutdown exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level="warning")
+                log_level="warning",
+                timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)))
 
 
 if __name__ == "__main__":

@@ -12,15 +12,19 @@ from starlette.responses import Response
 
 class VerifierError(Exception):
     def __init__(self, status: int, code: str, message: str, field: str | None = None,
-                 retry_after_s: int | None = None) -> None:
+                 retry_after_s: int | None = None, position: int | None = None) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.field = status, code, message, field
         self.retry_after_s = retry_after_s  # sent as Retry-After with 429 / 503
+        self.position = position  # the session's position, with 409s, to resynchronise
 
 
 def error_response(status: int, code: str, message: str, field: str | None = None,
-                   retry_after_s: int | None = None) -> Response:
-    body = {"error": {"code": code, "message": message, "field": field}}
+                   retry_after_s: int | None = None, position: int | None = None) -> Response:
+    error: dict[str, Any] = {"code": code, "message": message, "field": field}
+    if position is not None:
+        error["position"] = position
+    body = {"error": error}
     headers = {"Retry-After": str(retry_after_s)} if retry_after_s is not None else None
     return Response(orjson.dumps(body), status_code=status, media_type="application/json",
                     headers=headers)
@@ -28,7 +32,8 @@ def error_response(status: int, code: str, message: str, field: str | None = Non
 
 async def verifier_error_handler(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, VerifierError)
-    return error_response(exc.status, exc.code, exc.message, exc.field, exc.retry_after_s)
+    return error_response(exc.status, exc.code, exc.message, exc.field, exc.retry_after_s,
+                          exc.position)
 
 
 def _location(error: dict[str, Any]) -> str:

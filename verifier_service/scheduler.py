@@ -85,6 +85,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._task: asyncio.Task[None] | None = None
         self._held: _Pending | None = None  # taken from the queue but over the batch's limits
+        # A second call for a session already in the batch (a client's retry while its first
+        # call is still queued) waits for the next batch, where it gets the first one's answer.
+        self._deferred: list[_Pending] = []
         self._last_seen: dict[str, float] = {}  # session id -> when it last sent a job
 
     def start(self) -> None:
@@ -121,8 +124,12 @@ class Scheduler:
         return await pending.future
 
     async def _next_batch(self) -> list[_Pending]:
-        first = self._held or await self.queue.get()
-        self._held = None
+        if self._held is not None:
+            first, self._held = self._held, None
+        elif self._deferred:
+            first = self._deferred.pop(0)
+        else:
+            first = await self.queue.get()
         batch, tokens = [first], first.job.num_tokens
         deadline = time.perf_counter() + self.batch_wait_s
         while len(batch) < self.max_batch_size:
@@ -153,21 +160,22 @@ class Scheduler:
             for pending, (ok, value) in zip(batch, outcomes, strict=True):
                 if pending.future.done():  # the caller went away
                     continue
-                if ok:
+                if ok is None:
+                    self._deferred.append(pending)
+                elif ok:
                     pending.future.set_result(value)
                 else:
                     pending.future.set_exception(value)
 
-    def _run_batch(self, jobs: list[Job]) -> list[tuple[bool, Any]]:
-        """Model thread: prepare every job, one forward for all, then finish each."""
-        outcomes: list[tuple[bool, Any] | None] = [None] * len(jobs)
+    def _run_batch(self, jobs: list[Job]) -> list[tuple[bool | None, Any]]:
+        """Model thread: prepare every job, one forward for all, then finish each.
+        An outcome (None, None) defers the job to the next batch."""
+        outcomes: list[tuple[bool | None, Any] | None] = [None] * len(jobs)
         prepared: list[tuple[int, ForwardItem | None]] = []
         sessions: set[str] = set()
         for i, job in enumerate(jobs):
             if job.session_id is not None and job.session_id in sessions:
-                outcomes[i] = (False, VerifierError(
-                    409, "call_in_flight", f"session {job.session_id!r} already has a call in "
-                    "this batch; send one verify at a time", "session_id"))
+                outcomes[i] = (None, None)  # one job per session per forward
                 continue
             try:
                 item = job.prepare(sessions)

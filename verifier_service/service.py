@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -38,7 +39,8 @@ class VerifierService:
                                      on_drop=lambda s: runner.pool.release(s.slot))
         self.max_context = runner.max_context
         self.max_prompt = settings.max_prompt_tokens or self.max_context - 1
-        self.verify_calls = 0
+        self.verify_calls = 0  # verify calls that ran a forward (advanced a session)
+        self.replayed_calls = 0  # retried verify calls answered from the session's last reply
 
     def info(self) -> InfoResponse:
         r = self.runner
@@ -84,9 +86,14 @@ class VerifierService:
             raise VerifierError(422, "length_mismatch", f"draft_logprobs has "
                                 f"{len(req.draft_logprobs)} entries for {k} drafts",
                                 "draft_logprobs")
+        if req.position == session.last_verify_position:
+            raise VerifierError(409, "step_conflict", f"position {req.position} was already "
+                                "verified with a different request; the session is at position "
+                                f"{session.position}", "position", position=session.position)
         if req.position != session.position:
             raise VerifierError(409, "position_mismatch", f"position {req.position} does not "
-                                f"match the session's position {session.position}", "position")
+                                f"match the session's position {session.position}", "position",
+                                position=session.position)
         if session.position + k > self.max_context:
             raise VerifierError(422, "context_overflow", f"position {session.position} + {k} "
                                 f"drafts exceeds max_context {self.max_context}", "draft_ids")
@@ -101,18 +108,29 @@ class VerifierService:
         return slot
 
     # -- jobs ---------------------------------------------------------------------------------
-    def create_session_job(self, req: CreateSessionRequest) -> CreateSessionJob:
+    def create_session_job(self, req: CreateSessionRequest,
+                           owner: str | None = None) -> CreateSessionJob:
         self.check_protocol(req.protocol_version)
         self.check_prompt(req.prompt_ids)
-        return CreateSessionJob(self, req, req.session_id or secrets.token_urlsafe(12))
+        return CreateSessionJob(self, req, req.session_id or secrets.token_urlsafe(12), owner,
+                                _digest(req))
 
-    def verify_job(self, session_id: str, req: VerifyRequest) -> VerifyJob:
-        return VerifyJob(self, session_id, req)
+    def verify_job(self, session_id: str, req: VerifyRequest,
+                   owner: str | None = None) -> VerifyJob:
+        return VerifyJob(self, session_id, req, owner, _digest(req))
 
-    def delete_session(self, session_id: str) -> None:
-        self.sessions.remove(session_id)
+    def delete_session(self, session_id: str, owner: str | None = None) -> None:
+        self.sessions.remove(session_id, owner)
 
-    async def generate(self, scheduler: Scheduler, req: GenerateRequest) -> GenerateResponse:
+    def check_session_quota(self, owner: str | None) -> None:
+        limit = self.settings.max_sessions_per_key
+        if limit and owner is not None and self.sessions.count_owned(owner) >= limit:
+            raise VerifierError(429, "too_many_sessions", f"this API key holds {limit} open "
+                                f"sessions, the limit per key (SPECDEC_MAX_SESSIONS_PER_KEY); "
+                                "close one or retry later", "session_id", retry_after_s=1)
+
+    async def generate(self, scheduler: Scheduler, req: GenerateRequest,
+                       owner: str | None = None) -> GenerateResponse:
         """Target-only decoding (the baseline): a session advanced by verify calls with no
         drafts, each drawing the next token with the same sampling math and our own seed."""
         self.check_protocol(req.protocol_version)
@@ -123,7 +141,7 @@ class VerifierService:
                                 "max_new_tokens")
         generator = torch.Generator().manual_seed(req.seed)
         created = await scheduler.submit(self.create_session_job(
-            CreateSessionRequest(prompt_ids=req.prompt_ids, sampling=req.sampling)))
+            CreateSessionRequest(prompt_ids=req.prompt_ids, sampling=req.sampling), owner))
         session_id, position, last = created.session_id, created.position, req.prompt_ids[-1]
         tokens: list[int] = []
         forward_ms = 0.0
@@ -132,7 +150,7 @@ class VerifierService:
             for _ in range(steps):
                 reply = await scheduler.submit(self.verify_job(session_id, VerifyRequest(
                     position=position, last_token=last,
-                    final_uniform=float(draw_uniforms(generator, 1)[0]))))
+                    final_uniform=float(draw_uniforms(generator, 1)[0])), owner))
                 last, position = reply.next_token, reply.position
                 forward_ms += reply.forward_ms
                 tokens.append(last)
@@ -140,13 +158,17 @@ class VerifierService:
                     break
         finally:
             scheduler.forget(session_id)
-            await scheduler.run(self._drop_quietly, session_id)
+            await scheduler.run(self._drop_quietly, session_id, owner)
         return GenerateResponse(token_ids=tokens, forward_ms=forward_ms,
                                 forward_calls=len(tokens))
 
-    def _drop_quietly(self, session_id: str) -> None:
+    def _drop_quietly(self, session_id: str, owner: str | None) -> None:
         if self.sessions.exists(session_id):
-            self.sessions.remove(session_id)
+            self.sessions.remove(session_id, owner)
+
+
+def _digest(req: CreateSessionRequest | VerifyRequest) -> str:
+    return hashlib.sha256(req.model_dump_json().encode()).hexdigest()
 
 
 @dataclass
@@ -156,7 +178,10 @@ class CreateSessionJob:
     service: VerifierService
     req: CreateSessionRequest
     session_id: str
+    owner: str | None = None
+    digest: str = ""
     slot: int | None = None
+    replay: Session | None = None  # a retried create of a session that exists unchanged
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -164,16 +189,26 @@ class CreateSessionJob:
         return len(self.req.prompt_ids) - 1
 
     def prepare(self, busy: set[str]) -> ForwardItem | None:
-        if self.service.sessions.exists(self.session_id):
+        existing = self.service.sessions.peek(self.session_id)
+        if existing is not None:
+            if (existing.owner == self.owner and existing.create_digest == self.digest
+                    and existing.last_verify_position < 0):
+                self.replay = existing  # the same create again (its answer was lost)
+                return None
             raise VerifierError(409, "session_exists", f"session {self.session_id!r} already "
                                 "exists; choose another id", "session_id")
+        self.service.check_session_quota(self.owner)
         self.slot = self.service.allocate_slot(busy)
         return ForwardItem(self.slot, 0, self.req.prompt_ids[:-1], keep_logits=False)
 
     def finish(self, logits: torch.Tensor | None) -> CreateSessionResponse:
+        if self.replay is not None:
+            return CreateSessionResponse(session_id=self.replay.id,
+                                         position=self.replay.position, prefill_ms=0.0)
         assert self.slot is not None
         session = Session(slot=self.slot, position=len(self.req.prompt_ids),
-                          config=self.req.sampling.to_config(), id=self.session_id)
+                          config=self.req.sampling.to_config(), id=self.session_id,
+                          owner=self.owner, create_digest=self.digest)
         self.service.sessions.add(session)
         return CreateSessionResponse(session_id=session.id, position=session.position,
                                      prefill_ms=1e3 * (time.perf_counter() - self.started))
@@ -191,20 +226,30 @@ class VerifyJob:
     service: VerifierService
     session_id: str
     req: VerifyRequest
+    owner: str | None = None
+    digest: str = ""
     session: Session | None = None
+    replay: VerifyResponse | None = None  # the answer to this very call, already given once
     started: float = field(default_factory=time.perf_counter)
 
     @property
     def num_tokens(self) -> int:
         return len(self.req.draft_ids) + 1
 
-    def prepare(self, busy: set[str]) -> ForwardItem:
-        self.session = self.service.sessions.get(self.session_id)
-        self.service.check_verify(self.session, self.req)
+    def prepare(self, busy: set[str]) -> ForwardItem | None:
+        self.session = session = self.service.sessions.get(self.session_id, self.owner)
+        if (self.req.position == session.last_verify_position
+                and self.digest == session.last_verify_digest):
+            self.replay = session.last_reply  # a retry: same answer, the cache moves once
+            return None
+        self.service.check_verify(session, self.req)
         return ForwardItem(self.session.slot, self.session.position - 1,
                            [self.req.last_token, *self.req.draft_ids], keep_logits=True)
 
     def finish(self, logits: torch.Tensor | None) -> VerifyResponse:
+        if self.replay is not None:
+            self.service.replayed_calls += 1
+            return self.replay
         session, req = self.session, self.req
         assert session is not None and logits is not None  # [k + 1, vocab]
         draft_lp = (torch.tensor(req.draft_logprobs, dtype=torch.float64)
@@ -217,7 +262,7 @@ class VerifyJob:
         # The slot holds position + k tokens now; the session keeps last token + accepted.
         session.position += verdict.num_accepted + 1
         self.service.verify_calls += 1
-        return VerifyResponse(
+        reply = VerifyResponse(
             num_accepted=verdict.num_accepted,
             target_logprobs=(encode_logprobs(verdict.target_logprobs)
                              if verdict.target_logprobs is not None else None),
@@ -230,6 +275,9 @@ class VerifyJob:
             top_ids=(torch.topk(logits, min(req.return_top_ids, logits.shape[-1])).indices
                      .tolist() if req.return_top_ids else None),
         )
+        session.last_verify_position, session.last_verify_digest = req.position, self.digest
+        session.last_reply = reply
+        return reply
 
     def abort(self) -> None:
         pass  # the session's position did not move; whatever the slot got past it is ignored

@@ -8,6 +8,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.sampling import SamplingConfig
 from verifier_service.errors import VerifierError
@@ -20,6 +21,13 @@ class Session:
     config: SamplingConfig
     id: str = field(default_factory=lambda: secrets.token_urlsafe(12))
     last_used: float = 0.0
+    owner: str | None = None  # the API key that opened it; other keys see 404
+    create_digest: str = ""  # of the create request, so a retried create is recognised
+    # The last verify answered, so a retried call (same position, same body) gets the same
+    # answer without advancing the cache again.
+    last_verify_position: int = -1
+    last_verify_digest: str = ""
+    last_reply: Any = None
 
 
 class SessionStore:
@@ -47,9 +55,11 @@ class SessionStore:
                 self.on_drop(self._sessions.popitem(last=False)[1])
                 self.evicted += 1
 
-    def get(self, session_id: str) -> Session:
+    def get(self, session_id: str, owner: str | None = None) -> Session:
         with self._lock:
             session = self._sessions.get(session_id)
+            if session is not None and session.owner != owner:
+                session = None  # another key's session does not exist for this caller
             now = self.clock()
             if session is not None and now - session.last_used > self.ttl_s:
                 self.on_drop(self._sessions.pop(session_id))
@@ -67,9 +77,21 @@ class SessionStore:
         with self._lock:
             return session_id in self._sessions
 
-    def remove(self, session_id: str) -> None:
+    def peek(self, session_id: str) -> Session | None:
         with self._lock:
-            session = self._sessions.pop(session_id, None)
+            return self._sessions.get(session_id)
+
+    def count_owned(self, owner: str | None) -> int:
+        with self._lock:
+            return sum(1 for s in self._sessions.values() if s.owner == owner)
+
+    def remove(self, session_id: str, owner: str | None = None) -> None:
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is not None and session.owner == owner:
+                del self._sessions[session_id]
+            else:
+                session = None
             if session is None:
                 raise VerifierError(404, "session_not_found",
                                     f"session {session_id!r} is unknown, expired or evicted",

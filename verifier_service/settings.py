@@ -35,3 +35,16 @@ class Settings(BaseSettings):
     max_new_tokens: int = Field(1024, ge=1, description="cap for /v1/generate")
     max_prompt_tokens: int = Field(0, ge=0, description="0: max_context - 1")
     replica_name: str = Field("", description="sent as X-Verifier-Replica; default host:port")
+
+    api_keys: str = Field("", description="comma-separated API keys; empty: no auth. Clients "
+                          "send one as 'Authorization: Bearer KEY' (or X-API-Key); /healthz and "
+                          "/readyz stay open", repr=False)
+    max_sessions_per_key: int = Field(0, ge=0, description="open sessions one API key may "
+                                      "hold (0: only max_sessions applies); beyond it 429")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body; "
+                                "beyond it 413")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM: stop accepting, "
+                                    "let calls in flight finish for up to this long, then exit")
+
+    def key_list(self) -> list[str]:
+        return [key.strip() for key in self.api_keys.split(",") if key.strip()]

@@ -1,0 +1,149 @@
+"""Fault injection against a real verifier process: kill -9 and restart mid-generation, SIGTERM
+with calls in flight, a verifier gone for good (partial output, exit code 3), a wrong URL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+
+from drafter_client import SpecDecClient
+from drafter_client.transport import SpecDecError, VerifierUnavailable
+from scripts.fault_proxy import FaultProxy
+from scripts.verifier_process import start_verifier
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.faults
+PROMPT = [2, 3, 4, 5]
+BIN = Path(sys.executable).parent
+
+
+def spawn(model: Path, port: int, *extra: str) -> subprocess.Popen[bytes]:
+    return start_verifier(str(model), port, 1, ("--dtype", "float32", "--device", "cpu",
+                                                 "--max-draft-tokens", "8", *extra), quiet=True)
+
+
+@pytest.fixture()
+def verifier(tiny_models: dict[str, Path]) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    port = free_port()
+    proc = spawn(tiny_models["gpt2-target"], port)
+    yield proc, port
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_kill9_and_restart_mid_generation(tiny_models: dict[str, Path],
+                                          verifier: tuple[subprocess.Popen[bytes], int]) -> None:
+    proc, port = verifier
+    url = f"http://127.0.0.1:{port}"
+    drafter = str(tiny_models["gpt2-drafter"])
+    expected = SpecDecClient(url, drafter, dtype="float32").generate(
+        PROMPT, num_draft_tokens=4, max_new_tokens=48).token_ids
+    client = SpecDecClient(url, drafter, dtype="float32", retry_budget_s=120)
+    restarted: list[subprocess.Popen[bytes]] = []
+    blocks = 0
+
+    def crash(_: list[int]) -> None:
+        nonlocal blocks
+        blocks += 1
+        if blocks == 3:  # kill -9, then bring a fresh verifier up on the same port
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            threading.Thread(target=lambda: restarted.append(
+                spawn(tiny_models["gpt2-target"], port)), daemon=True).start()
+
+    try:
+        result = client.generate(PROMPT, num_draft_tokens=4, max_new_tokens=48, on_tokens=crash)
+    finally:
+        deadline = time.monotonic() + 120
+        while not restarted and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for p in restarted:
+            p.kill()
+            p.wait()
+    assert result.token_ids == expected
+    assert result.metrics.retries >= 1  # connection refused while the new one started
+    assert result.metrics.session_reopens == 1  # the new verifier knew nothing of the session
+
+
+def test_sigterm_finishes_calls_in_flight(verifier: tuple[subprocess.Popen[bytes], int]) -> None:
+    proc, port = verifier
+    url = f"http://127.0.0.1:{port}"
+    answers: list[tuple[int, int, float]] = []
+
+    def generate() -> None:
+        response = httpx.post(f"{url}/v1/generate", timeout=120, json={
+            "prompt_ids": PROMPT, "max_new_tokens": 200, "stop_at_eos": False})
+        answers.append((response.status_code, len(response.json().get("token_ids", [])),
+                        time.monotonic()))
+
+    threads = [threading.Thread(target=generate) for _ in range(6)]
+    for t in threads:
+        t.start()
+    while httpx.get(f"{url}/v1/metrics").json()["verify_calls"] < 30:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    time.sleep(0.2)
+    with pytest.raises(httpx.TransportError):  # no longer accepting
+        httpx.get(f"{url}/healthz", timeout=2)
+    for t in threads:
+        t.join()
+    assert proc.wait(timeout=60) == 0
+    assert [(status, n) for status, n, _ in answers] == [(200, 200)] * 6
+    assert any(done > sent for _, _, done in answers)  # they really were in flight
+
+
+def test_verifier_gone_for_good_gives_partial_output(tiny_models: dict[str, Path],
+                                                     verifier: tuple[subprocess.Popen[bytes],
+                                                                     int]) -> None:
+    _, port = verifier
+    url = f"http://127.0.0.1:{port}"
+    with FaultProxy(url, die_after=3) as proxy:
+        client = SpecDecClient(proxy.url, str(tiny_models["gpt2-drafter"]), dtype="float32",
+                               retry_budget_s=1.5)
+        with pytest.raises(VerifierUnavailable) as err:
+            client.generate(PROMPT, num_draft_tokens=4, max_new_tokens=48)
+    partial = err.value.partial
+    assert partial is not None and len(partial.token_ids) >= 3  # three blocks were answered
+    assert "\n" not in str(err.value) and "retry budget 1.5 s" in str(err.value)
+    # The same through the CLI: the tokens so far on stdout (JSON), exit code 3.
+    with FaultProxy(url, die_after=3) as proxy:
+        cli = subprocess.run(
+            [str(BIN / "specdec"), "generate", "--verifier-url", proxy.url, "--drafter",
+             str(tiny_models["gpt2-drafter"]), "--dtype", "float32", "--prompt",
+             "the cat sat on", "--max-new-tokens", "48", "--retry-budget-s", "1.5", "--json"],
+            capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 3, cli.stderr
+    out = orjson.loads(cli.stdout)
+    assert out["partial"] is True and len(out["token_ids"]) >= 3
+    errors = [line for line in cli.stderr.splitlines() if line.startswith("specdec: error")]
+    assert len(errors) == 1 and "partial output" in errors[0]
+
+
+def test_wrong_url_is_one_line_and_exit_code_2(tiny_models: dict[str, Path]) -> None:
+    port = free_port()  # nothing listens there
+    started = time.monotonic()
+    cli = subprocess.run(
+        [str(BIN / "specdec"), "generate", "--verifier-url", f"http://127.0.0.1:{port}",
+         "--drafter", "ngram", "--tokenizer", str(tiny_models["gpt2-target"]), "--prompt",
+         "the cat", "--retry-budget-s", "2"], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "SPECDEC_API_KEY": ""})
+    assert cli.returncode == 2
+    assert cli.stdout == ""
+    lines = cli.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specdec: error: the verifier at")
+    assert time.monotonic() - started < 60
+    with pytest.raises(SpecDecError, match="cannot reach"):
+        SpecDecClient("http://no-such-host.invalid:8000", "ngram",
+                      tokenizer=str(tiny_models["gpt2-target"]))

@@ -1,0 +1,113 @@
+"""Pure ASGI middleware that guards the verifier: API keys and the request body size.
+
+Both answer with the verifier's error body (``{"error": {"code", "message", "field"}}``) before
+the request reaches FastAPI, so a rejected request costs no model time and touches no session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Any
+
+import orjson
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # probes of orchestrators and load balancers
+OWNER_KEY = "api_owner"  # request.state.api_owner: which key sent the request (None: no auth)
+
+
+async def send_error(send: Any, status: int, code: str, message: str, field: str | None,
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = orjson.dumps({"error": {"code": code, "message": message, "field": field}})
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+class ApiKeyAuth:
+    """Every path but the probes needs one of the configured keys, sent as
+    ``Authorization: Bearer KEY`` or ``X-API-Key: KEY``; otherwise 401.
+
+    Keys are compared as SHA-256 digests with ``hmac.compare_digest``, against every key without
+    stopping at a match, so the time taken says nothing about how much of a key was right.
+    Sessions belong to the key that opened them (``request.state.api_owner``)."""
+
+    def __init__(self, app: Any, keys: list[str]) -> None:
+        self.app = app
+        self.keys = [(_digest(key), f"key-{_digest(key).hex()[:8]}") for key in keys]
+
+    def owner_of(self, presented: str | None) -> str | None:
+        if presented is None:
+            return None
+        digest, owner = _digest(presented), None
+        for known, name in self.keys:
+            if hmac.compare_digest(digest, known):
+                owner = name
+        return owner
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.keys:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", []))
+        presented: str | None = None
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        if auth[:7].lower() == "bearer ":
+            presented = auth[7:].strip()
+        elif b"x-api-key" in headers:
+            presented = headers[b"x-api-key"].decode("latin-1").strip()
+        owner = self.owner_of(presented)
+        if owner is None and scope.get("path") not in OPEN_PATHS:
+            why = "no API key was sent" if presented is None else "the API key is not valid"
+            await send_error(send, 401, "unauthorized", f"{why}: send 'Authorization: Bearer "
+                             "KEY' (the client's --api-key or SPECDEC_API_KEY)", "authorization",
+                             [(b"www-authenticate", b'Bearer realm="specdec"')])
+            return
+        scope = {**scope, "state": {**scope.get("state", {}), OWNER_KEY: owner}}
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """Rejects bodies over ``max_bytes`` with 413, by Content-Length up front or while reading
+    (chunked bodies), then hands the buffered body on to the app."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "DELETE"):
+            await self.app(scope, receive, send)
+            return
+        too_big = (f"the request body is larger than this verifier's limit of {self.max_bytes} "
+                   "bytes (SPECDEC_MAX_BODY_BYTES)")
+        length = dict(scope.get("headers", [])).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await send_error(send, 413, "body_too_large", too_big, "body")
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await send_error(send, 413, "body_too_large", too_big, "body")
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
