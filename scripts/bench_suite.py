@@ -367,7 +367,7 @@ COLUMNS = {
     "context": [("context", "context tokens"), ("system", "system"),
                 ("tokens_per_s", "tok/s"), ("speedup", "speedup"),
                 ("acceptance_rate", "acceptance"), ("mean_tokens_per_call", "tokens/call"),
-                ("greedy_same_as_target", "= target")],
+                ("cost_ratio", "c"), ("greedy_same_as_target", "= target")],
     "rtt": [("rtt_ms", "RTT ms"), ("system", "system"), ("tokens_per_s", "tok/s"),
             ("speedup", "speedup"), ("mean_tokens_per_call", "tokens/call")],
 }
@@ -413,12 +413,16 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     ctx_rows = [r for r in rows if r["suite"] == "context" and r["system"] != TARGET]
     if ctx_rows:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-        for system in sorted({r["system"] for r in ctx_rows}):
+        for n, system in enumerate(sorted({r["system"] for r in ctx_rows})):
+            color = f"C{n}"
             pts = sorted((r["context"], r["speedup"], r["acceptance_rate"])
                          for r in ctx_rows if r["system"] == system)
-            ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+            ax1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system,
+                     color=color)
             if pts[0][2] is not None:
-                ax2.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=system)
+                ax2.plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=system,
+                         color=color)
+        ax2.legend()
         ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax1.set(xscale="log", xlabel="prompt tokens", ylabel="speedup vs target alone",
                 title="Speedup vs context length")
@@ -429,7 +433,8 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     pos_rows = [r for r in rows if r["suite"] in ("systems", "k") and r["per_position_acceptance"]
                 and r["system"].startswith("specdec")]
     if pos_rows:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
         for r in pos_rows:
             if r["suite"] == "systems" or r["k"] == str(max(int(x["k"]) for x in pos_rows
                                                             if x["suite"] == "k")):
@@ -466,6 +471,41 @@ def report(rows: list[dict[str, Any]], machine: dict[str, Any], command: str) ->
     return "\n".join(parts)
 
 
+def write_outputs(out: Path, payload: dict[str, Any], command: str) -> None:
+    rows, records = payload["rows"], payload["runs"]
+    (out / "results.json").write_text(json.dumps(payload, indent=1))
+    write_csv(out / "runs.csv", [{k: v for k, v in r.items() if k != "tokens"} for r in records])
+    write_csv(out / "rows.csv", rows)
+    text = report(rows, payload["machine"], command)
+    (out / "report.md").write_text(text)
+    pngs = plot(rows, out)
+    print("\n" + text)
+    print(f"\nwrote {out}/results.json, runs.csv, rows.csv, report.md and "
+          f"{', '.join(p.name for p in pngs)}")
+
+
+def rebuild(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    by_suite: dict[str, list[dict[str, Any]]] = {}
+    machines = []
+    for name in args.report_from:
+        data = json.loads(Path(name).read_text())
+        machines.append(data["machine"])
+        suites: dict[str, list[dict[str, Any]]] = {}
+        for run in data["runs"]:
+            run.setdefault("source", name)
+            suites.setdefault(run["suite"], []).append(run)
+        by_suite.update(suites)
+    records = [r for suite in SUITES for r in by_suite.get(suite, [])]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {"machine": machines[-1], "sources": args.report_from, "rows": aggregate(records),
+               "runs": records}
+    command = "python scripts/bench_suite.py " + " ".join(argv if argv is not None
+                                                           else sys.argv[1:])
+    write_outputs(out, payload, command)
+    return payload
+
+
 # -- main --------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -493,7 +533,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default="bench_results/suite")
     parser.add_argument("--wandb", action="store_true", help="also log rows to Weights & "
                         "Biases (WANDB_MODE=offline works without network)")
+    parser.add_argument("--report-from", nargs="+", metavar="RESULTS_JSON",
+                        help="measure nothing: rebuild tables, CSV and plots from earlier "
+                        "results.json files (a suite found in several: the last file's runs)")
     args = parser.parse_args(argv)
+    if args.report_from:
+        return rebuild(args, argv)
     if args.quick:
         args.prompts_per_workload, args.max_new_tokens = 1, 12
         args.ks, args.temperatures, args.contexts, args.rtts = [2], [1.0], [10, 20], [20.0]
@@ -558,17 +603,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.no_hf:
         machine["hf_assistant_defaults"] = systems.hf_assistant_defaults
     payload = {"machine": machine, "args": vars(args), "rows": rows, "runs": records}
-    (out / "results.json").write_text(json.dumps(payload, indent=1))
-    write_csv(out / "runs.csv", [{k: v for k, v in r.items() if k != "tokens"} for r in records])
-    write_csv(out / "rows.csv", rows)
     command = "python scripts/bench_suite.py " + " ".join(argv if argv is not None
                                                            else sys.argv[1:])
-    text = report(rows, machine, command)
-    (out / "report.md").write_text(text)
-    pngs = plot(rows, out)
-    print("\n" + text)
-    print(f"\nwrote {out}/results.json, runs.csv, rows.csv, report.md and "
-          f"{', '.join(p.name for p in pngs)}")
+    write_outputs(out, payload, command)
     if args.wandb:
         import wandb
 

@@ -1,0 +1,113 @@
+"""Where a speculative block's time goes, component by component, in one process.
+
+Times, on the same models, dtype and threads as the benchmarks (medians of repeated calls):
+
+  * the drafter: one plain transformers decode step (KV cache, logits of the last position) vs
+    specdec's ``HFDrafter`` per drafted token (its processing of the row included);
+  * the target: plain transformers with a DynamicCache vs specdec's ``TargetRunner`` (KV slot
+    pool + ragged attention), for 1 and for k + 1 new tokens.
+
+The HTTP share of a verify call is read off the benchmarks' metrics (round trip minus forward).
+
+  python scripts/profile_gap.py --context 120 -k 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from drafter_client.drafters import HFDrafter  # noqa: E402
+from shared.models import load_causal_lm, load_tokenizer, pick_dtype  # noqa: E402
+from shared.sampling import SamplingConfig  # noqa: E402
+from verifier_service.target import ForwardItem, TargetRunner  # noqa: E402
+
+
+def median_ms(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return 1e3 * statistics.median(times)
+
+
+@torch.inference_mode()
+def plain_step_ms(model: Any, context: list[int], new: int, repeats: int) -> float:
+    """A decode step of ``new`` tokens on top of a ``context``-token DynamicCache."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True)
+
+    def step() -> None:
+        model(input_ids=torch.tensor([context[:new]]), past_key_values=cache, use_cache=True,
+              logits_to_keep=new)
+        cache.crop(-new)  # drop the step again
+
+    return median_ms(step, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--drafter", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--context", type=int, default=120)
+    parser.add_argument("-k", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype, device = pick_dtype(args.dtype, torch.device("cpu")), torch.device("cpu")
+    context = [(i * 7919) % 30000 + 100 for i in range(args.context)]
+    results: dict[str, float] = {}
+
+    drafter = load_causal_lm(args.drafter, dtype, device)
+    results["drafter: plain HF step (1 token)"] = plain_step_ms(drafter, context, 1,
+                                                                args.repeats)
+    ours = HFDrafter(drafter, int(drafter.get_output_embeddings().weight.shape[0]))
+
+    ours.reset(context)
+    ours._forward(context[:-1])  # the committed prefix is cached, as after a block
+
+    def block() -> None:  # k drafts (k forwards: the last committed token, then k - 1 drafts)
+        ours.propose(args.k, SamplingConfig(), torch.Generator())
+        ours.commit([])  # roll the cache back to the committed prefix
+
+    results["drafter: specdec HFDrafter per drafted token"] = median_ms(block,
+                                                                        args.repeats) / args.k
+
+    target = load_causal_lm(args.target, dtype, device)
+    for new in (1, args.k + 1):
+        results[f"target: plain HF, {new} new token(s)"] = plain_step_ms(target, context, new,
+                                                                        args.repeats)
+    runner = TargetRunner(target, load_tokenizer(args.target), args.target,
+                          max_context=args.context + 64, kv_budget_tokens=args.context + 64)
+    slot = runner.pool.allocate()
+    assert slot is not None
+    runner.forward([ForwardItem(slot, 0, context, False)])
+    for new in (1, args.k + 1):
+        results[f"target: specdec TargetRunner, {new} new token(s)"] = median_ms(
+            lambda n=new: runner.forward([ForwardItem(slot, len(context), context[:n], True)]),
+            args.repeats)
+
+    print(f"\n{args.target} / {args.drafter}, {dtype}, {args.threads} threads, context "
+          f"{args.context}, k={args.k}, medians of {args.repeats}\n")
+    print("| component | ms |\n|---|---|")
+    for name, ms in results.items():
+        print(f"| {name} | {ms:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The benchmark suite end to end on tiny fp32 models: every system runs, greedy outputs of all
+systems equal the target's, and the JSON, CSV, Markdown and plots are written and agree."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts import bench_suite
+
+pytestmark = pytest.mark.slow
+
+
+def test_quick_suite_writes_consistent_results(tiny_models: dict[str, Path],
+                                               tmp_path: Path) -> None:
+    out = tmp_path / "suite"
+    payload = bench_suite.main([
+        "--target", str(tiny_models["gpt2-target"]), "--drafter",
+        str(tiny_models["gpt2-drafter"]), "--dtype", "float32", "--threads", "1", "--quick",
+        "--out", str(out)])
+    rows, runs = payload["rows"], payload["runs"]
+    systems = {r["system"] for r in rows if r["suite"] == "systems"}
+    assert systems == {"target alone", "specdec model", "specdec ngram",
+                       "specdec prompt-lookup", "specdec bigram", "HF generate", "HF assisted",
+                       "HF prompt lookup"}
+    assert {r["suite"] for r in rows} == set(bench_suite.SUITES)
+    # fp32: every greedy system reproduces the target alone, token for token.
+    greedy = [r for r in runs if r["temperature"] == 0 and r["system"] != "target alone"]
+    assert greedy and all(r["first_mismatch"] is None for r in greedy)
+    for r in runs:
+        if r["system"].startswith("specdec") and r["verify_calls"]:
+            assert r["predicted_speedup"] > 0 and r["cost_ratio"] >= 0
+            assert r["achieved_over_predicted"] == pytest.approx(
+                r["speedup"] / r["predicted_speedup"], rel=1e-3)
+    saved = json.loads((out / "results.json").read_text())
+    assert len(saved["runs"]) == len(runs)
+    with (out / "runs.csv").open() as fh:
+        assert len(list(csv.DictReader(fh))) == len(runs)
+    assert "| code | specdec model |" in (out / "report.md").read_text()
+    for png in ("speedup_vs_k.png", "context_length.png", "per_position_acceptance.png",
+                "achieved_vs_predicted.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    # Rebuilding from the saved runs gives the same rows.
+    rebuilt = bench_suite.main(["--report-from", str(out / "results.json"),
+                                "--out", str(tmp_path / "again")])
+    assert rebuilt["rows"] == rows
+
+
+def test_predicted_speedup_formula() -> None:
+    # Leviathan et al. (2023): (1 - a^(k+1)) / ((1 - a)(k c + 1)).
+    assert bench_suite.predicted_speedup(0.8, 4, 0.0) == pytest.approx((1 - 0.8**5) / 0.2)
+    assert bench_suite.predicted_speedup(0.8, 4, 0.25) == pytest.approx(
+        (1 - 0.8**5) / 0.2 / 2.0)
+    assert bench_suite.predicted_speedup(1.0, 3, 0.0) == 4.0
+    assert bench_suite.predicted_speedup(0.5, 0, 0.3) == 1.0
