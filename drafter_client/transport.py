@@ -117,9 +117,9 @@ class HttpVerifier:
             delay = retry_delay(retry_after, attempt)
             if now + delay - first_failure > budget:
                 raise VerifierUnavailable(
-                    f"the verifier at {self.url} did not answer {method} {path} for "
-                    f"{now - first_failure:.1f} s ({attempt + 1} attempts; last: {why}); "
-                    f"giving up (retry budget {budget:g} s)")
+                    f"cannot reach the verifier at {self.url} ({method} {path}): no answer "
+                    f"for {now - first_failure:.1f} s over {attempt + 1} attempts (last: "
+                    f"{why}); retry budget {budget:g} s")
             self.retries += 1
             attempt += 1
             time.sleep(delay)

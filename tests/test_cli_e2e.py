@@ -99,6 +99,7 @@ def test_tokenizer_mismatch_is_one_clear_line(verifier_url, tiny_models):  # typ
 
 def test_unreachable_verifier_is_one_clear_line(tiny_models):  # type: ignore[no-untyped-def]
     out = run_cli("baseline", "--verifier-url", f"http://127.0.0.1:{free_port()}",
-                  "--prompt", "x", "--tokenizer", str(tiny_models["gpt2-target"]))
+                  "--prompt", "x", "--tokenizer", str(tiny_models["gpt2-target"]),
+                  "--retry-budget-s", "1")
     assert out.returncode == 2
     assert "cannot reach the verifier" in out.stderr.strip().splitlines()[-1]

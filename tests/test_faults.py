@@ -142,7 +142,7 @@ def test_wrong_url_is_one_line_and_exit_code_2(tiny_models: dict[str, Path]) -> 
     assert cli.returncode == 2
     assert cli.stdout == ""
     lines = cli.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("specdec: error: the verifier at")
+    assert len(lines) == 1 and lines[0].startswith("specdec: error: cannot reach the verifier at")
     assert time.monotonic() - started < 60
     with pytest.raises(SpecDecError, match="cannot reach"):
         SpecDecClient("http://no-such-host.invalid:8000", "ngram",
