@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from drafter_client import SpecDecClient  # noqa: E402
-from drafter_client.api import MODEL_FREE_DRAFTERS  # noqa: E402
+from drafter_client.api import MODEL_FREE_DRAFTERS, DrafterOptions  # noqa: E402
 from scripts.verifier_process import free_port, start_verifier, stop_verifier  # noqa: E402
 from shared.models import OFFLINE_MODELS, load_causal_lm, pick_device, pick_dtype  # noqa: E402
 
@@ -105,11 +105,15 @@ class Systems:
     """Holds the verifier clients and the in-process HF models; runs one system on one prompt."""
 
     def __init__(self, url: str, target: str, drafter: str, drafters: list[str], dtype: str,
-                 hf: bool) -> None:
+                 hf: bool, draft_min_prob: float = 0.4) -> None:
         self.clients: dict[str, SpecDecClient] = {}
         for name in drafters:
-            self.clients[name] = SpecDecClient(url, drafter if name == "model" else name,
-                                               tokenizer=None if name == "model" else drafter)
+            is_model = name.startswith("model")
+            options = DrafterOptions(draft_min_prob=draft_min_prob if name == "model-confident"
+                                     else 0.0)
+            self.clients[name] = SpecDecClient(url, drafter if is_model else name,
+                                               tokenizer=None if is_model else drafter,
+                                               options=options)
         self.base_client = next(iter(self.clients.values()))
         self.tokenizer = self.base_client.tokenizer
         self.hf_target: Any = None
@@ -208,9 +212,12 @@ def plan(args: argparse.Namespace, systems: Systems) -> list[Cell]:
         cells.append(Cell(suite, prompt, tuple(ids), ((TARGET, None), *systems_), **kw))
 
     if "systems" in args.suites:
-        for prompts in work.values():
+        for workload, prompts in work.items():
+            if args.workloads and workload not in args.workloads:
+                continue
             for p in prompts:
-                add("systems", p, [(s, args.k) for s in spec_names] + hf)
+                add("systems", p, [(s, "auto" if s == "specdec model-auto" else args.k)
+                                   for s in spec_names] + hf)
     if "k" in args.suites:
         k_system = "specdec model" if "model" in args.drafters else spec_names[0]
         for p in work["code"]:
@@ -514,7 +521,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "also the HF assistant model")
     parser.add_argument("--drafters", nargs="+",
                         default=["model", *MODEL_FREE_DRAFTERS],
-                        help="specdec drafters: model and/or ngram, prompt-lookup, bigram")
+                        choices=["model", "model-confident", "model-auto", *MODEL_FREE_DRAFTERS],
+                        help="specdec drafters: model, model-confident (stops a block when its "
+                        "top probability < --draft-min-prob, like HF's confidence threshold), "
+                        "model-auto (-k auto), ngram, prompt-lookup, bigram")
+    parser.add_argument("--draft-min-prob", type=float, default=0.4)
+    parser.add_argument("--workloads", nargs="+", choices=["code", "english", "input-grounded"],
+                        help="restrict the systems suite to these workloads")
     parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES))
     parser.add_argument("-k", type=int, default=4, help="draft length of the systems suite")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 6, 8])
@@ -558,7 +571,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     try:
         systems = Systems(f"http://127.0.0.1:{port}", args.target, args.drafter, args.drafters,
-                          args.dtype, hf=not args.no_hf)
+                          args.dtype, hf=not args.no_hf, draft_min_prob=args.draft_min_prob)
         cells = plan(args, systems)
         warm = list(systems.encode(Prompt("warm", "warm", "def f(x):", chat=False)))
         for system, k in {s for c in cells for s in c.systems}:  # warm every path once
