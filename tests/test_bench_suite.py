@@ -56,3 +56,21 @@ def test_predicted_speedup_formula() -> None:
         (1 - 0.8**5) / 0.2 / 2.0)
     assert bench_suite.predicted_speedup(1.0, 3, 0.0) == 4.0
     assert bench_suite.predicted_speedup(0.5, 0, 0.3) == 1.0
+
+
+def test_drafter_variants_and_workload_filter(tiny_models: dict[str, Path],
+                                              tmp_path: Path) -> None:
+    payload = bench_suite.main([
+        "--target", str(tiny_models["gpt2-target"]), "--drafter",
+        str(tiny_models["gpt2-drafter"]), "--dtype", "float32", "--threads", "1", "--quick",
+        "--no-hf", "--suites", "systems", "--workloads", "english", "--drafters",
+        "model-confident", "model-auto", "--draft-min-prob", "0.9", "--out", str(tmp_path)])
+    rows = payload["rows"]
+    assert {r["workload"] for r in rows} == {"english"}
+    by_system = {r["system"]: r for r in rows}
+    assert set(by_system) == {"target alone", "specdec model-confident", "specdec model-auto"}
+    assert by_system["specdec model-auto"]["k"] == "auto"
+    # A high confidence bar stops blocks early: fewer drafts per call than k = 4.
+    assert by_system["specdec model-confident"]["mean_k"] < 4
+    assert all(r["first_mismatch"] is None for r in payload["runs"]
+               if r["system"] != "target alone")
