@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts import bench_suite
+from scripts import bench_report, bench_suite
 
 pytestmark = pytest.mark.slow
 
@@ -51,11 +51,11 @@ def test_quick_suite_writes_consistent_results(tiny_models: dict[str, Path],
 
 def test_predicted_speedup_formula() -> None:
     # Leviathan et al. (2023): (1 - a^(k+1)) / ((1 - a)(k c + 1)).
-    assert bench_suite.predicted_speedup(0.8, 4, 0.0) == pytest.approx((1 - 0.8**5) / 0.2)
-    assert bench_suite.predicted_speedup(0.8, 4, 0.25) == pytest.approx(
+    assert bench_report.predicted_speedup(0.8, 4, 0.0) == pytest.approx((1 - 0.8**5) / 0.2)
+    assert bench_report.predicted_speedup(0.8, 4, 0.25) == pytest.approx(
         (1 - 0.8**5) / 0.2 / 2.0)
-    assert bench_suite.predicted_speedup(1.0, 3, 0.0) == 4.0
-    assert bench_suite.predicted_speedup(0.5, 0, 0.3) == 1.0
+    assert bench_report.predicted_speedup(1.0, 3, 0.0) == 4.0
+    assert bench_report.predicted_speedup(0.5, 0, 0.3) == 1.0
 
 
 def test_drafter_variants_and_workload_filter(tiny_models: dict[str, Path],
