@@ -10,19 +10,19 @@ import hashlib
 import hmac
 from typing import Any
 
-import orjson
+from verifier_service.errors import error_response
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # probes of orchestrators and load balancers
 OWNER_KEY = "api_owner"  # request.state.api_owner: which key sent the request (None: no auth)
 
 
-async def send_error(send: Any, status: int, code: str, message: str, field: str | None,
-                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = orjson.dumps({"error": {"code": code, "message": message, "field": field}})
-    await send({"type": "http.response.start", "status": status, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        *(headers or [])]})
-    await send({"type": "http.response.body", "body": body})
+async def send_error(scope: Any, receive: Any, send: Any, status: int, code: str,
+                     message: str, field: str | None,
+                     headers: dict[str, str] | None = None) -> None:
+    """Answer with the verifier's usual error body (``errors.error_response``)."""
+    response = error_response(status, code, message, field)
+    response.headers.update(headers or {})
+    await response(scope, receive, send)
 
 
 def _digest(key: str) -> bytes:
@@ -64,9 +64,10 @@ class ApiKeyAuth:
         owner = self.owner_of(presented)
         if owner is None and scope.get("path") not in OPEN_PATHS:
             why = "no API key was sent" if presented is None else "the API key is not valid"
-            await send_error(send, 401, "unauthorized", f"{why}: send 'Authorization: Bearer "
-                             "KEY' (the client's --api-key or SPECDEC_API_KEY)", "authorization",
-                             [(b"www-authenticate", b'Bearer realm="specdec"')])
+            await send_error(scope, receive, send, 401, "unauthorized", f"{why}: send "
+                             "'Authorization: Bearer KEY' (the client's --api-key or "
+                             "SPECDEC_API_KEY)", "authorization",
+                             {"www-authenticate": 'Bearer realm="specdec"'})
             return
         scope = {**scope, "state": {**scope.get("state", {}), OWNER_KEY: owner}}
         await self.app(scope, receive, send)
@@ -87,7 +88,7 @@ class BodyLimit:
                    "bytes (SPECDEC_MAX_BODY_BYTES)")
         length = dict(scope.get("headers", [])).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await send_error(send, 413, "body_too_large", too_big, "body")
+            await send_error(scope, receive, send, 413, "body_too_large", too_big, "body")
             return
         chunks, size = [], 0
         while True:
@@ -97,7 +98,7 @@ class BodyLimit:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                await send_error(send, 413, "body_too_large", too_big, "body")
+                await send_error(scope, receive, send, 413, "body_too_large", too_big, "body")
                 return
             if not message.get("more_body", False):
                 break
