@@ -5,7 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: install test test-fast test-real test-reliability lint demo bench bench-drafters \
-	bench-suite bench-network fetch-models clean ensure-nginx ensure-nettools
+	bench-suite bench-batching bench-network bench-profile fetch-models clean ensure-nginx \
+	ensure-nettools
 
 install: $(STAMP)
 
@@ -62,17 +63,30 @@ fetch-models: install
 demo: install fetch-models
 	$(BIN)/python scripts/demo.py
 
-bench: install fetch-models
-	$(BIN)/python scripts/bench.py
+# Every benchmark is a subcommand of one tool: python -m scripts.bench --help
+BENCH := $(BIN)/python -m scripts.bench
 
+# Draft length on chat prompts (code, English), specdec next to HF assisted with the same k.
+bench: install fetch-models
+	$(BENCH) suite --suites k --k-workloads code-chat english --ks 2 4 6 \
+	  --max-new-tokens 128 --out bench_results/bench
+
+# Every drafter on every workload at 0 / 20 / 100 ms of simulated round trip.
 bench-drafters: install fetch-models
-	$(BIN)/python scripts/bench_drafters.py
+	$(BENCH) suite --suites rtt --rtts 0 20 100 --no-hf --max-new-tokens 48 \
+	  --rtt-workloads code-chat english input-grounded --out bench_results/drafters
 
 bench-suite: install fetch-models
-	$(BIN)/python scripts/bench_suite.py
+	$(BENCH) suite
+
+bench-batching: install fetch-models
+	$(BENCH) batching
 
 bench-network: install fetch-models ensure-nettools
-	$(BIN)/python scripts/bench_network.py
+	$(BENCH) network
+
+bench-profile: install fetch-models
+	$(BENCH) profile
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -26,8 +26,12 @@ from drafter_client.model_free import (
     NGramOptions,
     PromptLookupDrafter,
 )
-from drafter_client.speculative import GenerationResult, speculative_generate
-from drafter_client.transport import HttpVerifier, SpecDecError
+from drafter_client.speculative import (
+    GenerationResult,
+    GenerationSettings,
+    speculative_generate,
+)
+from drafter_client.transport import HttpVerifier, SpecDecError, Verifier
 from shared.models import (
     ModelSpecError,
     load_causal_lm,
@@ -67,13 +71,15 @@ def build_model_free(name: str, options: DrafterOptions) -> Drafter:
 class SpecDecClient:
     """A drafter next to the user, a verifier behind ``verifier_url``.
 
-    ``drafter``: a model spec (short name, folder, .gguf, hub id), one of the model-free drafters
-    ``ngram``, ``prompt-lookup``, ``bigram``, a ready :class:`Drafter`, or None for baseline-only
-    use. ``tokenizer``: a spec or a tokenizer object; defaults to the
-    drafter's, else to the verifier's model spec when it resolves on this machine.
+    ``verifier_url``: the verifier's URL, or a ready :class:`Verifier` (e.g. an
+    :class:`HttpVerifier` with its own settings). ``drafter``: a model spec (short name, folder,
+    .gguf, hub id), one of the model-free drafters ``ngram``, ``prompt-lookup``, ``bigram``, a
+    ready :class:`Drafter`, or None for baseline-only use. ``tokenizer``: a spec or a tokenizer
+    object; defaults to the drafter's, else to the verifier's model spec when it resolves on this
+    machine.
     """
 
-    def __init__(self, verifier_url: str, drafter: str | Drafter | None = None,
+    def __init__(self, verifier_url: str | Verifier, drafter: str | Drafter | None = None,
                  tokenizer: Any = None, dtype: str = "auto", device: str = "auto",
                  http_client: httpx.Client | None = None, timeout_s: float = 120.0,
                  options: DrafterOptions = DrafterOptions(),
@@ -81,8 +87,13 @@ class SpecDecClient:
                  retry_budget_s: float = 60.0) -> None:
         if api_key is None:
             api_key = os.environ.get("SPECDEC_API_KEY") or None
-        self.verifier = HttpVerifier(verifier_url, timeout_s, http_client, simulated_rtt_ms / 1e3,
-                                     retry_budget_s=retry_budget_s, api_key=api_key)
+        self.verifier: Verifier
+        if isinstance(verifier_url, str):
+            self.verifier = HttpVerifier(verifier_url, timeout_s, http_client,
+                                         simulated_rtt_ms / 1e3, retry_budget_s=retry_budget_s,
+                                         api_key=api_key)
+        else:
+            self.verifier = verifier_url
         # The first contact gives up sooner: a wrong URL should not take the whole budget.
         self.info = self.verifier.info(budget_s=min(retry_budget_s, 10.0))
         if self.info.protocol_version != PROTOCOL_VERSION:
@@ -152,12 +163,12 @@ class SpecDecClient:
         except ValueError as exc:
             raise SpecDecError(str(exc)) from exc
         try:
-            result = speculative_generate(
-                self.verifier, self.drafter, self.encode(prompt, chat),
+            settings = GenerationSettings(
                 SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
-                draft_length, max_new_tokens, seed, self.info.eos_token_ids,
-                self.info.vocab_size, self.info.max_context, on_tokens,
-            )
+                max_new_tokens, draft_length, seed)
+            result = speculative_generate(self.verifier, self.drafter,
+                                          self.encode(prompt, chat), settings, self.info,
+                                          on_tokens)
         except SpecDecError as exc:
             if exc.partial is not None:
                 exc.partial.text = self.decode(exc.partial.token_ids)

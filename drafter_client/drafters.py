@@ -29,6 +29,9 @@ class Drafter(Protocol):
     """What the speculative loop needs from a drafter."""
 
     name: str
+    # Optional capability (NASD filler): how many of the target's top ids per scored position
+    # the drafter wants back with each verify reply; 0 asks for none.
+    top_k_filler: int
 
     def reset(self, prompt_ids: list[int]) -> None:
         """Start a new sequence."""
@@ -38,6 +41,9 @@ class Drafter(Protocol):
 
     def commit(self, tokens: list[int]) -> None:
         """The committed sequence grew by ``tokens``; forget any draft not among them."""
+
+    def observe_top_k(self, context: list[int], top_ids: list[int]) -> None:
+        """The target's top ids after ``context`` (only called when ``top_k_filler`` > 0)."""
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -70,6 +76,7 @@ class HFDrafter:
                  min_prob: float = 0.0) -> None:
         self.model, self.vocab_size, self.name = model, vocab_size, name
         self.min_prob = min_prob  # stop a block when the drafter's top probability falls below
+        self.top_k_filler = 0
         self.device = next(model.parameters()).device
         self.committed: list[int] = []
         self.cached: list[int] = []
@@ -118,6 +125,9 @@ class HFDrafter:
         if not ids:
             return Draft([], torch.empty(0), torch.empty(0, self.vocab_size))
         return Draft(ids, torch.stack(logprobs), torch.stack(rows))  # [k], [k, vocab]
+
+    def observe_top_k(self, context: list[int], top_ids: list[int]) -> None:
+        pass  # a model drafter has its own distribution
 
     def commit(self, tokens: list[int]) -> None:
         self.committed.extend(tokens)

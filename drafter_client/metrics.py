@@ -1,9 +1,20 @@
-"""Generation metrics, with vLLM's definitions so numbers compare across tools."""
+"""Generation metrics, with vLLM's definitions so numbers compare across tools.
+
+* acceptance rate = accepted draft tokens / proposed draft tokens;
+* mean acceptance length = output tokens / verify calls;
+* per-position acceptance[i] = drafts whose token i + 1 was accepted / drafts, where a *draft*
+  is one verify call that proposed at least one token (vLLM's ``num_accepted_tokens_per_pos /
+  num_drafts``). It is unconditional: a block that proposed fewer than i + 1 tokens counts as
+  not accepted at i, so with a varying k (``auto``, a confidence stop, lookup misses) the curve
+  also shows how often position i was drafted at all. Its sum + 1 is the mean acceptance length
+  over drafts.
+"""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass
@@ -11,9 +22,9 @@ class GenerationMetrics:
     new_tokens: int = 0
     wall_s: float = 0.0
     verify_calls: int = 0
+    drafts: int = 0  # verify calls that proposed at least one token
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    proposed_at: list[int] = field(default_factory=list)  # per draft position i: times proposed
     accepted_at: list[int] = field(default_factory=list)  # per draft position i: times accepted
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -27,14 +38,16 @@ class GenerationMetrics:
 
     def record_block(self, proposed: int, accepted: int) -> None:
         self.verify_calls += 1
+        self.drafts += int(proposed > 0)
         self.drafted_tokens += proposed
         self.accepted_tokens += accepted
-        while len(self.proposed_at) < proposed:
-            self.proposed_at.append(0)
+        while len(self.accepted_at) < proposed:
             self.accepted_at.append(0)
-        for i in range(proposed):
-            self.proposed_at[i] += 1
-            self.accepted_at[i] += int(i < accepted)
+        for i in range(accepted):
+            self.accepted_at[i] += 1
+
+    def per_position_acceptance(self) -> list[float]:
+        return [a / self.drafts for a in self.accepted_at] if self.drafts else []
 
     def to_dict(self) -> dict[str, Any]:
         calls = max(self.verify_calls, 1)
@@ -44,14 +57,13 @@ class GenerationMetrics:
             "wall_s": round(self.wall_s, 4),
             "tokens_per_s": round(self.new_tokens / self.wall_s, 3) if self.wall_s else 0.0,
             "verify_calls": self.verify_calls,
+            "drafts": self.drafts,
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": round(self.accepted_tokens / self.drafted_tokens, 4)
             if self.drafted_tokens else 0.0,
             "mean_tokens_per_call": round(self.new_tokens / calls, 4),
-            "per_position_acceptance": [round(a / p, 4) if p else 0.0
-                                        for a, p in zip(self.accepted_at, self.proposed_at,
-                                                        strict=True)],
+            "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance()],
             # An autoregressive target spends one forward per new token; speculation one per call.
             "target_forwards_saved": self.new_tokens - self.verify_calls,
             "bytes_sent": self.bytes_sent,
@@ -72,6 +84,44 @@ class GenerationMetrics:
                 "client": round(client_s, 4),
             },
         }
+
+
+class TransportCounters(Protocol):
+    bytes_sent: int
+    bytes_received: int
+    retries: int
+
+
+class MetricsRecorder:
+    """Fills one generation's :class:`GenerationMetrics`: wall time from its creation, and the
+    transport's byte and retry counters as differences (the transport is shared by calls)."""
+
+    def __init__(self, transport: TransportCounters) -> None:
+        self.transport = transport
+        self.metrics = GenerationMetrics()
+        self.started = time.perf_counter()
+        self._before = (transport.bytes_sent, transport.bytes_received, transport.retries)
+
+    def prefilled(self) -> None:
+        self.metrics.prefill_s = time.perf_counter() - self.started
+
+    def block(self, draft_ids: list[int], num_accepted: int, drafting_s: float,
+              round_trip_s: float, verifier_s: float) -> None:
+        m = self.metrics
+        m.record_block(len(draft_ids), num_accepted)
+        m.drafting_s += drafting_s
+        m.verify_rtt_s += round_trip_s
+        m.verify_latencies_s.append(round_trip_s)
+        m.verify_forward_s += verifier_s
+
+    def finish(self, new_tokens: int, session_reopens: int = 0) -> GenerationMetrics:
+        m, t = self.metrics, self.transport
+        m.new_tokens, m.session_reopens = new_tokens, session_reopens
+        m.wall_s = time.perf_counter() - self.started
+        m.bytes_sent = t.bytes_sent - self._before[0]
+        m.bytes_received = t.bytes_received - self._before[1]
+        m.retries = t.retries - self._before[2]
+        return m
 
 
 def quantile(values: list[float], q: float) -> float:

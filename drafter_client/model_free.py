@@ -46,6 +46,7 @@ class _SequenceDrafter:
     """Shared bookkeeping: the committed sequence, and drafts of up to k tokens."""
 
     name = "model-free"
+    top_k_filler = 0
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -65,6 +66,9 @@ class _SequenceDrafter:
 
     def _learn(self, index: int) -> None:
         """The token at ``index`` was committed."""
+
+    def observe_top_k(self, context: list[int], top_ids: list[int]) -> None:
+        """Only the n-gram drafter uses the target's top ids."""
 
     def _next(self, sequence: list[int]) -> int | None:
         raise NotImplementedError

@@ -1,4 +1,15 @@
-"""The speculative decoding loop: draft k, one verify round trip, accept/reject, repeat."""
+"""The speculative decoding loop (Leviathan et al. 2023, Algorithm 1), in three parts:
+
+* :class:`VerifierSession` - the verifier's copy of this generation: every committed token in a
+  KV cache on the verifier. It owns open / reopen-on-loss / close.
+* :func:`speculative_block` - one block: draft k, one verify round trip over
+  ``[last committed token, x_1..x_k]``, accept / recover / bonus. Returns a :class:`BlockOutcome`.
+* :func:`speculative_generate` - blocks until ``max_new_tokens``, EOS or the context limit.
+
+Terms (as in ``shared/sampling.py``): *accepted* drafts passed the ratio test, the *recovered*
+token is drawn from norm(max(0, p - q)) at the first rejection, the *bonus* token from p after a
+fully accepted block; output tokens per block = accepted + 1.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +22,8 @@ import torch
 
 from drafter_client.draft_length import DraftLength, FixedLength
 from drafter_client.drafters import Draft, Drafter
-from drafter_client.metrics import GenerationMetrics
-from drafter_client.transport import HttpVerifier, SpecDecError, VerifierHTTPError
+from drafter_client.metrics import GenerationMetrics, MetricsRecorder
+from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
 from shared.sampling import (
     SamplingConfig,
     accept_drafts,
@@ -22,11 +33,14 @@ from shared.sampling import (
 )
 from shared.schema import (
     CreateSessionRequest,
+    InfoResponse,
     SamplingParams,
     VerifyRequest,
     VerifyResponse,
     decode_logprobs,
 )
+
+MAX_REOPENS_PER_BLOCK = 3
 
 
 @dataclass
@@ -35,6 +49,87 @@ class GenerationResult:
     token_ids: list[int]  # generated ids only
     metrics: GenerationMetrics
     text: str = ""
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What one generation asks for; the verifier's limits come from its ``InfoResponse``."""
+
+    sampling: SamplingParams
+    max_new_tokens: int
+    draft_length: DraftLength | int = 4  # k per block, fixed or adaptive
+    seed: int = 0
+
+    def draft_schedule(self) -> DraftLength:
+        return (FixedLength(self.draft_length) if isinstance(self.draft_length, int)
+                else self.draft_length)
+
+
+@dataclass(frozen=True)
+class BlockOutcome:
+    draft_ids: list[int]  # [k] proposed
+    num_accepted: int
+    tokens: list[int]  # accepted drafts + the recovered / bonus token, cut after an EOS
+    finished: bool  # an EOS token was emitted
+    drafting_s: float
+    round_trip_s: float
+    verifier_s: float  # time inside the verifier (queue + forward), part of the round trip
+
+
+def _session_lost(exc: VerifierHTTPError) -> bool:
+    """The verifier no longer holds our session as we know it: restarted, evicted, expired, or
+    at another position (a call we never saw the answer to, then lost on the verifier too)."""
+    return ((exc.status == 404 and exc.code == "session_not_found")
+            or (exc.status == 409 and exc.code in ("position_mismatch", "step_conflict")))
+
+
+class VerifierSession:
+    """The committed sequence, mirrored in a session on the verifier (position = len(committed)).
+
+    When the verifier loses the session (restart, eviction, expiry), ``verify`` reopens it with
+    every committed token and sends the very same request again (same position, same uniforms),
+    so the output is what an undisturbed run gives.
+    """
+
+    def __init__(self, verifier: Verifier, sampling: SamplingParams,
+                 prompt_ids: list[int]) -> None:
+        self.verifier, self.sampling = verifier, sampling
+        self.committed = list(prompt_ids)
+        self.session_id: str | None = None
+        self.reopens = 0
+
+    @property
+    def position(self) -> int:
+        return len(self.committed)
+
+    def open(self) -> None:
+        self.session_id = self.verifier.create_session(CreateSessionRequest(
+            prompt_ids=self.committed, sampling=self.sampling)).session_id
+
+    def verify(self, req: VerifyRequest) -> VerifyResponse:
+        for _ in range(MAX_REOPENS_PER_BLOCK):
+            assert self.session_id is not None, "open() the session first"
+            try:
+                return self.verifier.verify(self.session_id, req)
+            except VerifierHTTPError as exc:
+                if not _session_lost(exc):
+                    raise
+                if exc.status == 409:  # it still exists, at a position we cannot use
+                    with contextlib.suppress(SpecDecError):
+                        self.verifier.delete_session(self.session_id)
+            self.open()
+            self.reopens += 1
+        raise SpecDecError(f"the verifier lost this generation's session "
+                           f"{MAX_REOPENS_PER_BLOCK} times in one block; giving up")
+
+    def commit(self, tokens: list[int]) -> None:
+        self.committed.extend(tokens)
+
+    def close(self) -> None:
+        if self.session_id is not None:
+            with contextlib.suppress(SpecDecError):  # else it expires on the verifier
+                self.verifier.delete_session(self.session_id)
+            self.session_id = None
 
 
 def _check_verdict(reply: VerifyResponse, draft: Draft, draft_logprobs: torch.Tensor | None,
@@ -52,141 +147,98 @@ def _check_verdict(reply: VerifyResponse, draft: Draft, draft_logprobs: torch.Te
     return accepted
 
 
-MAX_REOPENS_PER_BLOCK = 3
-
-
-def _session_lost(exc: VerifierHTTPError) -> bool:
-    """The verifier no longer holds our session as we know it: restarted, evicted, expired, or
-    at another position (a call we never saw the answer to, then lost on the verifier too)."""
-    return ((exc.status == 404 and exc.code == "session_not_found")
-            or (exc.status == 409 and exc.code in ("position_mismatch", "step_conflict")))
+def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
+                      config: SamplingConfig, generator: torch.Generator,
+                      info: InfoResponse) -> BlockOutcome:
+    """One block of Algorithm 1 after ``session.committed``; commits nothing itself."""
+    # 1. Draft k tokens x_1..x_k with their q_i (a drafter may stop early).
+    t0 = time.perf_counter()
+    draft = drafter.propose(k, config, generator)
+    k = len(draft.ids)
+    t1 = time.perf_counter()
+    # 2. Our randomness for the verdict: k acceptance uniforms + 1 for the last token.
+    #    log(1 - u) with u in [0, 1) is the log of a uniform on (0, 1], never -inf.
+    uniforms = draw_uniforms(generator, k + 1)  # [k + 1]
+    log_uniforms = torch.log1p(-uniforms[:k])  # [k]
+    draft_logprobs = None if config.greedy else draft.logprobs  # None: one-hot draft
+    # 3. One round trip: the verifier scores [last token, x_1..x_k] in one forward and finds
+    #    the first rejection with our uniforms.
+    reply = session.verify(VerifyRequest(
+        position=session.position, last_token=session.committed[-1], draft_ids=draft.ids,
+        draft_logprobs=None if draft_logprobs is None else draft_logprobs.tolist(),
+        log_uniforms=log_uniforms.tolist(), final_uniform=float(uniforms[k]),
+        return_top_ids=drafter.top_k_filler,
+    ))
+    t2 = time.perf_counter()
+    accepted = _check_verdict(reply, draft, draft_logprobs, log_uniforms, config)
+    # 4. The recovered or bonus token: drawn by the verifier when it could, else here from
+    #    norm(max(0, p_j - q_j)) with p_j from the reply and our own q_j.
+    if reply.next_token is not None:
+        next_token = reply.next_token
+    elif reply.row is not None and draft.probs is not None:
+        next_token = recover_token(reply.row.decode(info.vocab_size), draft.probs[accepted],
+                                   float(uniforms[k]))
+    else:
+        raise SpecDecError("verifier sent neither the next token nor the target row")
+    # 5. Output: accepted drafts + one token, cut after an EOS.
+    tokens = [*draft.ids[:accepted], next_token]
+    eos_at = next((i for i, t in enumerate(tokens) if t in info.eos_token_ids), None)
+    if eos_at is not None:
+        tokens = tokens[: eos_at + 1]
+    # 6. NASD filler: the target's top ids at every position it scored on the kept path.
+    if reply.top_ids is not None:
+        for i in range(accepted + 1):  # row i follows committed + x_1..x_i
+            drafter.observe_top_k([*session.committed, *draft.ids[:i]], reply.top_ids[i])
+    return BlockOutcome(draft.ids, accepted, tokens, eos_at is not None,
+                        drafting_s=t1 - t0, round_trip_s=t2 - t1,
+                        verifier_s=reply.forward_ms / 1e3)
 
 
 def speculative_generate(
-    verifier: HttpVerifier,
+    verifier: Verifier,
     drafter: Drafter,
     prompt_ids: list[int],
-    sampling: SamplingParams,
-    num_draft_tokens: int | DraftLength,
-    max_new_tokens: int,
-    seed: int,
-    eos_token_ids: list[int],
-    vocab_size: int,
-    max_context: int,
+    settings: GenerationSettings,
+    info: InfoResponse,
     on_tokens: Callable[[list[int]], None] | None = None,
 ) -> GenerationResult:
-    """Generate up to ``max_new_tokens`` tokens whose distribution is exactly the target's."""
-    config = sampling.to_config()
-    draft_length = (FixedLength(num_draft_tokens) if isinstance(num_draft_tokens, int)
-                    else num_draft_tokens)
-    top_ids = int(getattr(drafter, "top_k_filler", 0))  # NASD: the target's top-k per position
-    generator = torch.Generator().manual_seed(seed)
-    metrics = GenerationMetrics()
-    sent_before, received_before, retries_before = (verifier.bytes_sent,
-                                                    verifier.bytes_received, verifier.retries)
-    started = time.perf_counter()
-    committed = list(prompt_ids)
-    session_id: str | None = None
+    """Generate up to ``settings.max_new_tokens`` tokens whose distribution is exactly the
+    target's. On an unrecoverable error the :class:`SpecDecError` carries what was generated
+    (``exc.partial``)."""
+    config = settings.sampling.to_config()
+    schedule = settings.draft_schedule()
+    generator = torch.Generator().manual_seed(settings.seed)
+    recorder = MetricsRecorder(verifier)
+    session = VerifierSession(verifier, settings.sampling, prompt_ids)
 
-    def open_session() -> str:
-        """A session holding every committed token; its position is len(committed)."""
-        return verifier.create_session(CreateSessionRequest(prompt_ids=committed,
-                                                            sampling=sampling)).session_id
-
-    def verify(req: VerifyRequest) -> VerifyResponse:
-        """One verify call; when the session is lost, reopen it with the committed tokens and
-        send the very same request again (same position, same uniforms), so the output is what
-        an undisturbed run gives."""
-        nonlocal session_id
-        for _ in range(MAX_REOPENS_PER_BLOCK):
-            assert session_id is not None
-            try:
-                return verifier.verify(session_id, req)
-            except VerifierHTTPError as exc:
-                if not _session_lost(exc):
-                    raise
-                if exc.status == 409:  # it still exists, at a position we cannot use
-                    with contextlib.suppress(SpecDecError):
-                        verifier.delete_session(session_id)
-            session_id = open_session()
-            metrics.session_reopens += 1
-        raise SpecDecError(f"the verifier lost this generation's session "
-                           f"{MAX_REOPENS_PER_BLOCK} times in one block; giving up")
+    def result() -> GenerationResult:
+        generated = session.committed[len(prompt_ids):]
+        return GenerationResult(list(prompt_ids), generated,
+                                recorder.finish(len(generated), session.reopens))
 
     try:
-        session_id = open_session()
-        metrics.prefill_s = time.perf_counter() - started
+        session.open()
+        recorder.prefilled()
         drafter.reset(prompt_ids)
-        while len(committed) - len(prompt_ids) < max_new_tokens and len(committed) <= max_context:
-            # 1. Draft: a block yields up to k + 1 tokens and needs position + k <= context.
-            remaining = max_new_tokens - (len(committed) - len(prompt_ids))
-            k = max(0, min(draft_length.next_k(), remaining - 1, max_context - len(committed)))
-            t0 = time.perf_counter()
-            draft = drafter.propose(k, config, generator)
-            k = len(draft.ids)  # a drafter may stop early
-            t1 = time.perf_counter()
-            # 2. Our randomness for the verdict: k acceptance uniforms + 1 for the last token.
-            #    log(1 - u) with u in [0, 1) is the log of a uniform on (0, 1], never -inf.
-            uniforms = draw_uniforms(generator, k + 1)  # [k + 1]
-            log_uniforms = torch.log1p(-uniforms[:k])  # [k]
-            draft_logprobs = None if config.greedy else draft.logprobs  # None: one-hot draft
-            # 3. One round trip: the verifier scores [last token, x_1..x_k] in one forward.
-            reply = verify(VerifyRequest(
-                position=len(committed), last_token=committed[-1], draft_ids=draft.ids,
-                draft_logprobs=None if draft_logprobs is None else draft_logprobs.tolist(),
-                log_uniforms=log_uniforms.tolist(), final_uniform=float(uniforms[k]),
-                return_top_ids=top_ids,
-            ))
-            t2 = time.perf_counter()
-            accepted = _check_verdict(reply, draft, draft_logprobs, log_uniforms, config)
-            # 4. The recovered or bonus token: drawn by the verifier when it could, else here
-            #    from norm(max(0, p_j - q_j)) with p_j from the reply and our own q_j.
-            if reply.next_token is not None:
-                next_token = reply.next_token
-            elif reply.row is not None and draft.probs is not None:
-                next_token = recover_token(reply.row.decode(vocab_size), draft.probs[accepted],
-                                           float(uniforms[k]))
-            else:
-                raise SpecDecError("verifier sent neither the next token nor the target row")
-            # 5. Commit accepted drafts + one token, cut at EOS; tell the drafter.
-            new_tokens = [*draft.ids[:accepted], next_token]
-            eos_at = next((i for i, t in enumerate(new_tokens) if t in eos_token_ids), None)
-            if eos_at is not None:
-                new_tokens = new_tokens[: eos_at + 1]
-            if reply.top_ids is not None and hasattr(drafter, "observe_top_k"):
-                for i in range(accepted + 1):  # row i follows committed + x_1..x_i
-                    drafter.observe_top_k([*committed, *draft.ids[:i]], reply.top_ids[i])
-            committed.extend(new_tokens)
-            drafter.commit(new_tokens)
-            metrics.record_block(k, accepted)
-            metrics.drafting_s += t1 - t0
-            metrics.verify_rtt_s += t2 - t1
-            metrics.verify_latencies_s.append(t2 - t1)
-            metrics.verify_forward_s += reply.forward_ms / 1e3
-            draft_length.update(k, accepted, t1 - t0, t2 - t1)
+        while ((generated := session.position - len(prompt_ids)) < settings.max_new_tokens
+               and session.position <= info.max_context):
+            # A block yields up to k + 1 tokens and needs position + k <= max_context.
+            k = max(0, min(schedule.next_k(), settings.max_new_tokens - generated - 1,
+                           info.max_context - session.position))
+            outcome = speculative_block(session, drafter, k, config, generator, info)
+            session.commit(outcome.tokens)
+            drafter.commit(outcome.tokens)
+            recorder.block(outcome.draft_ids, outcome.num_accepted, outcome.drafting_s,
+                           outcome.round_trip_s, outcome.verifier_s)
+            schedule.update(len(outcome.draft_ids), outcome.num_accepted, outcome.drafting_s,
+                            outcome.round_trip_s)
             if on_tokens is not None:
-                on_tokens(new_tokens)
-            if eos_at is not None:
+                on_tokens(outcome.tokens)
+            if outcome.finished:
                 break
     except SpecDecError as exc:  # keep what was generated: the caller reports it as partial
-        exc.partial = _result(prompt_ids, committed, metrics, verifier, started,
-                              (sent_before, received_before, retries_before))
+        exc.partial = result()
         raise
     finally:
-        if session_id is not None:
-            with contextlib.suppress(SpecDecError):  # else it expires on the verifier
-                verifier.delete_session(session_id)
-    return _result(prompt_ids, committed, metrics, verifier, started,
-                   (sent_before, received_before, retries_before))
-
-
-def _result(prompt_ids: list[int], committed: list[int], metrics: GenerationMetrics,
-            verifier: HttpVerifier, started: float,
-            before: tuple[int, int, int]) -> GenerationResult:
-    generated = committed[len(prompt_ids):]
-    metrics.new_tokens = len(generated)
-    metrics.wall_s = time.perf_counter() - started
-    metrics.bytes_sent = verifier.bytes_sent - before[0]
-    metrics.bytes_received = verifier.bytes_received - before[1]
-    metrics.retries = verifier.retries - before[2]
-    return GenerationResult(list(prompt_ids), generated, metrics)
+        session.close()
+    return result()

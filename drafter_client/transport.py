@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import secrets
 import time
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import orjson
@@ -41,6 +41,28 @@ class VerifierHTTPError(SpecDecError):
 
 class VerifierUnavailable(SpecDecError):
     """The verifier stayed unreachable or overloaded for the whole retry budget."""
+
+
+class Verifier(Protocol):
+    """What the client needs from a verifier: :class:`HttpVerifier` over HTTP, or anything with
+    the same calls (the tests' in-process verifier). Counters feed the generation metrics."""
+
+    bytes_sent: int
+    bytes_received: int
+    retries: int
+    simulated_rtt_s: float
+
+    def info(self, budget_s: float | None = None) -> InfoResponse: ...
+
+    def create_session(self, req: CreateSessionRequest) -> CreateSessionResponse: ...
+
+    def verify(self, session_id: str, req: VerifyRequest) -> VerifyResponse: ...
+
+    def delete_session(self, session_id: str, budget_s: float = 2.0) -> None: ...
+
+    def generate(self, req: GenerateRequest) -> GenerateResponse: ...
+
+    def close(self) -> None: ...
 
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})  # overloaded, or a proxy without a backend

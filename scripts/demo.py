@@ -11,16 +11,14 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter_client import SpecDecClient  # noqa: E402
 from drafter_client.cli import TextStream  # noqa: E402
-from scripts.fetch_models import fetch  # noqa: E402
-from scripts.verifier_process import free_port, start_verifier, stop_verifier  # noqa: E402
+from scripts.bench.common import fetch_offline_models, load_prompts  # noqa: E402
+from tests.support.process import VerifierProcess  # noqa: E402
 
-PROMPT = ("Write a Python function `merge_intervals(intervals)` that merges overlapping "
-          "intervals given as a list of [start, end] pairs. Include a docstring.")
+PROMPT = load_prompts("code-chat")[0][0]  # merge_intervals
 
 
 def main() -> None:
@@ -33,15 +31,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args()
 
-    for name in {args.target, args.drafter}:
-        fetch(name, keep_gguf=False)
+    fetch_offline_models(args.target, args.drafter)
     import torch
 
     torch.set_num_threads(args.threads)
-    port = free_port()
-    verifier = start_verifier(args.target, port, args.threads)
-    try:
-        client = SpecDecClient(f"http://127.0.0.1:{port}", args.drafter)
+    with VerifierProcess(["--model", args.target], threads=args.threads, quiet=False) as verifier:
+        client = SpecDecClient(verifier.url, args.drafter)
         print(f"\n=== speculative: {args.drafter} drafts k={args.num_draft_tokens}, "
               f"{args.target} verifies ===\n", flush=True)
         spec = client.generate(args.prompt, chat=True, num_draft_tokens=args.num_draft_tokens,
@@ -62,8 +57,6 @@ def main() -> None:
         print("greedy outputs identical: " + ("yes" if same else
               f"no, from token {first_diff} (bf16: a k-token forward and 1-token forwards can "
               "round differently at near-ties)"))
-    finally:
-        stop_verifier(verifier)
 
 
 if __name__ == "__main__":

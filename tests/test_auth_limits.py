@@ -11,7 +11,7 @@ import pytest
 
 from drafter_client import SpecDecClient
 from drafter_client.transport import SpecDecError
-from tests.conftest import LiveServer, fp32_settings
+from tests.support.live_server import LiveServer, fp32_settings
 from verifier_service.guards import ApiKeyAuth
 
 KEYS = ("alpha-key-0123", "beta-key-4567")

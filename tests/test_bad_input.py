@@ -6,7 +6,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.conftest import LiveServer
+from tests.support.live_server import LiveServer
 
 
 @pytest.fixture()

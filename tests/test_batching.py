@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from drafter_client import SpecDecClient
-from tests.conftest import LiveServer, fp32_settings
+from tests.support.live_server import LiveServer, fp32_settings
 
 PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16, 17], [18, 19],
            [20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [30, 31, 32, 33], [34, 35, 36, 37, 38, 39]]

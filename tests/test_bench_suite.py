@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts import bench_report, bench_suite
+from scripts.bench import report as bench_report
+from scripts.bench.__main__ import main as bench
 
 pytestmark = pytest.mark.slow
 
@@ -17,8 +18,8 @@ pytestmark = pytest.mark.slow
 def test_quick_suite_writes_consistent_results(tiny_models: dict[str, Path],
                                                tmp_path: Path) -> None:
     out = tmp_path / "suite"
-    payload = bench_suite.main([
-        "--target", str(tiny_models["gpt2-target"]), "--drafter",
+    payload = bench([
+        "suite", "--target", str(tiny_models["gpt2-target"]), "--drafter",
         str(tiny_models["gpt2-drafter"]), "--dtype", "float32", "--threads", "1", "--quick",
         "--out", str(out)])
     rows, runs = payload["rows"], payload["runs"]
@@ -26,7 +27,7 @@ def test_quick_suite_writes_consistent_results(tiny_models: dict[str, Path],
     assert systems == {"target alone", "specdec model", "specdec ngram",
                        "specdec prompt-lookup", "specdec bigram", "HF generate", "HF assisted",
                        "HF prompt lookup"}
-    assert {r["suite"] for r in rows} == set(bench_suite.SUITES)
+    assert {r["suite"] for r in rows} == set(bench_report.SUITES)
     # fp32: every greedy system reproduces the target alone, token for token.
     greedy = [r for r in runs if r["temperature"] == 0 and r["system"] != "target alone"]
     assert greedy and all(r["first_mismatch"] is None for r in greedy)
@@ -44,8 +45,7 @@ def test_quick_suite_writes_consistent_results(tiny_models: dict[str, Path],
                 "achieved_vs_predicted.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     # Rebuilding from the saved runs gives the same rows.
-    rebuilt = bench_suite.main(["--report-from", str(out / "results.json"),
-                                "--out", str(tmp_path / "again")])
+    rebuilt = bench(["report", str(out / "results.json"), "--out", str(tmp_path / "again")])
     assert rebuilt["rows"] == rows
 
 
@@ -60,8 +60,8 @@ def test_predicted_speedup_formula() -> None:
 
 def test_drafter_variants_and_workload_filter(tiny_models: dict[str, Path],
                                               tmp_path: Path) -> None:
-    payload = bench_suite.main([
-        "--target", str(tiny_models["gpt2-target"]), "--drafter",
+    payload = bench([
+        "suite", "--target", str(tiny_models["gpt2-target"]), "--drafter",
         str(tiny_models["gpt2-drafter"]), "--dtype", "float32", "--threads", "1", "--quick",
         "--no-hf", "--suites", "systems", "--workloads", "english", "--drafters",
         "model-confident", "model-auto", "--draft-min-prob", "0.9", "--out", str(tmp_path)])

@@ -5,16 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import orjson
 import pytest
 
-from tests.conftest import free_port
-from tests.test_greedy_e2e import hf_greedy
+from tests.support.process import VerifierProcess, free_port
+from tests.support.tiny_models import hf_greedy
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -22,27 +20,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 @pytest.fixture(scope="module")
 def verifier_url(tiny_models: dict[str, Path]) -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(BIN / "specdec-verifier"), "--model", str(tiny_models["gpt2-target"]),
-         "--dtype", "float32", "--device", "cpu", "--port", str(port), "--threads", "1"],
-        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"verifier did not start: {proc.stdout.read().decode()[-2000:]}")  # type: ignore[union-attr]
-        time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
+    with VerifierProcess(["--model", str(tiny_models["gpt2-target"]), "--dtype", "float32",
+                          "--device", "cpu"], env=ENV) as verifier:
+        yield verifier.url
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:

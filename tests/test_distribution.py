@@ -2,11 +2,15 @@
 
 For a vocabulary of 16, the exact probability of every pair of first two generated tokens is
 enumerated from the target (processed with transformers' own logits warpers, an independent
-implementation), then compared with 5,000 seeded speculative generations through the verifier app
-by a chi-square test (cells with expected count < 5 pooled) through a real uvicorn verifier.
-Correct sampling must pass at p > 1e-3 and total variation < 0.1; the negative controls (a wrong
-acceptance rule, a fresh resample instead of the residual) must fail the same test at p < 1e-6
-with 2,000 draws.
+implementation), then compared with 5,000 seeded speculative generations by a chi-square test
+(cells with expected count < 5 pooled). Correct sampling must pass at p > 1e-3 and total
+variation < 0.1; the negative controls (a wrong acceptance rule, a fresh resample instead of the
+residual) must fail the same test at p < 1e-6 with 2,000 draws.
+
+The draws run the client's whole loop against the verifier's own jobs in this process
+(``tests/support/in_process.py``: the same validation, KV slot pool, sampling and JSON wire
+codec, without sockets), which makes them about twice as fast; the concurrent-clients test
+draws through a real uvicorn verifier over HTTP with batching on.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ import shared.sampling as sampling
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
 from shared.models import load_causal_lm
-from tests.conftest import LiveServer, fp32_settings
+from tests.support.in_process import InProcessVerifier
+from tests.support.live_server import LiveServer, fp32_settings
+from verifier_service.target import TargetRunner
 
 pytestmark = pytest.mark.slow
 
@@ -48,14 +54,16 @@ CONFIGS = {
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
-    with LiveServer(fp32_settings(tiny_models["peaky-target"], max_draft_tokens=8)) as live:
-        yield live
+def verifier(tiny_models: dict[str, Path]) -> InProcessVerifier:
+    settings = fp32_settings(tiny_models["peaky-target"], max_draft_tokens=8)
+    runner = TargetRunner.load(settings.model, settings.dtype, settings.device,
+                               settings.max_context, settings.kv_budget_tokens)
+    return InProcessVerifier(runner, settings)
 
 
 @pytest.fixture(scope="module")
-def client(server: LiveServer, tiny_models: dict[str, Path]) -> SpecDecClient:
-    return SpecDecClient(server.url, str(tiny_models["peaky-drafter"]), dtype="float32",
+def client(verifier: InProcessVerifier, tiny_models: dict[str, Path]) -> SpecDecClient:
+    return SpecDecClient(verifier, str(tiny_models["peaky-drafter"]), dtype="float32",
                          device="cpu")
 
 
@@ -179,16 +187,18 @@ def repeat_prompt(tiny_models: dict[str, Path]) -> list[int]:
     return [2, 3, candidates[best], 5, 3]
 
 
-def model_free_client(server: LiveServer, name: str) -> SpecDecClient:
+def model_free_client(verifier: InProcessVerifier, name: str,
+                      tiny_models: dict[str, Path]) -> SpecDecClient:
     drafter, options = MODEL_FREE[name]
-    return SpecDecClient(server.url, drafter, options=options)
+    return SpecDecClient(verifier, drafter, tokenizer=str(tiny_models["peaky-target"]),
+                         options=options)
 
 
 @pytest.mark.parametrize("name", list(MODEL_FREE))
-def test_model_free_drafters_follow_the_target(name: str, server: LiveServer,
+def test_model_free_drafters_follow_the_target(name: str, verifier: InProcessVerifier,
                                                tiny_models: dict[str, Path],
                                                repeat_prompt: list[int]) -> None:
-    client = model_free_client(server, name)
+    client = model_free_client(verifier, name, tiny_models)
     params = CONFIGS["T=1"] if name != "ngram-multi+filler" else CONFIGS["T=0.7,top-k=5"]
     exact = exact_pair_distribution(tiny_models["peaky-target"], params,
                                      client.info.eos_token_ids, repeat_prompt)
@@ -199,12 +209,12 @@ def test_model_free_drafters_follow_the_target(name: str, server: LiveServer,
 
 
 def test_negative_control_fresh_resample_for_one_hot_drafts(
-        server: LiveServer, tiny_models: dict[str, Path], repeat_prompt: list[int],
+        verifier: InProcessVerifier, tiny_models: dict[str, Path], repeat_prompt: list[int],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The known NASD bug: after a rejected one-hot draft d, drawing a fresh token from p outputs
     d with probability p(d)(2 - p(d)) instead of p(d). The same test must catch it."""
     monkeypatch.setattr(sampling, "residual_without_token", lambda probs, token: probs)
-    client = model_free_client(server, "ngram-simple")
+    client = model_free_client(verifier, "ngram-simple", tiny_models)
     params = CONFIGS["T=1"]
     exact = exact_pair_distribution(tiny_models["peaky-target"], params,
                                      client.info.eos_token_ids, repeat_prompt)
@@ -213,9 +223,16 @@ def test_negative_control_fresh_resample_for_one_hot_drafts(
     assert p_value < 1e-6, f"fresh resample not caught: p = {p_value:.2e}, TV = {tv:.3f}"
 
 
+@pytest.fixture(scope="module")
+def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
+    with LiveServer(fp32_settings(tiny_models["peaky-target"], max_draft_tokens=8)) as live:
+        yield live
+
+
 def test_distribution_holds_with_concurrent_clients(server: LiveServer,
                                                     tiny_models: dict[str, Path]) -> None:
-    """Four clients at once, their blocks batched into shared forwards: still exact."""
+    """Four clients at once over HTTP, their blocks batched into shared forwards: still
+    exact."""
     params = CONFIGS["T=1"]
     clients = [SpecDecClient(server.url, str(tiny_models["peaky-drafter"]), dtype="float32",
                              device="cpu") for _ in range(4)]

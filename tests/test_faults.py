@@ -18,9 +18,8 @@ import pytest
 
 from drafter_client import SpecDecClient
 from drafter_client.transport import SpecDecError, VerifierUnavailable
-from scripts.fault_proxy import FaultProxy
-from scripts.verifier_process import start_verifier
-from tests.conftest import free_port
+from tests.support.fault_proxy import FaultProxy
+from tests.support.process import VerifierProcess, free_port
 
 pytestmark = pytest.mark.faults
 PROMPT = [2, 3, 4, 5]
@@ -28,8 +27,10 @@ BIN = Path(sys.executable).parent
 
 
 def spawn(model: Path, port: int, *extra: str) -> subprocess.Popen[bytes]:
-    return start_verifier(str(model), port, 1, ("--dtype", "float32", "--device", "cpu",
-                                                 "--max-draft-tokens", "8", *extra), quiet=True)
+    verifier = VerifierProcess(["--model", str(model), "--dtype", "float32", "--device", "cpu",
+                                "--max-draft-tokens", "8", *extra], port=port).start()
+    assert verifier.proc is not None
+    return verifier.proc
 
 
 @pytest.fixture()

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from tests.conftest import LiveServer, fp32_settings
+from tests.support.live_server import LiveServer, fp32_settings
 
 pytestmark = pytest.mark.fuzz
 KEY = "fuzz-key-0001"

@@ -4,20 +4,12 @@ uvicorn verifier, in fp32, for several prompts and k in {1, 2, 4, 8}."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
-from shared.models import load_causal_lm
+from tests.support.tiny_models import hf_greedy
 
 PROMPTS = ["the cat sat on", "def x ( y ) :", "a big red dog ran to the", "if x = 1"]
-
-
-def hf_greedy(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
-    model = load_causal_lm(str(model_dir), torch.float32, torch.device("cpu"))
-    out = model.generate(torch.tensor([prompt_ids]), do_sample=False,
-                         max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

@@ -12,9 +12,9 @@ import httpx
 import pytest
 
 from drafter_client import SpecDecClient
-from scripts.fault_proxy import FaultProxy
 from shared.schema import VerifyRequest, VerifyResponse
-from tests.conftest import LiveServer, fp32_settings
+from tests.support.fault_proxy import FaultProxy
+from tests.support.live_server import LiveServer, fp32_settings
 
 PROMPT = [2, 3, 4, 5]
 

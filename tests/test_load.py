@@ -16,8 +16,7 @@ import httpx
 import pytest
 
 from drafter_client import SpecDecClient
-from scripts.verifier_process import start_verifier
-from tests.conftest import free_port
+from tests.support.process import VerifierProcess
 
 pytestmark = [pytest.mark.load, pytest.mark.slow]
 CLIENTS, GENERATIONS, MAX_CONTEXT = 32, 20, 128
@@ -34,14 +33,13 @@ def rss_bytes(pid: int, field: str) -> int:
 @pytest.fixture(scope="module")
 def loaded_verifier(tiny_models: dict[str, Path]) -> Iterator[tuple[subprocess.Popen[bytes],
                                                                     str]]:
-    port = free_port()
-    proc = start_verifier(str(tiny_models["gpt2-target"]), port, 1, (
-        "--dtype", "float32", "--device", "cpu", "--max-context", str(MAX_CONTEXT),
-        "--kv-budget-tokens", str(MAX_CONTEXT * CLIENTS), "--max-sessions", str(CLIENTS),
-        "--max-draft-tokens", "8"), quiet=True)
-    yield proc, f"http://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=60)
+    verifier = VerifierProcess([
+        "--model", str(tiny_models["gpt2-target"]), "--dtype", "float32", "--device", "cpu",
+        "--max-context", str(MAX_CONTEXT), "--kv-budget-tokens", str(MAX_CONTEXT * CLIENTS),
+        "--max-sessions", str(CLIENTS), "--max-draft-tokens", "8"])
+    with verifier:
+        assert verifier.proc is not None
+        yield verifier.proc, verifier.url
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc for RSS")

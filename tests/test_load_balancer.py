@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,27 +19,12 @@ import pytest
 
 from drafter_client import SpecDecClient
 from shared.schema import REPLICA_HEADER, SESSION_HEADER
-from tests.conftest import free_port
+from tests.support.process import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
 pytestmark = [pytest.mark.nginx,
               pytest.mark.skipif(NGINX is None, reason="nginx is not installed")]
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes], path: str = "/readyz") -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + path, timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        if proc.poll() is not None:
-            break
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{url} did not become ready")
 
 
 @pytest.fixture(scope="module")

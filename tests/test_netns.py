@@ -10,9 +10,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from scripts import netns
-from scripts.verifier_process import start_verifier, stop_verifier
-from tests.conftest import free_port
+from tests.support import netns
+from tests.support.process import VerifierProcess
 
 WHY_NOT = netns.available()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(WHY_NOT is not None,
@@ -30,19 +29,13 @@ def test_generation_over_a_delayed_lossy_link(tiny_models: dict[str, Path]) -> N
                      "--device", "cpu", "--threads", "1", "--max-draft-tokens", "8"]
     prompts = ["the cat sat on", "def x ( y ) :", "a big red dog ran to the"]
     # The reference: the same CLI against a verifier on loopback.
-    port = free_port()
-    local = start_verifier(str(tiny_models["gpt2-target"]), port, 1, tuple(verifier_args[2:]),
-                           quiet=True)
     expected = []
-    try:
+    with VerifierProcess(verifier_args) as local:
         for prompt in prompts:
             out = subprocess.run([str(netns.BIN / "specdec"),
-                                  *cli_args(f"http://127.0.0.1:{port}",
-                                            tiny_models["gpt2-drafter"], prompt)],
+                                  *cli_args(local.url, tiny_models["gpt2-drafter"], prompt)],
                                  capture_output=True, text=True, timeout=300, check=True)
             expected.append(orjson.loads(out.stdout)["token_ids"])
-    finally:
-        stop_verifier(local)
     with netns.NetPair() as net:
         how = net.impair(delay_ms=20, loss_pct=1)
         procs, url = net.serve(verifier_args, delay_ms=20)

@@ -10,7 +10,7 @@ import torch
 
 from drafter_client import SpecDecClient
 from shared.models import ModelSpecError, load_causal_lm, resolve_model_spec
-from tests.conftest import LiveServer
+from tests.support.live_server import LiveServer
 from verifier_service.settings import Settings
 
 pytestmark = pytest.mark.real

@@ -152,7 +152,7 @@ class Scheduler:
             started = time.perf_counter()
             for pending in batch:
                 self.stats.queue_wait_s += started - pending.queued_at
-            outcomes = await self.run(self._run_batch, [p.job for p in batch])
+            outcomes = await self.run(run_jobs, self.runner, [p.job for p in batch])
             self.stats.forward_s += time.perf_counter() - started
             self.stats.batches += 1
             self.stats.jobs += len(batch)
@@ -167,38 +167,45 @@ class Scheduler:
                 else:
                     pending.future.set_exception(value)
 
-    def _run_batch(self, jobs: list[Job]) -> list[tuple[bool | None, Any]]:
-        """Model thread: prepare every job, one forward for all, then finish each.
-        An outcome (None, None) defers the job to the next batch."""
-        outcomes: list[tuple[bool | None, Any] | None] = [None] * len(jobs)
-        prepared: list[tuple[int, ForwardItem | None]] = []
-        sessions: set[str] = set()
-        for i, job in enumerate(jobs):
-            if job.session_id is not None and job.session_id in sessions:
-                outcomes[i] = (None, None)  # one job per session per forward
-                continue
-            try:
-                item = job.prepare(sessions)
-            except VerifierError as exc:
-                outcomes[i] = (False, exc)
-                continue
-            if job.session_id is not None:
-                sessions.add(job.session_id)
-            prepared.append((i, item))
-        items = [item for _, item in prepared if item is not None and item.token_ids]
+
+class Forward(Protocol):
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
+        """One forward over every item's new tokens; a logits row block per item that asked."""
+
+
+def run_jobs(runner: Forward, jobs: list[Job]) -> list[tuple[bool | None, Any]]:
+    """Model thread: prepare every job, one forward for all, then finish each. Outcomes in job
+    order: (True, answer), (False, exception) for a job that failed alone, or (None, None) for a
+    second job of a session already in this batch (deferred to the next batch)."""
+    outcomes: list[tuple[bool | None, Any] | None] = [None] * len(jobs)
+    prepared: list[tuple[int, ForwardItem | None]] = []
+    sessions: set[str] = set()
+    for i, job in enumerate(jobs):
+        if job.session_id is not None and job.session_id in sessions:
+            outcomes[i] = (None, None)  # one job per session per forward
+            continue
         try:
-            rows = iter(self.runner.forward(items) if items else [])
-        except Exception as exc:  # the forward failed: every prepared job fails with it
-            log.exception("batched forward failed")
-            for i, _ in prepared:
-                jobs[i].abort()
-                outcomes[i] = (False, exc)
-            return [o for o in outcomes if o is not None]
-        for i, item in prepared:
-            logits = next(rows) if item is not None and item.token_ids else None
-            try:
-                outcomes[i] = (True, jobs[i].finish(logits))
-            except Exception as exc:  # noqa: BLE001 - reported to that job's caller only
-                jobs[i].abort()
-                outcomes[i] = (False, exc)
+            item = job.prepare(sessions)
+        except VerifierError as exc:
+            outcomes[i] = (False, exc)
+            continue
+        if job.session_id is not None:
+            sessions.add(job.session_id)
+        prepared.append((i, item))
+    items = [item for _, item in prepared if item is not None and item.token_ids]
+    try:
+        rows = iter(runner.forward(items) if items else [])
+    except Exception as exc:  # the forward failed: every prepared job fails with it
+        log.exception("batched forward failed")
+        for i, _ in prepared:
+            jobs[i].abort()
+            outcomes[i] = (False, exc)
         return [o for o in outcomes if o is not None]
+    for i, item in prepared:
+        logits = next(rows) if item is not None and item.token_ids else None
+        try:
+            outcomes[i] = (True, jobs[i].finish(logits))
+        except Exception as exc:  # noqa: BLE001 - reported to that job's caller only
+            jobs[i].abort()
+            outcomes[i] = (False, exc)
+    return [o for o in outcomes if o is not None]

@@ -36,8 +36,10 @@ class SessionStore:
 
     def __init__(self, max_sessions: int, ttl_s: float,
                  clock: Callable[[], float] = time.monotonic,
-                 on_drop: Callable[[Session], None] = lambda session: None) -> None:
+                 on_drop: Callable[[Session], None] = lambda session: None,
+                 max_per_owner: int = 0) -> None:
         self.max_sessions, self.ttl_s, self.clock = max_sessions, ttl_s, clock
+        self.max_per_owner = max_per_owner  # 0: no per-key limit
         self.on_drop = on_drop  # frees what a session holds (its KV slot)
         self._sessions: OrderedDict[str, Session] = OrderedDict()
         self._lock = threading.Lock()
@@ -73,6 +75,10 @@ class SessionStore:
             self._sessions.move_to_end(session_id)
             return session
 
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._sessions)
+
     def exists(self, session_id: str) -> bool:
         with self._lock:
             return session_id in self._sessions
@@ -85,6 +91,14 @@ class SessionStore:
         with self._lock:
             return sum(1 for s in self._sessions.values() if s.owner == owner)
 
+    def check_quota(self, owner: str | None) -> None:
+        """429 when ``owner`` (an API key) already holds ``max_per_owner`` sessions."""
+        limit = self.max_per_owner
+        if limit and owner is not None and self.count_owned(owner) >= limit:
+            raise VerifierError(429, "too_many_sessions", f"this API key holds {limit} open "
+                                f"sessions, the limit per key (SPECDEC_MAX_SESSIONS_PER_KEY); "
+                                "close one or retry later", "session_id", retry_after_s=1)
+
     def remove(self, session_id: str, owner: str | None = None) -> None:
         with self._lock:
             session = self._sessions.get(session_id)
@@ -96,6 +110,15 @@ class SessionStore:
                 raise VerifierError(404, "session_not_found",
                                     f"session {session_id!r} is unknown, expired or evicted",
                                     "session_id")
+            self.on_drop(session)
+
+    def discard(self, session_id: str, owner: str | None = None) -> None:
+        """Remove the session if it is still there (it may have been evicted meanwhile)."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None or session.owner != owner:
+                return
+            del self._sessions[session_id]
             self.on_drop(session)
 
     def evict_lru(self, keep: set[str]) -> bool:

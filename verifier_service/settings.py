@@ -1,22 +1,34 @@
-"""Verifier settings: one class, read from SPECDEC_* environment variables and CLI flags."""
+"""Verifier settings: the one source of every option.
+
+Read from ``SPECDEC_*`` environment variables; ``specdec-verifier`` builds its command line from
+the same fields (``--max-batch-size`` for ``max_batch_size``; booleans as ``--batching`` /
+``--no-batching``), and flags win over the environment. ``docs/configuration.md`` lists them,
+and a test checks that table against this class.
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="SPECDEC_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="SPECDEC_", extra="ignore", cli_prog_name="specdec-verifier",
+        cli_kebab_case=True, cli_implicit_flags="dual", cli_avoid_json=True,
+        cli_exit_on_error=True,
+    )
 
-    model: str = Field("qwen2.5-coder-1.5b", description="short name, folder, .gguf file or hub id")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    model: str = Field("qwen2.5-coder-1.5b", description="the target: short name of the "
+                       "offline pair, local folder, .gguf file or hub id")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 (fast on AMX CPUs and recent GPUs)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", description="bind address")
+    port: int = Field(8000, ge=0, le=65535, description="bind port")
 
     max_sessions: int = Field(64, ge=1, description="LRU-evicts the least recently used beyond")
     session_ttl_s: float = Field(600.0, gt=0, description="idle sessions older than this expire")
@@ -33,12 +45,13 @@ class Settings(BaseSettings):
                                  "sessions active in the last second that are not in it yet")
     max_queue: int = Field(256, ge=1, description="queued jobs; beyond it 429 + Retry-After")
     max_new_tokens: int = Field(1024, ge=1, description="cap for /v1/generate")
-    max_prompt_tokens: int = Field(0, ge=0, description="0: max_context - 1")
+    max_prompt_tokens: int = Field(0, ge=0, description="longest prompt; 0: max_context - 1")
     replica_name: str = Field("", description="sent as X-Verifier-Replica; default host:port")
 
-    api_keys: str = Field("", description="comma-separated API keys; empty: no auth. Clients "
-                          "send one as 'Authorization: Bearer KEY' (or X-API-Key); /healthz and "
-                          "/readyz stay open", repr=False)
+    # Environment only (SPECDEC_API_KEYS): a flag would show the keys in `ps`.
+    api_keys: CliSuppress[str] = Field(
+        "", repr=False, description="comma-separated API keys; empty: no auth. Clients send "
+        "one as 'Authorization: Bearer KEY' (or X-API-Key); /healthz and /readyz stay open")
     max_sessions_per_key: int = Field(0, ge=0, description="open sessions one API key may "
                                       "hold (0: only max_sessions applies); beyond it 429")
     max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body; "
@@ -48,3 +61,23 @@ class Settings(BaseSettings):
 
     def key_list(self) -> list[str]:
         return [key.strip() for key in self.api_keys.split(",") if key.strip()]
+
+
+def settings_table() -> str:
+    """The Markdown table of every setting (docs/configuration.md holds this exact text)."""
+    lines = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    for name, field in Settings.model_fields.items():
+        env = f"`SPECDEC_{name.upper()}`"
+        if name == "api_keys":
+            flag = "(environment only)"
+        elif field.annotation is bool:
+            flag = f"`--{name.replace('_', '-')}` / `--no-{name.replace('_', '-')}`"
+        else:
+            flag = f"`--{name.replace('_', '-')}`"
+        default = "empty" if field.default == "" else f"`{field.default}`"
+        lines.append(f"| {flag} | {env} | {default} | {field.description or ''} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(settings_table())

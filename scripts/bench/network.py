@@ -5,57 +5,51 @@ they talk over a veth pair. Delay is added to packets leaving the verifier (tc n
 the kernel has no netem, by the fault proxy in the verifier's namespace. For each delay: the
 target alone (`specdec baseline`) and speculative decoding with each drafter, greedy. Needs root.
 
-  python scripts/bench_network.py --delays 0 20 100 --drafters model ngram --max-new-tokens 64
+  python -m scripts.bench network --delays 0 20 100 --drafters model ngram --max-new-tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import orjson
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from scripts.bench.common import (
+    add_base_arguments,
+    fetch_offline_models,
+    load_prompts,
+    machine_record,
+    markdown_table,
+    write_json,
+)
+from tests.support import netns
 
-from scripts import netns  # noqa: E402
-from scripts.fetch_models import fetch  # noqa: E402
-from scripts.verifier_process import write_results  # noqa: E402
-from shared.models import OFFLINE_MODELS  # noqa: E402
 
-PROMPT = ("Write a Python function `merge_intervals(intervals)` that merges overlapping "
-          "intervals given as a list of [start, end] pairs.")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--drafter", default="qwen2.5-coder-0.5b")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_base_arguments(parser, out="bench_results/network.json")
     parser.add_argument("--drafters", nargs="+", default=["model", "ngram"])
     parser.add_argument("--delays", type=float, nargs="+", default=[0.0, 20.0, 100.0])
     parser.add_argument("--loss", type=float, default=0.0, help="packet loss in percent")
     parser.add_argument("-k", default="4")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="bench_results/network.json")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     why = netns.available()
     if why is not None:
         raise SystemExit(f"cannot make network namespaces here: {why}")
-    for name in {args.target, args.drafter} & set(OFFLINE_MODELS):
-        fetch(name, keep_gguf=False)
+    fetch_offline_models(args.target, args.drafter)
+    prompt = load_prompts("code-chat")[0][0]  # merge_intervals
 
     rows: list[dict[str, Any]] = []
     with netns.NetPair() as net:
         for delay in args.delays:
             how = net.impair(delay, args.loss)
-            procs, url = net.serve(["--model", args.target, "--threads", str(args.threads)],
-                                   delay_ms=delay)
+            procs, url = net.serve(["--model", args.target, "--threads", str(args.threads),
+                                    "--dtype", args.dtype], delay_ms=delay)
             try:
-                common = ["--verifier-url", url, "--prompt", PROMPT, "--chat",
+                common = ["--verifier-url", url, "--prompt", prompt, "--chat",
                           "--max-new-tokens", str(args.max_new_tokens), "--json"]
                 runs = [("target alone", ["baseline", *common])]
                 runs += [(f"specdec {d}", ["generate", *common, "-k", args.k, "--drafter",
@@ -89,14 +83,10 @@ def main() -> None:
                 subprocess.run([*net.exec_prefix("srv"), "nft", "flush", "ruleset"],
                                capture_output=True, check=False)
 
-    print("\n| added delay | system | tok/s | vs target alone | tokens/call | verify p50 ms |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['delay_ms']:g} ms | {r['system']} | {r['tokens_per_s']:.2f} | "
-              f"{r['speedup']:.2f}x | {r['mean_tokens_per_call'] or '-'} | "
-              f"{r['verify_p50_ms'] or '-'} |")
-    write_results(args.out, {"args": vars(args), "rows": rows})
-
-
-if __name__ == "__main__":
-    main()
+    print("\n" + markdown_table(rows, [
+        ("delay_ms", "added delay ms"), ("system", "system"), ("tokens_per_s", "tok/s"),
+        ("speedup", "vs target alone"), ("mean_tokens_per_call", "tokens/call"),
+        ("verify_p50_ms", "verify p50 ms")]))
+    payload = {"machine": machine_record(args), "args": vars(args), "rows": rows}
+    write_json(args.out, payload)
+    return payload

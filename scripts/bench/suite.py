@@ -15,9 +15,14 @@ Suites: ``systems`` (every system x workload, greedy), ``k`` (draft length), ``t
 interleaved per prompt after a warm-up, each cell repeated ``--repeats`` times; rows report
 medians. Writes JSON and CSV of every run and every row, a Markdown report and PNG plots.
 
-  python scripts/bench_suite.py                              # all suites, Qwen2.5-Coder pair
-  python scripts/bench_suite.py --suites systems k --prompts-per-workload 2 --max-new-tokens 64
-  python scripts/bench_suite.py --target ./tiny --drafter ./tiny-draft --quick   # smoke run
+  python -m scripts.bench suite                             # all suites, Qwen2.5-Coder pair
+  python -m scripts.bench suite --suites systems k --prompts-per-workload 2 --max-new-tokens 64
+  python -m scripts.bench suite --suites k --k-workloads code-chat english --ks 2 4 6
+  python -m scripts.bench suite --suites rtt --rtts 0 20 100 --drafters model ngram bigram
+  python -m scripts.bench suite --target ./tiny --drafter ./tiny-draft --quick   # smoke run
+
+Workloads: ``code`` (HumanEval completions), and the prompt files of ``benchmarks/prompts/``:
+``english``, ``input-grounded``, ``code-chat``.
 """
 
 from __future__ import annotations
@@ -26,8 +31,6 @@ import argparse
 import gzip
 import importlib.util
 import json
-import os
-import platform
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,27 +38,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from drafter_client import SpecDecClient  # noqa: E402
-from drafter_client.api import MODEL_FREE_DRAFTERS, DrafterOptions  # noqa: E402
-from scripts.bench_report import (  # noqa: E402
-    SUITES,
-    TARGET,
-    aggregate,
-    enrich,
-    first_mismatch,
-    rebuild,
-    write_outputs,
+from drafter_client import SpecDecClient
+from drafter_client.api import MODEL_FREE_DRAFTERS, DrafterOptions
+from scripts.bench.common import (
+    PROMPT_DIR,
+    add_base_arguments,
+    fetch_offline_models,
+    load_prompts,
+    machine_record,
+    verifier,
 )
-from scripts.verifier_process import free_port, start_verifier, stop_verifier  # noqa: E402
-from shared.models import OFFLINE_MODELS, load_causal_lm, pick_device, pick_dtype  # noqa: E402
+from scripts.bench.report import SUITES, TARGET, aggregate, enrich, first_mismatch, write_outputs
+from shared.models import load_causal_lm, pick_device, pick_dtype
 
-PROMPT_DIR = ROOT / "benchmarks" / "prompts"
+WORKLOADS = ("code", "english", "input-grounded", "code-chat")
 
 
 # -- workloads ---------------------------------------------------------------------------------
@@ -81,15 +79,14 @@ def humaneval_prompts(n: int) -> list[Prompt]:
     return [Prompt("code", p["task_id"], p["prompt"], chat=False) for p in problems[::step][:n]]
 
 
-def file_prompts(filename: str, n: int) -> list[Prompt]:
-    data = json.loads((PROMPT_DIR / filename).read_text())
-    return [Prompt(data["name"], f"{data['name']}/{i}", text, data["chat"])
-            for i, text in enumerate(data["prompts"][:n])]
+def file_prompts(name: str, n: int) -> list[Prompt]:
+    texts, chat = load_prompts(name)
+    return [Prompt(name, f"{name}/{i}", text, chat) for i, text in enumerate(texts[:n])]
 
 
 def workloads(n: int) -> dict[str, list[Prompt]]:
-    return {"code": humaneval_prompts(n), "english": file_prompts("english.json", n),
-            "input-grounded": file_prompts("input_grounded.json", n)}
+    return {name: humaneval_prompts(n) if name == "code" else file_prompts(name, n)
+            for name in WORKLOADS}
 
 
 # -- systems -----------------------------------------------------------------------------------
@@ -218,14 +215,14 @@ def plan(args: argparse.Namespace, systems: Systems) -> list[Cell]:
 
     if "systems" in args.suites:
         for workload, prompts in work.items():
-            if args.workloads and workload not in args.workloads:
+            if workload not in args.workloads:
                 continue
             for p in prompts:
                 add("systems", p, [(s, "auto" if s == "specdec model-auto" else args.k)
                                    for s in spec_names] + hf)
     if "k" in args.suites:
         k_system = "specdec model" if "model" in args.drafters else spec_names[0]
-        for p in work["code"]:
+        for p in (p for w in args.k_workloads for p in work[w]):
             k_systems: list[tuple[str, int | str | None]] = []
             for k in args.ks:
                 k_systems.append((k_system, k))
@@ -252,19 +249,16 @@ def plan(args: argparse.Namespace, systems: Systems) -> list[Cell]:
             prompt = Prompt("code-context", f"context/{length}", data["text"], chat=False)
             add("context", prompt, ctx_systems, ids=all_ids[:length], context=length)
     if "rtt" in args.suites:
-        rtt_systems = [(s, args.k) for s in spec_names[:2]]
+        rtt_systems = [(s, args.k) for s in spec_names]
         for rtt in args.rtts:
-            for p in work["code"][: max(1, n // 2)]:
+            for p in (p for w in args.rtt_workloads for p in work[w][: max(1, n // 2)]):
                 add("rtt", p, rtt_systems, rtt_ms=rtt)
     return cells
 
 
-# -- main --------------------------------------------------------------------------------------
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--drafter", default="qwen2.5-coder-0.5b", help="the model drafter, "
-                        "also the HF assistant model")
+# -- command ----------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_base_arguments(parser, out="bench_results/suite")
     parser.add_argument("--drafters", nargs="+",
                         default=["model", *MODEL_FREE_DRAFTERS],
                         choices=["model", "model-confident", "model-auto", *MODEL_FREE_DRAFTERS],
@@ -272,34 +266,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "top probability < --draft-min-prob, like HF's confidence threshold), "
                         "model-auto (-k auto), ngram, prompt-lookup, bigram")
     parser.add_argument("--draft-min-prob", type=float, default=0.4)
-    parser.add_argument("--workloads", nargs="+", choices=["code", "english", "input-grounded"],
-                        help="restrict the systems suite to these workloads")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS,
+                        default=["code", "english", "input-grounded"],
+                        help="workloads of the systems suite")
     parser.add_argument("--suites", nargs="+", choices=SUITES, default=list(SUITES))
-    parser.add_argument("-k", type=int, default=4, help="draft length of the systems suite")
+    parser.add_argument("-k", type=int, default=4, help="draft length of the other suites")
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 6, 8])
+    parser.add_argument("--k-workloads", nargs="+", choices=WORKLOADS, default=["code"],
+                        help="workloads of the k suite")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.7, 1.0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[10, 20, 50, 100, 500])
     parser.add_argument("--rtts", type=float, nargs="+", default=[20.0, 100.0],
                         help="simulated round-trip times (ms) of the rtt suite")
+    parser.add_argument("--rtt-workloads", nargs="+", choices=WORKLOADS, default=["code"],
+                        help="workloads of the rtt suite (every drafter at -k)")
     parser.add_argument("--prompts-per-workload", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers systems")
     parser.add_argument("--quick", action="store_true", help="one prompt, short outputs, "
                         "one setting per sweep: checks the pipeline, measures nothing useful")
-    parser.add_argument("--out", default="bench_results/suite")
     parser.add_argument("--wandb", action="store_true", help="also log rows to Weights & "
                         "Biases (WANDB_MODE=offline works without network)")
-    parser.add_argument("--report-from", nargs="+", metavar="RESULTS_JSON",
-                        help="measure nothing: rebuild tables, CSV and plots from earlier "
-                        "results.json files (a suite found in several: the last file's runs)")
-    args = parser.parse_args(argv)
-    if args.report_from:
-        command = "python scripts/bench_suite.py " + " ".join(argv if argv is not None
-                                                               else sys.argv[1:])
-        return rebuild(args.report_from, Path(args.out), command)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         args.prompts_per_workload, args.max_new_tokens = 1, 12
         args.ks, args.temperatures, args.contexts, args.rtts = [2], [1.0], [10, 20], [20.0]
@@ -309,16 +299,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.target in OFFLINE_MODELS or args.drafter in OFFLINE_MODELS:
-        from scripts.fetch_models import fetch
-
-        for name in {args.target, args.drafter} & set(OFFLINE_MODELS):
-            fetch(name, keep_gguf=False)
-    port = free_port()
-    proc = start_verifier(args.target, port, args.threads, ("--dtype", args.dtype), quiet=True)
+    fetch_offline_models(args.target, args.drafter)
     records: list[dict[str, Any]] = []
-    try:
-        systems = Systems(f"http://127.0.0.1:{port}", args.target, args.drafter, args.drafters,
+    with verifier(args) as url:
+        systems = Systems(url, args.target, args.drafter, args.drafters,
                           args.dtype, hf=not args.no_hf, draft_min_prob=args.draft_min_prob)
         cells = plan(args, systems)
         warm = list(systems.encode(Prompt("warm", "warm", "def f(x):", chat=False)))
@@ -329,54 +313,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for cell in cells:
             systems.set_rtt(cell.rtt_ms)
             for repeat in range(args.repeats):
-                cell_runs: dict[tuple[str, str], dict[str, Any]] = {}
-                for system, k in cell.systems:
-                    bar.set_postfix_str(f"{cell.suite} {cell.prompt.name} {system} k={k}")
-                    run = systems.run(system, k, list(cell.ids), args.max_new_tokens,
-                                      cell.sampling)
-                    rec = {"suite": cell.suite, "workload": cell.prompt.workload,
-                           "prompt": cell.prompt.name, "prompt_tokens": len(cell.ids),
-                           "system": system, "k": k, "temperature": cell.sampling.temperature,
-                           "context": cell.context, "rtt_ms": cell.rtt_ms, "repeat": repeat,
-                           "wall_s": round(run.wall_s, 4), **run.metrics,
-                           "tokens": run.tokens}
-                    rec["tokens_per_s"] = round(len(run.tokens) / run.wall_s, 4)
-                    cell_runs[(system, str(k))] = rec
-                    bar.update()
-                base = cell_runs[(TARGET, "None")]
-                hf_base = cell_runs.get(("HF generate", "None"))
-                for rec in cell_runs.values():
-                    enrich(rec, base, hf_base)
-                    if cell.sampling.temperature == 0 and rec["system"] != TARGET:
-                        rec["first_mismatch"] = first_mismatch(rec["tokens"], base["tokens"])
-                records.extend(cell_runs.values())
+                records.extend(run_cell(systems, cell, repeat, args.max_new_tokens, bar))
         bar.close()
-    finally:
-        stop_verifier(proc)
 
     rows = aggregate(records)
-    machine = {"threads": args.threads, "dtype": args.dtype, "torch": torch.__version__,
-               "transformers": transformers.__version__, "python": platform.python_version(),
-               "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-               "target": args.target, "drafter": args.drafter,
-               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+    machine = {**machine_record(args), "repeats": args.repeats,
                "prompts_per_workload": args.prompts_per_workload}
     if not args.no_hf:
         machine["hf_assistant_defaults"] = systems.hf_assistant_defaults
     payload = {"machine": machine, "args": vars(args), "rows": rows, "runs": records}
-    command = "python scripts/bench_suite.py " + " ".join(argv if argv is not None
-                                                           else sys.argv[1:])
-    write_outputs(out, payload, command)
+    write_outputs(out, payload, args.command_line)
     if args.wandb:
         import wandb
 
-        run = wandb.init(project="specdec-bench", config=machine)
-        run.log({"rows": wandb.Table(columns=list(rows[0]), data=[
+        wb = wandb.init(project="specdec-bench", config=machine)
+        wb.log({"rows": wandb.Table(columns=list(rows[0]), data=[
             [json.dumps(v) if isinstance(v, list | dict) else v for v in r.values()]
             for r in rows])})
-        run.finish()
+        wb.finish()
     return payload
 
 
-if __name__ == "__main__":
-    main()
+def run_cell(systems: Systems, cell: Cell, repeat: int, max_new: int,
+             bar: Any) -> list[dict[str, Any]]:
+    """Every system of the cell on its prompt, interleaved; speedups against its baselines."""
+    cell_runs: dict[tuple[str, str], dict[str, Any]] = {}
+    for system, k in cell.systems:
+        bar.set_postfix_str(f"{cell.suite} {cell.prompt.name} {system} k={k}")
+        result = systems.run(system, k, list(cell.ids), max_new, cell.sampling)
+        rec = {"suite": cell.suite, "workload": cell.prompt.workload,
+               "prompt": cell.prompt.name, "prompt_tokens": len(cell.ids),
+               "system": system, "k": k, "temperature": cell.sampling.temperature,
+               "context": cell.context, "rtt_ms": cell.rtt_ms, "repeat": repeat,
+               "wall_s": round(result.wall_s, 4), **result.metrics, "tokens": result.tokens}
+        rec["tokens_per_s"] = round(len(result.tokens) / result.wall_s, 4)
+        cell_runs[(system, str(k))] = rec
+        bar.update()
+    base = cell_runs[(TARGET, "None")]
+    hf_base = cell_runs.get(("HF generate", "None"))
+    for rec in cell_runs.values():
+        enrich(rec, base, hf_base)
+        if cell.sampling.temperature == 0 and rec["system"] != TARGET:
+            rec["first_mismatch"] = first_mismatch(rec["tokens"], base["tokens"])
+    return list(cell_runs.values())

@@ -10,7 +10,7 @@
 Used by the fault-injection tests, and as the delay stage of the network tests where the kernel
 has no netem. Run standalone:
 
-  python scripts/fault_proxy.py --listen 127.0.0.1:9000 --upstream http://127.0.0.1:8000 \
+  python -m tests.support.fault_proxy --listen 127.0.0.1:9000 --upstream http://127.0.0.1:8000 \
       --delay-ms 20
 """
 

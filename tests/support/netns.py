@@ -5,7 +5,7 @@ veth pair only. Impairments are applied to packets leaving the verifier side:
 
   * with ``tc netem`` (Debian's iproute2, kernel module sch_netem): delay and loss on the veth;
   * where the kernel has no netem (some VMs), loss comes from an nftables rule
-    (``numgen random``) on the same interface, and delay from :mod:`scripts.fault_proxy`
+    (``numgen random``) on the same interface, and delay from :mod:`tests.support.fault_proxy`
     running in the verifier's namespace in front of the verifier (``delay_via_proxy``).
 
 Needs root (CAP_NET_ADMIN). ``available()`` says whether this machine can do it.
@@ -21,21 +21,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-WAIT_READY = """
-import sys, time, httpx
-deadline = time.monotonic() + float(sys.argv[2])
-while time.monotonic() < deadline:
-    try:
-        if httpx.get(sys.argv[1] + "/readyz", timeout=2).status_code == 200:
-            sys.exit(0)
-    except httpx.TransportError:
-        time.sleep(0.3)
-sys.exit(1)
-"""
-
-
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, check=check, capture_output=True, text=True)
 
@@ -148,14 +135,14 @@ class NetPair:
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         if self.delay_via_proxy:
             procs.append(subprocess.Popen(
-                [*self.exec_prefix("srv"), sys.executable, str(ROOT / "scripts" /
-                                                                "fault_proxy.py"),
+                [*self.exec_prefix("srv"), sys.executable, "-m", "tests.support.fault_proxy",
                  "--listen", f"{self.srv_ip}:{port}", "--upstream",
                  f"http://127.0.0.1:{inner}", "--delay-ms", str(delay_ms)],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         url = f"http://{self.srv_ip}:{port}"
-        waited = subprocess.run([*self.exec_prefix("cli"), sys.executable, "-c", WAIT_READY,
-                                 url, str(ready_timeout_s)], check=False)
+        waited = subprocess.run([*self.exec_prefix("cli"), sys.executable, "-m",
+                                 "tests.support.process", "wait-ready", url,
+                                 str(ready_timeout_s)], cwd=ROOT, check=False)
         if waited.returncode != 0:
             stop(procs)
             raise RuntimeError(f"the verifier in {self.srv} did not become ready at {url}")

@@ -1,6 +1,8 @@
-"""Benchmark results: rows aggregated from runs, Markdown tables, CSV, PNG plots, the report.
+"""``report``: suite results as rows (medians over runs), Markdown, CSV, PNG plots.
 
-Used by ``scripts/bench_suite.py`` (after a run, and by ``--report-from`` without one).
+Used by ``suite`` after a run, and on its own to rebuild everything from saved results:
+
+  python -m scripts.bench report docs/benchmarks/run1-all-suites.json --out bench_results/again
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import json
 import statistics
 from pathlib import Path
 from typing import Any
+
+from scripts.bench.common import markdown_table
 
 SUITES = ("systems", "k", "temperature", "context", "rtt")
 TARGET = "target alone"
@@ -102,22 +106,6 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 # -- output ------------------------------------------------------------------------------------
-def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
-    def fmt(v: Any) -> str:
-        if v is None or v == [] or v == "None":
-            return "-"
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-        if isinstance(v, list):
-            return " ".join(f"{x:.2f}" for x in v)
-        return str(v)
-
-    lines = ["| " + " | ".join(title for _, title in columns) + " |",
-             "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r.get(key)) for key, _ in columns) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 COLUMNS = {
     "systems": [("workload", "workload"), ("system", "system"), ("k", "k"),
                 ("tokens_per_s", "tok/s"), ("speedup", "vs target alone"),
@@ -125,8 +113,9 @@ COLUMNS = {
                 ("mean_tokens_per_call", "tokens/call"), ("predicted_speedup", "predicted"),
                 ("achieved_over_predicted", "achieved/predicted"),
                 ("bytes_per_token", "B/token"), ("greedy_same_as_target", "= target")],
-    "k": [("system", "system"), ("k", "k"), ("tokens_per_s", "tok/s"), ("speedup", "speedup"),
-          ("acceptance_rate", "acceptance"), ("mean_tokens_per_call", "tokens/call"),
+    "k": [("workload", "workload"), ("system", "system"), ("k", "k"), ("tokens_per_s", "tok/s"),
+          ("speedup", "speedup"), ("acceptance_rate", "acceptance"),
+          ("mean_tokens_per_call", "tokens/call"),
           ("cost_ratio", "c"), ("predicted_speedup", "predicted"),
           ("achieved_over_predicted", "achieved/predicted"),
           ("per_position_acceptance", "per-position acceptance")],
@@ -137,8 +126,9 @@ COLUMNS = {
                 ("tokens_per_s", "tok/s"), ("speedup", "speedup"),
                 ("acceptance_rate", "acceptance"), ("mean_tokens_per_call", "tokens/call"),
                 ("cost_ratio", "c"), ("greedy_same_as_target", "= target")],
-    "rtt": [("rtt_ms", "RTT ms"), ("system", "system"), ("tokens_per_s", "tok/s"),
-            ("speedup", "speedup"), ("mean_tokens_per_call", "tokens/call")],
+    "rtt": [("rtt_ms", "RTT ms"), ("workload", "workload"), ("system", "system"),
+            ("tokens_per_s", "tok/s"), ("speedup", "speedup"),
+            ("mean_tokens_per_call", "tokens/call"), ("greedy_same_as_target", "= target")],
 }
 
 
@@ -210,7 +200,8 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
                 label = f"{r['system']} / {r['workload']} (k={r['k']})"
                 ax.plot(range(1, len(r["per_position_acceptance"]) + 1),
                         r["per_position_acceptance"], marker="o", label=label)
-        ax.set(xlabel="draft position i", ylabel="P(draft i accepted | proposed)", ylim=(0, 1),
+        ax.set(xlabel="draft position i", ylabel="drafts with token i accepted / drafts",
+               ylim=(0, 1),
                title="Per-position acceptance")
         ax.legend(fontsize=7)
         save(fig, "per_position_acceptance.png")
@@ -272,3 +263,15 @@ def rebuild(sources: list[str], out: Path, command: str) -> dict[str, Any]:
                "runs": records}
     write_outputs(out, payload, command)
     return payload
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument("results", nargs="+", metavar="RESULTS_JSON",
+                        help="results.json files of earlier suite runs (a suite found in "
+                        "several: the last file's runs)")
+    parser.add_argument("--out", default="bench_results/report")
+
+
+def run(args: Any) -> dict[str, Any]:
+    command = "python -m scripts.bench report " + " ".join(args.results)
+    return rebuild(args.results, Path(args.out), command)

@@ -1,4 +1,4 @@
-"""Where a speculative block's time goes, component by component, in one process.
+"""``profile``: where a speculative block's time goes, component by component, in one process.
 
 Times, on the same models, dtype and threads as the benchmarks (medians of repeated calls):
 
@@ -9,29 +9,31 @@ Times, on the same models, dtype and threads as the benchmarks (medians of repea
 
 The HTTP share of a verify call is read off the benchmarks' metrics (round trip minus forward).
 
-  python scripts/profile_gap.py --context 120 -k 4
+  python -m scripts.bench profile --context 120 -k 4
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from drafter_client.drafters import HFDrafter  # noqa: E402
-from shared.models import load_causal_lm, load_tokenizer, pick_dtype  # noqa: E402
-from shared.sampling import SamplingConfig  # noqa: E402
-from verifier_service.target import ForwardItem, TargetRunner  # noqa: E402
+from drafter_client.drafters import HFDrafter
+from scripts.bench.common import (
+    add_base_arguments,
+    fetch_offline_models,
+    machine_record,
+    markdown_table,
+    write_json,
+)
+from shared.models import load_causal_lm, load_tokenizer, pick_dtype
+from shared.sampling import SamplingConfig
+from verifier_service.target import ForwardItem, TargetRunner
 
 
 def median_ms(fn: Callable[[], Any], repeats: int) -> float:
@@ -58,17 +60,16 @@ def plain_step_ms(model: Any, context: list[int], new: int, repeats: int) -> flo
     return median_ms(step, repeats)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--drafter", default="qwen2.5-coder-0.5b")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_base_arguments(parser, out="bench_results/profile.json")
     parser.add_argument("--context", type=int, default=120)
     parser.add_argument("-k", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=12)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtype", default="auto")
-    args = parser.parse_args()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
+    fetch_offline_models(args.target, args.drafter)
     dtype, device = pick_dtype(args.dtype, torch.device("cpu")), torch.device("cpu")
     context = [(i * 7919) % 30000 + 100 for i in range(args.context)]
     results: dict[str, float] = {}
@@ -104,10 +105,8 @@ def main() -> None:
 
     print(f"\n{args.target} / {args.drafter}, {dtype}, {args.threads} threads, context "
           f"{args.context}, k={args.k}, medians of {args.repeats}\n")
-    print("| component | ms |\n|---|---|")
-    for name, ms in results.items():
-        print(f"| {name} | {ms:.1f} |")
-
-
-if __name__ == "__main__":
-    main()
+    rows = [{"component": name, "ms": round(ms, 2)} for name, ms in results.items()]
+    print(markdown_table(rows, [("component", "component"), ("ms", "ms")]))
+    payload = {"machine": machine_record(args), "args": vars(args), "rows": rows}
+    write_json(args.out, payload)
+    return payload

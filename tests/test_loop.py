@@ -1,0 +1,69 @@
+"""The speculative loop against the verifier's jobs in this process (no HTTP): block outcomes,
+greedy exactness, and a session lost mid-generation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from drafter_client import SpecDecClient
+from drafter_client.speculative import VerifierSession, speculative_block
+from shared.sampling import SamplingConfig
+from shared.schema import SamplingParams
+from tests.support.in_process import InProcessVerifier
+from tests.support.live_server import fp32_settings
+from tests.support.tiny_models import hf_greedy
+from verifier_service.target import TargetRunner
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_models: dict[str, Path]) -> InProcessVerifier:
+    settings = fp32_settings(tiny_models["llama-target"], max_draft_tokens=8, max_context=64)
+    runner = TargetRunner.load(settings.model, settings.dtype, settings.device,
+                               settings.max_context, settings.kv_budget_tokens)
+    return InProcessVerifier(runner, settings)
+
+
+@pytest.fixture(scope="module")
+def client(verifier: InProcessVerifier, tiny_models: dict[str, Path]) -> SpecDecClient:
+    return SpecDecClient(verifier, str(tiny_models["llama-drafter"]), dtype="float32",
+                         device="cpu")
+
+
+def test_block_outcome_is_accepted_drafts_plus_one(client: SpecDecClient,
+                                                   verifier: InProcessVerifier) -> None:
+    session = VerifierSession(verifier, SamplingParams(), [2, 3, 4])
+    session.open()
+    assert client.drafter is not None
+    client.drafter.reset(session.committed)
+    outcome = speculative_block(session, client.drafter, 4, SamplingConfig(), torch.Generator(),
+                                client.info)
+    assert len(outcome.draft_ids) == 4
+    assert outcome.tokens[:-1] == outcome.draft_ids[:outcome.num_accepted]
+    assert len(outcome.tokens) == outcome.num_accepted + 1 or outcome.finished
+    assert session.committed == [2, 3, 4]  # the block commits nothing itself
+    session.close()
+    assert len(verifier.jobs.sessions) == 0
+
+
+def test_greedy_equals_target_and_survives_a_lost_session(
+        client: SpecDecClient, verifier: InProcessVerifier,
+        tiny_models: dict[str, Path]) -> None:
+    prompt = client.encode("a big red dog ran to the")
+    expected = hf_greedy(tiny_models["llama-target"], prompt, 24)
+    cut = next((i + 1 for i, t in enumerate(expected) if t in client.info.eos_token_ids),
+               len(expected))
+    lost = []
+
+    def lose_session(_: list[int]) -> None:  # the verifier forgets it after the 2nd block
+        lost.append(True)
+        if len(lost) == 2:
+            (session_id,) = verifier.jobs.sessions.ids()
+            verifier.jobs.sessions.discard(session_id)
+
+    result = client.generate(prompt, num_draft_tokens=3, max_new_tokens=24,
+                             on_tokens=lose_session)
+    assert result.token_ids == expected[:cut]
+    assert result.metrics.session_reopens == 1

@@ -1,0 +1,168 @@
+"""The scheduler, the job step and the KV slot pool without a server: fake jobs, a fake forward,
+and the ragged attention against plain causal attention."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from verifier_service.errors import VerifierError
+from verifier_service.kv_pool import KVPool, RaggedBatch, Segment, ragged_attention
+from verifier_service.scheduler import Scheduler, run_jobs
+from verifier_service.target import ForwardItem
+
+
+class FakeRunner:
+    """Returns, for each item, a [n, 2] 'logits' block holding its token ids."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[list[ForwardItem]] = []
+        self.fail = fail
+
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
+        self.calls.append(items)
+        if self.fail:
+            raise RuntimeError("device lost")
+        return [torch.tensor(item.token_ids, dtype=torch.float32)[:, None].repeat(1, 2)
+                if item.keep_logits else None for item in items]
+
+
+@dataclass
+class FakeJob:
+    session_id: str | None
+    tokens: list[int]
+    bad: bool = False
+    events: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def prepare(self, busy: set[str]) -> ForwardItem | None:
+        if self.bad:
+            raise VerifierError(422, "bad", "bad job", "draft_ids")
+        self.events.append(f"prepare busy={sorted(busy)}")
+        return ForwardItem(0, 0, self.tokens, keep_logits=True)
+
+    def finish(self, logits: torch.Tensor | None) -> Any:
+        assert logits is not None
+        return logits[:, 0].tolist()
+
+    def abort(self) -> None:
+        self.events.append("abort")
+
+
+def test_run_jobs_one_forward_bad_job_fails_alone_duplicate_deferred() -> None:
+    runner = FakeRunner()
+    jobs = [FakeJob("a", [1, 2]), FakeJob("b", [3], bad=True), FakeJob("a", [4]),
+            FakeJob("c", [5, 6, 7])]
+    outcomes = run_jobs(runner, jobs)  # type: ignore[arg-type]
+    assert len(runner.calls) == 1 and [i.token_ids for i in runner.calls[0]] == [[1, 2],
+                                                                                [5, 6, 7]]
+    assert outcomes[0] == (True, [1.0, 2.0])
+    assert outcomes[1][0] is False and outcomes[1][1].status == 422
+    assert outcomes[2] == (None, None)  # a second job of session a: next batch
+    assert outcomes[3] == (True, [5.0, 6.0, 7.0])
+    assert jobs[3].events == ["prepare busy=['a']"]  # a is protected from eviction
+
+
+def test_run_jobs_failed_forward_aborts_every_prepared_job() -> None:
+    jobs = [FakeJob("a", [1]), FakeJob("b", [2])]
+    outcomes = run_jobs(FakeRunner(fail=True), jobs)  # type: ignore[arg-type]
+    assert all(ok is False and isinstance(exc, RuntimeError) for ok, exc in outcomes)
+    assert all(job.events[-1] == "abort" for job in jobs)
+
+
+def run_scheduler(jobs: list[FakeJob], max_batch_size: int = 16, max_batch_tokens: int = 2048,
+                  max_queue: int = 256) -> tuple[list[Any], FakeRunner, Scheduler]:
+    """Submit every job before the batching loop starts, so they all wait in the queue."""
+    runner = FakeRunner()
+
+    async def inline(fn: Any, *args: Any) -> Any:  # the model thread, inline
+        return fn(*args)
+
+    async def main() -> tuple[list[Any], Scheduler]:
+        scheduler = Scheduler(runner, inline, max_batch_size,  # type: ignore[arg-type]
+                              max_batch_tokens, batch_wait_ms=0.0, max_queue=max_queue)
+        futures = [asyncio.ensure_future(scheduler.submit(job)) for job in jobs]
+        scheduler.start()
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        await scheduler.stop()
+        return results, scheduler
+
+    results, scheduler = asyncio.run(main())
+    return results, runner, scheduler
+
+
+def test_scheduler_batches_queued_jobs_within_limits() -> None:
+    jobs = [FakeJob(f"s{i}", [i] * 3) for i in range(5)]
+    results, runner, scheduler = run_scheduler(jobs, max_batch_size=4, max_batch_tokens=9)
+    assert results == [[float(i)] * 3 for i in range(5)]
+    # 9 tokens per forward: 3 jobs, then the remaining 2.
+    assert [len(call) for call in runner.calls] == [3, 2]
+    assert scheduler.stats.batches == 2 and scheduler.stats.jobs == 5
+
+
+def test_scheduler_defers_a_second_job_of_the_same_session() -> None:
+    results, runner, _ = run_scheduler([FakeJob("a", [1]), FakeJob("a", [2]),
+                                        FakeJob("b", [3])])
+    assert results == [[1.0], [2.0], [3.0]]
+    assert [[i.token_ids for i in call] for call in runner.calls] == [[[1], [3]], [[2]]]
+
+
+def test_scheduler_queue_full_is_429() -> None:
+    results, _, scheduler = run_scheduler([FakeJob(f"s{i}", [i]) for i in range(3)],
+                                          max_queue=2)
+    assert isinstance(results[2], VerifierError) and results[2].status == 429
+    assert results[2].retry_after_s == 1 and scheduler.stats.rejected_full == 1
+
+
+def test_kv_pool_allocates_and_refuses_a_double_release() -> None:
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                             num_hidden_layers=3)
+    pool = KVPool(config, num_slots=2, slot_tokens=8, dtype=torch.float32,
+                  device=torch.device("cpu"))
+    assert pool.keys[0].shape == (2, 2, 8, 8) and len(pool.values) == 3
+    assert pool.nbytes == 2 * 3 * 2 * 2 * 8 * 8 * 4
+    a, b = pool.allocate(), pool.allocate()
+    assert {a, b} == {0, 1} and pool.allocate() is None and pool.free_slots == 0
+    pool.release(a)
+    assert pool.free_slots == 1
+    with pytest.raises(ValueError, match="already free"):
+        pool.release(a)
+
+
+def test_ragged_attention_equals_causal_attention_per_sequence() -> None:
+    """Two sessions in one flattened batch, one with 3 cached tokens and 2 new, one with 0
+    cached and 4 new: each output equals plain causal SDPA over that session's full sequence."""
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 4, 2, 8
+    config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             hidden_size=heads * dim, num_hidden_layers=1)
+    pool = KVPool(config, 2, 16, torch.float32, torch.device("cpu"))
+    full_k = [torch.randn(kv_heads, 5, dim), torch.randn(kv_heads, 4, dim)]
+    full_v = [torch.randn(kv_heads, 5, dim), torch.randn(kv_heads, 4, dim)]
+    full_q = [torch.randn(heads, 5, dim), torch.randn(heads, 4, dim)]
+    pool.keys[0][0, :, :3], pool.values[0][0, :, :3] = full_k[0][:, :3], full_v[0][:, :3]
+    segments = [Segment.build(0, 3, 0, 2, torch.device("cpu")),
+                Segment.build(1, 0, 2, 4, torch.device("cpu"))]
+    query = torch.cat([full_q[0][:, 3:], full_q[1]], dim=1)[None]  # [1, heads, 6, dim]
+    key = torch.cat([full_k[0][:, 3:], full_k[1]], dim=1)[None]  # [1, kv_heads, 6, dim]
+    value = torch.cat([full_v[0][:, 3:], full_v[1]], dim=1)[None]
+    out, _ = ragged_attention(SimpleNamespace(layer_idx=0), query, key, value, None,
+                              ragged_batch=RaggedBatch(pool, segments))  # [1, 6, heads, dim]
+    for i, rows in ((0, slice(0, 2)), (1, slice(2, 6))):
+        expected = F.scaled_dot_product_attention(full_q[i][None], full_k[i][None],
+                                                  full_v[i][None], is_causal=True,
+                                                  enable_gqa=True)[0]  # [heads, len, dim]
+        tail = expected[:, -(rows.stop - rows.start):].transpose(0, 1)  # [new, heads, dim]
+        torch.testing.assert_close(out[0, rows], tail)
+    # The new keys were written into the slots.
+    torch.testing.assert_close(pool.keys[0][0, :, :5], full_k[0])
+    torch.testing.assert_close(pool.keys[0][1, :, :4], full_k[1])

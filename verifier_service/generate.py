@@ -1,0 +1,42 @@
+"""Target-only decoding (the baseline behind ``/v1/generate``): a session advanced by verify
+jobs with no drafts, each drawing the next token with the same sampling math and our own seed."""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+from shared.sampling import draw_uniforms
+from shared.schema import CreateSessionRequest, GenerateRequest, GenerateResponse, VerifyRequest
+from verifier_service.jobs import CreateSessionJob, JobContext, VerifyJob
+from verifier_service.scheduler import Scheduler
+
+
+async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
+                   eos_token_ids: list[int], owner: str | None = None) -> GenerateResponse:
+    ctx.validator.check_protocol(req.protocol_version)
+    ctx.validator.check_prompt(req.prompt_ids)
+    ctx.validator.check_new_tokens(req.max_new_tokens)
+    generator = torch.Generator().manual_seed(req.seed)
+    created = await scheduler.submit(CreateSessionJob(
+        ctx, CreateSessionRequest(prompt_ids=req.prompt_ids, sampling=req.sampling),
+        secrets.token_urlsafe(12), owner))
+    session_id, position, last = created.session_id, created.position, req.prompt_ids[-1]
+    tokens: list[int] = []
+    forward_ms = 0.0
+    try:
+        steps = min(req.max_new_tokens, ctx.validator.max_context - len(req.prompt_ids) + 1)
+        for _ in range(steps):
+            reply = await scheduler.submit(VerifyJob(ctx, session_id, VerifyRequest(
+                position=position, last_token=last,
+                final_uniform=float(draw_uniforms(generator, 1)[0])), owner))
+            last, position = reply.next_token, reply.position
+            forward_ms += reply.forward_ms
+            tokens.append(last)
+            if req.stop_at_eos and last in eos_token_ids:
+                break
+    finally:
+        scheduler.forget(session_id)
+        await scheduler.run(ctx.sessions.discard, session_id, owner)
+    return GenerateResponse(token_ids=tokens, forward_ms=forward_ms, forward_calls=len(tokens))

@@ -1,0 +1,174 @@
+"""The scheduler's jobs: validate against the session, claim a KV slot, answer from the logits.
+
+``prepare`` and ``finish`` run on the model thread, so sessions and KV slots change only there.
+A job sees only a :class:`JobContext` - the session table, the validator, the KV pool and the
+counters - never the app or the scheduler that runs it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.sampling import verify_block
+from shared.schema import (
+    CreateSessionRequest,
+    CreateSessionResponse,
+    EncodedRow,
+    VerifyRequest,
+    VerifyResponse,
+    encode_logprobs,
+)
+from verifier_service.errors import VerifierError
+from verifier_service.kv_pool import KVPool
+from verifier_service.sessions import Session, SessionStore
+from verifier_service.target import ForwardItem
+from verifier_service.validation import RequestValidator
+
+
+@dataclass
+class VerifyCounters:
+    verify_calls: int = 0  # verify calls that ran a forward (advanced a session)
+    replayed_calls: int = 0  # retried verify calls answered from the session's last reply
+
+
+@dataclass
+class JobContext:
+    sessions: SessionStore
+    validator: RequestValidator
+    pool: KVPool
+    counters: VerifyCounters = field(default_factory=VerifyCounters)
+
+    def claim_slot(self, busy: set[str]) -> int:
+        """A free KV slot; when none is left, the least recently used idle session is evicted
+        (its next call gets 404 and the client reopens it). 503 if every slot is busy."""
+        while (slot := self.pool.allocate()) is None:
+            if not self.sessions.evict_lru(keep=busy):
+                raise VerifierError(503, "kv_budget_exhausted", "every KV slot is in use by a "
+                                    "call in flight; retry shortly", None, retry_after_s=1)
+        return slot
+
+
+def request_digest(req: CreateSessionRequest | VerifyRequest) -> str:
+    return hashlib.sha256(req.model_dump_json().encode()).hexdigest()
+
+
+@dataclass
+class CreateSessionJob:
+    """Prefill the prompt (all but its last token) into a fresh KV slot. Idempotent under a
+    client-chosen id: the same create again, while the session is unused, gets the same answer."""
+
+    ctx: JobContext
+    req: CreateSessionRequest
+    session_id: str
+    owner: str | None = None
+    slot: int | None = None
+    replay: Session | None = None  # a retried create of a session that exists unchanged
+    started: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.digest = request_digest(self.req)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.req.prompt_ids) - 1
+
+    def prepare(self, busy: set[str]) -> ForwardItem | None:
+        existing = self.ctx.sessions.peek(self.session_id)
+        if existing is not None:
+            if (existing.owner == self.owner and existing.create_digest == self.digest
+                    and existing.last_verify_position < 0):
+                self.replay = existing  # the same create again (its answer was lost)
+                return None
+            raise VerifierError(409, "session_exists", f"session {self.session_id!r} already "
+                                "exists; choose another id", "session_id")
+        self.ctx.sessions.check_quota(self.owner)
+        self.slot = self.ctx.claim_slot(busy)
+        return ForwardItem(self.slot, 0, self.req.prompt_ids[:-1], keep_logits=False)
+
+    def finish(self, logits: torch.Tensor | None) -> CreateSessionResponse:
+        if self.replay is not None:
+            return CreateSessionResponse(session_id=self.replay.id,
+                                         position=self.replay.position, prefill_ms=0.0)
+        assert self.slot is not None
+        session = Session(slot=self.slot, position=len(self.req.prompt_ids),
+                          config=self.req.sampling.to_config(), id=self.session_id,
+                          owner=self.owner, create_digest=self.digest)
+        self.ctx.sessions.add(session)
+        return CreateSessionResponse(session_id=session.id, position=session.position,
+                                     prefill_ms=1e3 * (time.perf_counter() - self.started))
+
+    def abort(self) -> None:
+        if self.slot is not None and not self.ctx.sessions.exists(self.session_id):
+            self.ctx.pool.release(self.slot)
+            self.slot = None
+
+
+@dataclass
+class VerifyJob:
+    """Score [last token, x_1..x_k] on top of the session's cache; keep the accepted prefix.
+    Idempotent: the same call again (same position, same body) gets the same answer."""
+
+    ctx: JobContext
+    session_id: str
+    req: VerifyRequest
+    owner: str | None = None
+    session: Session | None = None
+    replay: VerifyResponse | None = None  # the answer to this very call, already given once
+    started: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.digest = request_digest(self.req)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.req.draft_ids) + 1
+
+    def prepare(self, busy: set[str]) -> ForwardItem | None:
+        self.session = session = self.ctx.sessions.get(self.session_id, self.owner)
+        if (self.req.position == session.last_verify_position
+                and self.digest == session.last_verify_digest):
+            self.replay = session.last_reply  # a retry: same answer, the cache moves once
+            return None
+        self.ctx.validator.check_verify(session, self.req)
+        return ForwardItem(session.slot, session.position - 1,
+                           [self.req.last_token, *self.req.draft_ids], keep_logits=True)
+
+    def finish(self, logits: torch.Tensor | None) -> VerifyResponse:
+        if self.replay is not None:
+            self.ctx.counters.replayed_calls += 1
+            return self.replay
+        session, req = self.session, self.req
+        assert session is not None and logits is not None  # [k + 1, vocab]
+        draft_lp = (torch.tensor(req.draft_logprobs, dtype=torch.float64)
+                    if req.draft_logprobs is not None else None)
+        verdict = verify_block(
+            logits, torch.tensor(req.draft_ids, dtype=torch.long), draft_lp,
+            torch.tensor(req.log_uniforms, dtype=torch.float64), req.final_uniform,
+            session.config,
+        )
+        # The slot holds position + k tokens now; the session keeps last token + accepted.
+        session.position += verdict.num_accepted + 1
+        self.ctx.counters.verify_calls += 1
+        reply = VerifyResponse(
+            num_accepted=verdict.num_accepted,
+            target_logprobs=(encode_logprobs(verdict.target_logprobs)
+                             if verdict.target_logprobs is not None else None),
+            target_argmax=(verdict.target_argmax.tolist()
+                           if verdict.target_argmax is not None else None),
+            next_token=verdict.next_token,
+            row=EncodedRow.encode(verdict.row) if verdict.row is not None else None,
+            position=session.position,
+            forward_ms=1e3 * (time.perf_counter() - self.started),
+            top_ids=(torch.topk(logits, min(req.return_top_ids, logits.shape[-1])).indices
+                     .tolist() if req.return_top_ids else None),
+        )
+        session.last_verify_position, session.last_verify_digest = req.position, self.digest
+        session.last_reply = reply
+        return reply
+
+    def abort(self) -> None:
+        pass  # the session's position did not move; whatever the slot got past it is ignored

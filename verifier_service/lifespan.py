@@ -1,0 +1,79 @@
+"""The verifier's lifespan: load the target, build the session table, scheduler and sweeper;
+tear them down on shutdown. Nothing exists before it runs (no state at import time)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import torch
+from fastapi import FastAPI
+
+from verifier_service.jobs import JobContext
+from verifier_service.scheduler import Scheduler
+from verifier_service.sessions import SessionStore
+from verifier_service.settings import Settings
+from verifier_service.state import ModelThread, VerifierState
+from verifier_service.target import TargetRunner
+from verifier_service.validation import RequestValidator
+
+log = logging.getLogger(__name__)
+
+
+def build_jobs(runner: TargetRunner, settings: Settings) -> JobContext:
+    sessions = SessionStore(settings.max_sessions, settings.session_ttl_s,
+                            on_drop=lambda s: runner.pool.release(s.slot),
+                            max_per_owner=settings.max_sessions_per_key)
+    validator = RequestValidator(
+        vocab_size=runner.vocab_size, max_context=runner.max_context,
+        max_prompt=settings.max_prompt_tokens or runner.max_context - 1,
+        max_draft_tokens=settings.max_draft_tokens, max_new_tokens=settings.max_new_tokens)
+    return JobContext(sessions, validator, runner.pool)
+
+
+def make_lifespan(settings: Settings, runner: TargetRunner | None = None
+                  ) -> Callable[[FastAPI], Any]:
+    """``runner``: a loaded target to serve (tests share one between apps); else it is loaded
+    from ``settings.model`` on the model thread."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        model_thread = ModelThread()
+        target = runner
+        if target is None:
+            target = await model_thread.run(TargetRunner.load, settings.model, settings.dtype,
+                                            settings.device, settings.max_context,
+                                            settings.kv_budget_tokens)
+        scheduler = Scheduler(
+            target, model_thread.run,
+            max_batch_size=settings.max_batch_size if settings.batching else 1,
+            max_batch_tokens=settings.max_batch_tokens,
+            batch_wait_ms=settings.batch_wait_ms if settings.batching else 0.0,
+            max_queue=settings.max_queue,
+        )
+        state = VerifierState(settings, target, build_jobs(target, settings), scheduler,
+                              model_thread)
+        scheduler.start()
+        app.state.verifier = state
+        sweeper = asyncio.create_task(_expire_sessions(state))
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            await scheduler.stop()
+            model_thread.shutdown()
+
+    return lifespan
+
+
+async def _expire_sessions(state: VerifierState, every_s: float = 10.0) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        dropped = await state.model_thread.run(state.jobs.sessions.expire_idle)
+        if dropped:
+            log.info("expired %d idle sessions", dropped)

@@ -1,0 +1,101 @@
+"""The verifier's HTTP routes. Each one reads the :class:`VerifierState` and hands model work to
+the scheduler (jobs) or the model thread; none holds state of its own."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import Response
+
+from shared.schema import (
+    CreateSessionRequest,
+    CreateSessionResponse,
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    InfoResponse,
+    VerifyRequest,
+    VerifyResponse,
+)
+from verifier_service import generate as target_alone
+from verifier_service.guards import OWNER_KEY
+from verifier_service.jobs import CreateSessionJob, VerifyJob
+from verifier_service.state import VerifierState
+
+
+# Dependencies are async so FastAPI does not hop to a worker thread for each (about 0.5 ms).
+async def get_state(request: Request) -> VerifierState:
+    return request.app.state.verifier  # type: ignore[no-any-return]
+
+
+async def get_owner(request: Request) -> str | None:
+    """The API key (by its digest's name) that sent the request; None without auth."""
+    return getattr(request.state, OWNER_KEY, None)
+
+
+StateDep = Annotated[VerifierState, Depends(get_state)]
+OwnerDep = Annotated[str | None, Depends(get_owner)]
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 415, 422, 429, 503)
+}
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(state: StateDep) -> dict[str, Any]:
+    return {"status": "ready", "model": state.runner.name,
+            "sessions": len(state.jobs.sessions)}
+
+
+@router.get("/v1/info", response_model=InfoResponse)
+async def info(state: StateDep) -> InfoResponse:
+    return state.info()
+
+
+@router.get("/v1/metrics")
+async def metrics(state: StateDep) -> dict[str, Any]:
+    return state.metrics()
+
+
+@router.post("/v1/sessions", response_model=CreateSessionResponse, responses=ERRORS)
+async def create_session(body: CreateSessionRequest, state: StateDep,
+                         owner: OwnerDep) -> CreateSessionResponse:
+    """Open a session and prefill its prompt. Idempotent under a client-chosen
+    ``session_id``: the same request again answers the same while the session is unused."""
+    state.jobs.validator.check_protocol(body.protocol_version)
+    state.jobs.validator.check_prompt(body.prompt_ids)
+    job = CreateSessionJob(state.jobs, body, body.session_id or secrets.token_urlsafe(12), owner)
+    return await state.scheduler.submit(job)  # type: ignore[no-any-return]
+
+
+@router.post("/v1/sessions/{session_id}/verify", response_model=VerifyResponse,
+             responses=ERRORS)
+async def verify(session_id: str, body: VerifyRequest, state: StateDep,
+                 owner: OwnerDep) -> VerifyResponse:
+    """Score a drafted block in one forward. Idempotent: ``position`` names the step; the
+    same call again returns the same answer without advancing the session; another
+    position than the session's gets 409 with the session's ``position``."""
+    job = VerifyJob(state.jobs, session_id, body, owner)
+    return await state.scheduler.submit(job)  # type: ignore[no-any-return]
+
+
+@router.delete("/v1/sessions/{session_id}", status_code=204, responses=ERRORS)
+async def delete_session(session_id: str, state: StateDep, owner: OwnerDep) -> Response:
+    state.scheduler.forget(session_id)
+    await state.model_thread.run(state.jobs.sessions.remove, session_id, owner)
+    return Response(status_code=204)
+
+
+@router.post("/v1/generate", response_model=GenerateResponse, responses=ERRORS)
+async def generate(body: GenerateRequest, state: StateDep, owner: OwnerDep) -> GenerateResponse:
+    """Target-only decoding with the same sampling math: the baseline of every speedup."""
+    return await target_alone.generate(state.jobs, state.scheduler, body,
+                                       state.runner.eos_token_ids, owner)

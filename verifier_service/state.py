@@ -1,0 +1,65 @@
+"""What a running verifier holds (built in the lifespan, kept on ``app.state.verifier``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from shared.schema import PROTOCOL_VERSION, InfoResponse
+from verifier_service.jobs import JobContext
+from verifier_service.scheduler import Scheduler
+from verifier_service.settings import Settings
+from verifier_service.target import TargetRunner
+
+T = TypeVar("T")
+
+
+class ModelThread:
+    """Runs model work on one dedicated thread, off the event loop, one call at a time."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+def describe(runner: TargetRunner, settings: Settings) -> InfoResponse:
+    """``GET /v1/info``: what a client must know before its first call."""
+    return InfoResponse(
+        protocol_version=PROTOCOL_VERSION, model=runner.name, vocab_size=runner.vocab_size,
+        tokenizer_fingerprint=runner.fingerprint, eos_token_ids=runner.eos_token_ids,
+        max_context=runner.max_context, max_draft_tokens=settings.max_draft_tokens,
+        max_new_tokens=settings.max_new_tokens,
+        dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device),
+    )
+
+
+@dataclass
+class VerifierState:
+    settings: Settings
+    runner: TargetRunner
+    jobs: JobContext  # session table, validator, KV pool, counters
+    scheduler: Scheduler
+    model_thread: ModelThread
+
+    def info(self) -> InfoResponse:
+        return describe(self.runner, self.settings)
+
+    def metrics(self) -> dict[str, Any]:
+        pool, sessions = self.runner.pool, self.jobs.sessions
+        return {
+            "batching": self.settings.batching, **self.scheduler.stats.to_dict(),
+            "queued": self.scheduler.queue.qsize(), "sessions": len(sessions),
+            "evicted_sessions": sessions.evicted, "expired_sessions": sessions.expired,
+            "kv_slots": pool.num_slots, "kv_slots_free": pool.free_slots,
+            "kv_slot_tokens": pool.slot_tokens, "kv_pool_bytes": pool.nbytes,
+            "verify_calls": self.jobs.counters.verify_calls,
+            "replayed_calls": self.jobs.counters.replayed_calls,
+        }

@@ -1,0 +1,67 @@
+"""Request checks that need the model or the settings (the schema checks types and bounds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.schema import PROTOCOL_VERSION, VerifyRequest
+from verifier_service.errors import VerifierError
+from verifier_service.sessions import Session
+
+
+@dataclass(frozen=True)
+class RequestValidator:
+    vocab_size: int
+    max_context: int
+    max_prompt: int  # tokens a prompt may hold
+    max_draft_tokens: int
+    max_new_tokens: int  # /v1/generate's cap
+
+    def check_protocol(self, version: int) -> None:
+        if version != PROTOCOL_VERSION:
+            raise VerifierError(400, "protocol_mismatch", f"protocol_version {version} is not "
+                                f"supported; this verifier speaks {PROTOCOL_VERSION}",
+                                "protocol_version")
+
+    def check_ids(self, ids: list[int], field: str) -> None:
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise VerifierError(422, "token_out_of_vocab", f"{field} holds ids outside "
+                                f"[0, {self.vocab_size}): {bad[:5]}", field)
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        self.check_ids(prompt_ids, "prompt_ids")
+        if len(prompt_ids) > self.max_prompt:
+            raise VerifierError(413, "prompt_too_long", f"prompt_ids has {len(prompt_ids)} "
+                                f"tokens; the limit is {self.max_prompt}", "prompt_ids")
+
+    def check_new_tokens(self, max_new_tokens: int) -> None:
+        if max_new_tokens > self.max_new_tokens:
+            raise VerifierError(422, "too_many_tokens", f"max_new_tokens {max_new_tokens} "
+                                f"exceeds the limit {self.max_new_tokens}", "max_new_tokens")
+
+    def check_verify(self, session: Session, req: VerifyRequest) -> None:
+        k = len(req.draft_ids)
+        if k > self.max_draft_tokens:
+            raise VerifierError(422, "too_many_drafts", f"draft_ids has {k} tokens; this "
+                                f"verifier takes at most {self.max_draft_tokens}", "draft_ids")
+        self.check_ids(req.draft_ids, "draft_ids")
+        self.check_ids([req.last_token], "last_token")
+        if len(req.log_uniforms) != k:
+            raise VerifierError(422, "length_mismatch", f"log_uniforms has "
+                                f"{len(req.log_uniforms)} entries for {k} drafts", "log_uniforms")
+        if req.draft_logprobs is not None and len(req.draft_logprobs) != k:
+            raise VerifierError(422, "length_mismatch", f"draft_logprobs has "
+                                f"{len(req.draft_logprobs)} entries for {k} drafts",
+                                "draft_logprobs")
+        if req.position == session.last_verify_position:
+            raise VerifierError(409, "step_conflict", f"position {req.position} was already "
+                                "verified with a different request; the session is at position "
+                                f"{session.position}", "position", position=session.position)
+        if req.position != session.position:
+            raise VerifierError(409, "position_mismatch", f"position {req.position} does not "
+                                f"match the session's position {session.position}", "position",
+                                position=session.position)
+        if session.position + k > self.max_context:
+            raise VerifierError(422, "context_overflow", f"position {session.position} + {k} "
+                                f"drafts exceeds max_context {self.max_context}", "draft_ids")
