@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import torch
 from transformers import DynamicCache
 
-from shared.kv_cache import crop_cache
+from drafter_client.kv_cache import crop_cache
 from shared.sampling import (
     SamplingConfig,
     draw_uniforms,

@@ -1,4 +1,7 @@
-"""KV-cache rollback shared by the verifier and the model drafter."""
+"""Rolling back the model drafter's transformers KV cache to the committed prefix.
+
+(The verifier keeps its KV in a slot pool and rolls back by moving a length: see
+``verifier_service/kv_pool.py``.)"""
 
 from __future__ import annotations
 
