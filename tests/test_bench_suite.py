@@ -74,3 +74,22 @@ def test_drafter_variants_and_workload_filter(tiny_models: dict[str, Path],
     assert by_system["specdec model-confident"]["mean_k"] < 4
     assert all(r["first_mismatch"] is None for r in payload["runs"]
                if r["system"] != "target alone")
+
+
+def test_batching_and_profile_run_on_tiny_models(tiny_models: dict[str, Path],
+                                                 tmp_path: Path) -> None:
+    batching = bench(["batching", "--target", "tiny", "--dtype", "float32", "--threads", "1",
+                      "--clients", "1", "3", "--max-new-tokens", "6",
+                      "--out", str(tmp_path / "batching.json")])
+    rows = batching["rows"]
+    assert [(r["batching"], r["clients"]) for r in rows] == [(True, 1), (True, 3), (False, 1),
+                                                           (False, 3)]
+    # Greedy clients get the same tokens whether their blocks were batched or not.
+    assert rows[1]["outputs"] == rows[3]["outputs"] and rows[3]["mean_batch_size"] == 1.0
+    assert json.loads((tmp_path / "batching.json").read_text())["rows"] == rows
+    profile = bench(["profile", "--target", str(tiny_models["gpt2-target"]), "--drafter",
+                     str(tiny_models["gpt2-drafter"]), "--dtype", "float32", "--threads", "1",
+                     "--context", "20", "-k", "2", "--repeats", "2",
+                     "--out", str(tmp_path / "profile.json")])
+    components = [r["component"] for r in profile["rows"]]
+    assert len(components) == 6 and all(r["ms"] > 0 for r in profile["rows"])

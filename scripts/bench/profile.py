@@ -50,10 +50,10 @@ def median_ms(fn: Callable[[], Any], repeats: int) -> float:
 def plain_step_ms(model: Any, context: list[int], new: int, repeats: int) -> float:
     """A decode step of ``new`` tokens on top of a ``context``-token DynamicCache."""
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([context]), past_key_values=cache, use_cache=True)
+    model(input_ids=torch.tensor([context]), cache=cache, use_cache=True)
 
     def step() -> None:
-        model(input_ids=torch.tensor([context[:new]]), past_key_values=cache, use_cache=True,
+        model(input_ids=torch.tensor([context[:new]]), cache=cache, use_cache=True,
               logits_to_keep=new)
         cache.crop(-new)  # drop the step again
 
@@ -71,10 +71,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     fetch_offline_models(args.target, args.drafter)
     dtype, device = pick_dtype(args.dtype, torch.device("cpu")), torch.device("cpu")
-    context = [(i * 7919) % 30000 + 100 for i in range(args.context)]
     results: dict[str, float] = {}
 
     drafter = load_causal_lm(args.drafter, dtype, device)
+    vocab = min(int(drafter.config.vocab_size), 30000)
+    context = [(i * 7919) % vocab for i in range(args.context)]  # arbitrary, reproducible ids
     results["drafter: plain HF step (1 token)"] = plain_step_ms(drafter, context, 1,
                                                                 args.repeats)
     ours = HFDrafter(drafter, int(drafter.get_output_embeddings().weight.shape[0]))
