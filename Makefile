@@ -18,8 +18,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e ".[dev]"
 	touch $(STAMP)
 
+# Every core: pytest-xdist workers, each test handed to whichever worker is free.
+PYTEST := $(BIN)/python -m pytest -q -n auto --dist worksteal
+
 test: install ensure-nginx ensure-nettools
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 # The load-balancer test runs the real nginx from Debian's packages; installed here when missing
 # and we are root, otherwise that test is skipped.
@@ -44,11 +47,11 @@ ensure-nettools:
 	  else echo "ip/nft missing and not root: the network tests will be skipped"; fi; }
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not real and not faults and not fuzz and not netns"
+	$(PYTEST) -m "not slow and not real and not faults and not fuzz and not netns"
 
 # Faults, fuzzing, load and the network namespaces alone (all are part of `make test`).
 test-reliability: install ensure-nettools
-	$(BIN)/python -m pytest -q -m "faults or fuzz or load or netns"
+	$(PYTEST) -m "faults or fuzz or load or netns"
 
 test-real: install fetch-models
 	$(BIN)/python -m pytest -q -m real

@@ -61,7 +61,7 @@ def cluster(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
         for proc, url in zip(procs, urls.values(), strict=False):
             wait_ready(url, proc)
         urls["lb"] = f"http://127.0.0.1:{lb_port}"
-        wait_ready(urls["lb"], nginx, "/lb-healthz")
+        wait_ready(urls["lb"], nginx, path="/lb-healthz")
         yield urls
     finally:
         for proc in procs:
