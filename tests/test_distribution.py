@@ -39,7 +39,6 @@ from drafter_client.api import DrafterOptions
 from shared.models import load_causal_lm
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
-from verifier_service.target import TargetRunner
 
 pytestmark = pytest.mark.slow
 
@@ -55,10 +54,8 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def verifier(tiny_models: dict[str, Path]) -> InProcessVerifier:
-    settings = fp32_settings(tiny_models["peaky-target"], max_draft_tokens=8)
-    runner = TargetRunner.load(settings.model, settings.dtype, settings.device,
-                               settings.max_context, settings.kv_budget_tokens)
-    return InProcessVerifier(runner, settings)
+    return InProcessVerifier.load(fp32_settings(tiny_models["peaky-target"],
+                                                max_draft_tokens=8))
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +115,7 @@ def chi_square_p(counts: Counter, exact: dict[tuple[int, int], float]) -> tuple[
     statistic = float(((observed - expected) ** 2 / np.maximum(expected, 1e-12)).sum())
     p_value = float(stats.chi2.sf(statistic, len(expected) - 1))
     tv = 0.5 * sum(abs(counts.get(c, 0) / runs - p) for c, p in exact.items())
+    print(f"\n{runs} draws: chi-square p = {p_value:.3g}, total variation = {tv:.4f}")
     return p_value, tv
 
 

@@ -15,15 +15,12 @@ from shared.schema import SamplingParams
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import fp32_settings
 from tests.support.tiny_models import hf_greedy
-from verifier_service.target import TargetRunner
 
 
 @pytest.fixture(scope="module")
 def verifier(tiny_models: dict[str, Path]) -> InProcessVerifier:
-    settings = fp32_settings(tiny_models["llama-target"], max_draft_tokens=8, max_context=64)
-    runner = TargetRunner.load(settings.model, settings.dtype, settings.device,
-                               settings.max_context, settings.kv_budget_tokens)
-    return InProcessVerifier(runner, settings)
+    return InProcessVerifier.load(fp32_settings(tiny_models["llama-target"],
+                                                max_draft_tokens=8, max_context=64))
 
 
 @pytest.fixture(scope="module")

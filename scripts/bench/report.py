@@ -117,7 +117,7 @@ COLUMNS = {
           ("speedup", "speedup"), ("acceptance_rate", "acceptance"),
           ("mean_tokens_per_call", "tokens/call"),
           ("cost_ratio", "c"), ("predicted_speedup", "predicted"),
-          ("achieved_over_predicted", "achieved/predicted"),
+          ("achieved_over_predicted", "achieved/predicted"), ("bytes_per_token", "B/token"),
           ("per_position_acceptance", "per-position acceptance")],
     "temperature": [("temperature", "T"), ("workload", "workload"), ("system", "system"),
                     ("tokens_per_s", "tok/s"), ("speedup", "speedup"),
@@ -128,7 +128,8 @@ COLUMNS = {
                 ("cost_ratio", "c"), ("greedy_same_as_target", "= target")],
     "rtt": [("rtt_ms", "RTT ms"), ("workload", "workload"), ("system", "system"),
             ("tokens_per_s", "tok/s"), ("speedup", "speedup"),
-            ("mean_tokens_per_call", "tokens/call"), ("greedy_same_as_target", "= target")],
+            ("acceptance_rate", "acceptance"), ("mean_tokens_per_call", "tokens/call"),
+            ("greedy_same_as_target", "= target")],
 }
 
 

@@ -56,6 +56,13 @@ class InProcessVerifier:
         self.bytes_sent = self.bytes_received = self.retries = 0
         self.simulated_rtt_s = 0.0
 
+    @classmethod
+    def load(cls, settings: Settings) -> InProcessVerifier:
+        """Load ``settings.model`` as the verifier's lifespan would."""
+        runner = TargetRunner.load(settings.model, settings.dtype, settings.device,
+                                   settings.max_context, settings.kv_budget_tokens)
+        return cls(runner, settings)
+
     def _run(self, job: Job, reply_model: type[M]) -> M:
         [(ok, value)] = run_jobs(self.runner, [job])
         if not ok:
