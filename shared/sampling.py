@@ -48,19 +48,28 @@ def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor
     """Raw logits -> processed log-probs (temperature, then top-k, then top-p); -inf off support.
 
     logits: [..., vocab]. Returns float32 log-probs of the same shape. Not for greedy decoding.
+
+    Every temperature > 0 is exact, down to the smallest subnormal: the logits are shifted by
+    their maximum before the division (in float64), so the best token scores 0 and the others
+    fall towards -inf - the limit as the temperature goes to 0 is greedy (the argmax, exact ties
+    sharing), with no overflow and no NaN. top-p always keeps the most likely token
+    (transformers' ``min_tokens_to_keep=1``), however small p is.
     """
     if config.greedy:
         raise ValueError("process_logits is for sampling; greedy decoding takes the argmax")
-    scores = logits.float() / config.temperature  # [..., vocab]
+    raw = logits.double()  # [..., vocab]
+    shifted = raw - raw.max(dim=-1, keepdim=True).values  # [..., vocab], <= 0, max exactly 0
+    scores = (shifted / config.temperature).float()  # [..., vocab]; -inf where it underflows
     vocab = scores.shape[-1]
     if 0 < config.top_k < vocab:
         kth_best = torch.topk(scores, config.top_k, dim=-1).values[..., -1:]  # [..., 1]
         scores = scores.masked_fill(scores < kth_best, NEG_INF)
     if config.top_p < 1.0:
         sorted_scores, order = torch.sort(scores, dim=-1, descending=True)  # [..., vocab]
-        sorted_probs = torch.softmax(sorted_scores, dim=-1)
+        sorted_probs = torch.softmax(sorted_scores.double(), dim=-1)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of better tokens
         drop_sorted = mass_before >= config.top_p  # keeps the smallest set reaching top_p
+        drop_sorted[..., 0] = False  # and always the best token
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         scores = scores.masked_fill(drop, NEG_INF)
     return torch.log_softmax(scores, dim=-1)

@@ -28,7 +28,7 @@ Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "1", 1.0, true are not ids
 
 
 class SamplingParams(_Strict):

@@ -8,15 +8,18 @@ from typing import Any
 import orjson
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from shared.schema import REPLICA_HEADER
+from verifier_service.connections import GuardedH11Protocol
 from verifier_service.errors import (
     VerifierError,
+    http_error_handler,
     validation_error_handler,
     verifier_error_handler,
 )
-from verifier_service.guards import ApiKeyAuth, BodyLimit
+from verifier_service.guards import ApiKeyAuth, BodyLimit, ShutdownAnswer
 from verifier_service.lifespan import make_lifespan
 from verifier_service.routes import router
 from verifier_service.settings import Settings
@@ -58,10 +61,23 @@ def create_app(settings: Settings, runner: TargetRunner | None = None) -> FastAP
                   lifespan=make_lifespan(settings, runner),
                   default_response_class=ORJSONResponse)
     replica = settings.replica_name or f"{socket.gethostname()}:{settings.port}"
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
+                       timeout_s=settings.body_timeout_s)
     app.add_middleware(ApiKeyAuth, keys=settings.key_list())  # outside BodyLimit: auth first
+    app.add_middleware(ShutdownAnswer)
     app.add_middleware(ReplicaHeader, name=replica)
     app.add_exception_handler(VerifierError, verifier_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.include_router(router)
     return app
+
+
+def server_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn's options for these settings (the CLI's server and the tests' use the same)."""
+    return {
+        "http": GuardedH11Protocol.with_timeout(settings.header_timeout_s),
+        "limit_concurrency": settings.max_connections,
+        "timeout_keep_alive": settings.keep_alive_s,
+        "timeout_graceful_shutdown": max(1, round(settings.shutdown_grace_s)),
+    }

@@ -10,11 +10,14 @@ import logging
 import signal
 import sys
 
+import torch
 import uvicorn
 from pydantic import ValidationError
 
-from verifier_service.app import create_app
-from verifier_service.settings import Settings
+from shared.models import ModelSpecError
+from verifier_service.app import create_app, server_options
+from verifier_service.settings import Settings, SettingsError, check_against_model
+from verifier_service.target import TargetRunner
 
 
 def parse_settings(argv: list[str] | None = None) -> Settings:
@@ -28,16 +31,33 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
         return Settings(_cli_parse_args=args)
     except ValidationError as exc:  # one line per bad value, naming the flag
         for err in exc.errors():
-            name = str(err["loc"][0]) if err["loc"] else "?"
-            print(f"specdec-verifier: --{name.replace('_', '-')} (SPECDEC_{name.upper()}): "
-                  f"{err['msg']}", file=sys.stderr)
+            where = ""
+            if err["loc"]:
+                name = str(err["loc"][0])
+                where = f"--{name.replace('_', '-')} (SPECDEC_{name.upper()}): "
+            print(f"specdec-verifier: {where}{err['msg']}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def load_target(settings: Settings) -> TargetRunner:
+    """Load the target and check the settings against it; a problem is one line, exit 2."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    try:
+        runner = TargetRunner.load(settings.model, settings.dtype, settings.device,
+                                   settings.max_context, settings.kv_budget_tokens)
+        check_against_model(settings, runner.max_context, runner.model_limit)
+    except (SettingsError, ModelSpecError) as exc:
+        print(f"specdec-verifier: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return runner
 
 
 def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    runner = load_target(settings)  # before listening: a bad setting never serves a request
     if settings.key_list():
         logging.getLogger(__name__).info("API keys required (%d configured)",
                                          len(settings.key_list()))
@@ -46,9 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     # whatever handler was there before it; these no-op handlers make a drained shutdown exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level="warning",
-                timeout_graceful_shutdown=max(1, round(settings.shutdown_grace_s)))
+    uvicorn.run(create_app(settings, runner), host=settings.host, port=settings.port,
+                log_level="warning", **server_options(settings))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
-"""Pure ASGI middleware that guards the verifier: API keys and the request body size.
+"""Pure ASGI middleware that guards the verifier: API keys, the request body's size and
+deadline, and an answer for calls cut off by shutdown.
 
-Both answer with the verifier's error body (``{"error": {"code", "message", "field"}}``) before
+They answer with the verifier's error body (``{"error": {"code", "message", "field"}}``) before
 the request reaches FastAPI, so a rejected request costs no model time and touches no session.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
+import time
 from typing import Any
 
 from verifier_service.errors import error_response
@@ -75,10 +79,12 @@ class ApiKeyAuth:
 
 class BodyLimit:
     """Rejects bodies over ``max_bytes`` with 413, by Content-Length up front or while reading
-    (chunked bodies), then hands the buffered body on to the app."""
+    (chunked bodies); a body that has not fully arrived ``timeout_s`` after the app started
+    reading it gets 408 and the connection is closed (a stalled body pins memory). Then hands the
+    buffered body on to the app."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, timeout_s: float = 15.0) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "DELETE"):
@@ -91,8 +97,16 @@ class BodyLimit:
             await send_error(scope, receive, send, 413, "body_too_large", too_big, "body")
             return
         chunks, size = [], 0
+        deadline = time.monotonic() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
+            except asyncio.TimeoutError:
+                chunks.clear()
+                await send_error(scope, receive, send, 408, "request_timeout", "the request "
+                                 f"body did not arrive within {self.timeout_s:g} s "
+                                 "(SPECDEC_BODY_TIMEOUT_S)", "body", {"connection": "close"})
+                return
             if message["type"] != "http.request":  # the client went away
                 return
             chunks.append(message.get("body", b""))
@@ -112,3 +126,33 @@ class BodyLimit:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class ShutdownAnswer:
+    """When the shutdown grace period runs out, uvicorn cancels the calls still in flight; a call
+    that has not answered yet then gets a retryable 503 with Retry-After (a client retries it,
+    behind a balancer on another replica) instead of a plain-text 500."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if not started:
+                with contextlib.suppress(Exception):
+                    await send_error(scope, receive, send, 503, "shutting_down", "the verifier "
+                                     "is shutting down; retry", None,
+                                     {"retry-after": "1", "connection": "close"})
+            raise

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from verifier_service.jobs import JobContext
 from verifier_service.scheduler import Scheduler
 from verifier_service.sessions import SessionStore
-from verifier_service.settings import Settings
+from verifier_service.settings import Settings, check_against_model
 from verifier_service.state import ModelThread, VerifierState
 from verifier_service.target import TargetRunner
 from verifier_service.validation import RequestValidator
@@ -49,6 +49,7 @@ def make_lifespan(settings: Settings, runner: TargetRunner | None = None
             target = await model_thread.run(TargetRunner.load, settings.model, settings.dtype,
                                             settings.device, settings.max_context,
                                             settings.kv_budget_tokens)
+        check_against_model(settings, target.max_context, target.model_limit)
         scheduler = Scheduler(
             target, model_thread.run,
             max_batch_size=settings.max_batch_size if settings.batching else 1,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
 
@@ -58,9 +58,42 @@ class Settings(BaseSettings):
                                 "beyond it 413")
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM: stop accepting, "
                                     "let calls in flight finish for up to this long, then exit")
+    max_connections: int = Field(512, ge=1, description="open connections (or calls in "
+                                 "flight) beyond which a new request gets 503")
+    header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a "
+                                    "complete request head within this long of connecting or of "
+                                    "its last response; else 408 and closed")
+    body_timeout_s: float = Field(15.0, gt=0, description="a request body must arrive within "
+                                  "this long; else 408 and closed")
+    keep_alive_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is "
+                                "closed after this long")
 
     def key_list(self) -> list[str]:
         return [key.strip() for key in self.api_keys.split(",") if key.strip()]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.max_context and self.max_prompt_tokens >= self.max_context:
+            raise ValueError(f"max_prompt_tokens {self.max_prompt_tokens} must be below "
+                             f"max_context {self.max_context} (the prompt and at least one "
+                             "new token share one KV slot)")
+        return self
+
+
+class SettingsError(ValueError):
+    """A setting that does not fit the loaded model; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"--{field.replace('_', '-')} (SPECDEC_{field.upper()}): {message}")
+        self.field = field
+
+
+def check_against_model(settings: Settings, max_context: int, model_limit: int) -> None:
+    """Refuse settings the loaded model cannot honour (``max_context``: the effective one)."""
+    if settings.max_prompt_tokens and settings.max_prompt_tokens >= max_context:
+        raise SettingsError("max_prompt_tokens", f"{settings.max_prompt_tokens} must be below "
+                            f"the context of {max_context} tokens per session (the model's "
+                            f"limit is {model_limit})")
 
 
 def settings_table() -> str:

@@ -57,6 +57,7 @@ class TargetRunner:
         self.eos_token_ids = eos_ids_of(model, tokenizer)
         self.fingerprint = tokenizer_fingerprint(tokenizer)
         model_max = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 32768
+        self.model_limit = model_max
         self.max_context = min(max_context, model_max) if max_context else model_max
         # One slot holds one session's whole context; the budget decides how many slots exist.
         self.max_context = min(self.max_context, kv_budget_tokens)

@@ -9,7 +9,7 @@ from pathlib import Path
 import uvicorn
 
 from tests.support.process import free_port
-from verifier_service.app import create_app
+from verifier_service.app import create_app, server_options
 from verifier_service.settings import Settings
 from verifier_service.target import TargetRunner
 
@@ -20,7 +20,7 @@ class LiveServer:
     def __init__(self, settings: Settings, runner: TargetRunner | None = None) -> None:
         self.port = free_port()
         config = uvicorn.Config(create_app(settings, runner), host="127.0.0.1", port=self.port,
-                                log_level="warning")
+                                log_level="warning", **server_options(settings))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
