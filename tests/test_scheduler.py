@@ -35,7 +35,7 @@ class FakeRunner:
 
 @dataclass
 class FakeJob:
-    session_id: str | None
+    session_key: str | None
     tokens: list[int]
     bad: bool = False
     events: list[str] = field(default_factory=list)

@@ -20,13 +20,15 @@ class FakeClock:
         return self.now
 
 
-def make(store: SessionStore) -> Session:
-    session = Session(slot=len(store), position=1, config=SamplingConfig())
+def make(store: SessionStore, owner: str | None = None) -> Session:
+    store.reserve(owner)
+    store.make_room(owner, keep=set())
+    session = Session(slot=len(store), position=1, config=SamplingConfig(), owner=owner)
     store.add(session)
     return session
 
 
-def test_lru_evicts_least_recently_used() -> None:
+def test_lru_evicts_the_least_recently_used_of_the_same_owner() -> None:
     dropped: list[Session] = []
     store = SessionStore(max_sessions=2, ttl_s=100, clock=FakeClock(), on_drop=dropped.append)
     a, b = make(store), make(store)
@@ -37,8 +39,56 @@ def test_lru_evicts_least_recently_used() -> None:
         store.get(b.id)
     assert err.value.status == 404 and store.evicted == 1
     assert dropped == [b]  # its KV slot was handed back
-    assert store.evict_lru(keep={a.id}) and dropped[-1] is c  # a is busy: c goes
-    assert not store.evict_lru(keep={a.id})
+    assert store.evict_one_for(None, keep={a.key}) and dropped[-1] is c  # a is busy: c goes
+    assert not store.evict_one_for(None, keep={a.key})
+
+
+def test_another_key_evicts_only_sessions_idle_past_their_window() -> None:
+    clock = FakeClock()
+    store = SessionStore(max_sessions=2, ttl_s=100, clock=clock, protect_s=2.0)
+    slow = make(store, "k1")
+    for _ in range(3):  # a live client with a 1 s round trip: window 4 x 1 s
+        clock.now += 1.0
+        store.get(slow.id, "k1")
+    flood = make(store, "k2")
+    clock.now += 3.0  # slow's next call is due: 3 s idle, inside its 4 s window
+    second = make(store, "k2")  # the table is full: k2 evicts its own session, not slow
+    assert not store.exists(flood.id, "k2") and store.exists(slow.id, "k1")
+    store.reserve("k2")
+    with pytest.raises(VerifierError) as err:  # k2's session is busy, slow is protected
+        store.make_room("k2", keep={second.key})
+    assert err.value.status == 503 and err.value.retry_after_s == 1
+    store.unreserve("k2")
+    assert store.exists(slow.id, "k1")
+    clock.now += 2.0  # 5 s idle: past its window, a dead client's session may go
+    assert store.evict_one_for("k2", keep={second.key})
+    assert not store.exists(slow.id, "k1")
+
+
+def test_ids_are_scoped_by_owner() -> None:
+    store = SessionStore(max_sessions=8, ttl_s=100, clock=FakeClock())
+    mine = Session(slot=0, position=1, config=SamplingConfig(), id="sessAAAA1111", owner="k1")
+    theirs = Session(slot=1, position=5, config=SamplingConfig(), id="sessAAAA1111", owner="k2")
+    for session in (mine, theirs):
+        store.reserve(session.owner)
+        store.add(session)
+    assert store.get("sessAAAA1111", "k1") is mine and store.get("sessAAAA1111", "k2") is theirs
+    store.remove("sessAAAA1111", "k2")
+    assert store.get("sessAAAA1111", "k1") is mine
+    with pytest.raises(VerifierError):
+        store.get("sessAAAA1111", "k2")
+
+
+def test_quota_counts_creates_in_flight() -> None:
+    store = SessionStore(max_sessions=8, ttl_s=100, clock=FakeClock(), max_per_owner=2)
+    store.reserve("k1")
+    store.reserve("k1")  # two creates admitted, none finished yet
+    with pytest.raises(VerifierError) as err:
+        store.reserve("k1")
+    assert err.value.status == 429
+    store.reserve("k2")  # other keys are not affected
+    store.unreserve("k1")  # one create failed: its place is free again
+    store.reserve("k1")
 
 
 def test_idle_sessions_expire() -> None:

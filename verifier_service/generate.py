@@ -37,6 +37,6 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
             if req.stop_at_eos and last in eos_token_ids:
                 break
     finally:
-        scheduler.forget(session_id)
+        scheduler.forget((owner, session_id))
         await scheduler.run(ctx.sessions.discard, session_id, owner)
     return GenerateResponse(token_ids=tokens, forward_ms=forward_ms, forward_calls=len(tokens))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from shared.schema import (
 )
 from verifier_service.errors import VerifierError
 from verifier_service.kv_pool import KVPool
-from verifier_service.sessions import Session, SessionStore
+from verifier_service.sessions import Session, SessionKey, SessionStore, busy_error
 from verifier_service.target import ForwardItem
 from verifier_service.validation import RequestValidator
 
@@ -42,13 +43,12 @@ class JobContext:
     pool: KVPool
     counters: VerifyCounters = field(default_factory=VerifyCounters)
 
-    def claim_slot(self, busy: set[str]) -> int:
-        """A free KV slot; when none is left, the least recently used idle session is evicted
-        (its next call gets 404 and the client reopens it). 503 if every slot is busy."""
+    def claim_slot(self, owner: str | None, busy: set[Any]) -> int:
+        """A free KV slot; when none is left a session is evicted by the store's fair policy
+        (its next call gets 404 and its client reopens it); 503 when none may go."""
         while (slot := self.pool.allocate()) is None:
-            if not self.sessions.evict_lru(keep=busy):
-                raise VerifierError(503, "kv_budget_exhausted", "every KV slot is in use by a "
-                                    "call in flight; retry shortly", None, retry_after_s=1)
+            if not self.sessions.evict_one_for(owner, busy):
+                raise busy_error("every KV slot holds a live client's session")
         return slot
 
 
@@ -66,6 +66,7 @@ class CreateSessionJob:
     session_id: str
     owner: str | None = None
     slot: int | None = None
+    reserved: bool = False  # admitted against the key's session quota
     replay: Session | None = None  # a retried create of a session that exists unchanged
     started: float = field(default_factory=time.perf_counter)
 
@@ -76,17 +77,27 @@ class CreateSessionJob:
     def num_tokens(self) -> int:
         return len(self.req.prompt_ids) - 1
 
-    def prepare(self, busy: set[str]) -> ForwardItem | None:
-        existing = self.ctx.sessions.peek(self.session_id)
+    @property
+    def session_key(self) -> SessionKey:
+        return (self.owner, self.session_id)
+
+    def prepare(self, busy: set[Any]) -> ForwardItem | None:
+        sessions = self.ctx.sessions
+        existing = sessions.peek(self.session_id, self.owner)
         if existing is not None:
-            if (existing.owner == self.owner and existing.create_digest == self.digest
-                    and existing.last_verify_position < 0):
+            if existing.create_digest == self.digest and existing.last_verify_position < 0:
                 self.replay = existing  # the same create again (its answer was lost)
                 return None
             raise VerifierError(409, "session_exists", f"session {self.session_id!r} already "
                                 "exists; choose another id", "session_id")
-        self.ctx.sessions.check_quota(self.owner)
-        self.slot = self.ctx.claim_slot(busy)
+        sessions.reserve(self.owner)  # 429 at the key's quota, creates in flight included
+        self.reserved = True
+        try:
+            sessions.make_room(self.owner, busy)
+            self.slot = self.ctx.claim_slot(self.owner, busy)
+        except VerifierError:
+            self.abort()
+            raise
         return ForwardItem(self.slot, 0, self.req.prompt_ids[:-1], keep_logits=False)
 
     def finish(self, logits: torch.Tensor | None) -> CreateSessionResponse:
@@ -98,11 +109,15 @@ class CreateSessionJob:
                           config=self.req.sampling.to_config(), id=self.session_id,
                           owner=self.owner, create_digest=self.digest)
         self.ctx.sessions.add(session)
+        self.reserved = False
         return CreateSessionResponse(session_id=session.id, position=session.position,
                                      prefill_ms=1e3 * (time.perf_counter() - self.started))
 
     def abort(self) -> None:
-        if self.slot is not None and not self.ctx.sessions.exists(self.session_id):
+        if self.reserved:
+            self.ctx.sessions.unreserve(self.owner)
+            self.reserved = False
+        if self.slot is not None and not self.ctx.sessions.exists(self.session_id, self.owner):
             self.ctx.pool.release(self.slot)
             self.slot = None
 
@@ -127,7 +142,11 @@ class VerifyJob:
     def num_tokens(self) -> int:
         return len(self.req.draft_ids) + 1
 
-    def prepare(self, busy: set[str]) -> ForwardItem | None:
+    @property
+    def session_key(self) -> SessionKey:
+        return (self.owner, self.session_id)
+
+    def prepare(self, busy: set[Any]) -> ForwardItem | None:
         self.session = session = self.ctx.sessions.get(self.session_id, self.owner)
         if (self.req.position == session.last_verify_position
                 and self.digest == session.last_verify_digest):

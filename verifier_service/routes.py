@@ -89,7 +89,7 @@ async def verify(session_id: str, body: VerifyRequest, state: StateDep,
 
 @router.delete("/v1/sessions/{session_id}", status_code=204, responses=ERRORS)
 async def delete_session(session_id: str, state: StateDep, owner: OwnerDep) -> Response:
-    state.scheduler.forget(session_id)
+    state.scheduler.forget((owner, session_id))
     await state.model_thread.run(state.jobs.sessions.remove, session_id, owner)
     return Response(status_code=204)
 

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,10 +33,10 @@ class Job(Protocol):
         """Tokens this job adds to a batched forward."""
 
     @property
-    def session_id(self) -> str | None:
-        """At most one job per session in a batch."""
+    def session_key(self) -> Hashable | None:
+        """The session it works on ((owner, id)); at most one job per session in a batch."""
 
-    def prepare(self, busy: set[str]) -> ForwardItem | None:
+    def prepare(self, busy: set[Any]) -> ForwardItem | None:
         """Validate and claim resources (model thread); None when nothing needs a forward.
         ``busy``: sessions with a job in this batch, which must not be evicted."""
 
@@ -88,7 +89,7 @@ class Scheduler:
         # A second call for a session already in the batch (a client's retry while its first
         # call is still queued) waits for the next batch, where it gets the first one's answer.
         self._deferred: list[_Pending] = []
-        self._last_seen: dict[str, float] = {}  # session id -> when it last sent a job
+        self._last_seen: dict[Hashable, float] = {}  # session key -> when it last sent a job
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -100,19 +101,19 @@ class Scheduler:
     def _others_active(self, batch: list[_Pending]) -> bool:
         """Did a session outside this batch send a job in the last second?"""
         horizon = time.perf_counter() - 1.0
-        mine = {p.job.session_id for p in batch}
+        mine = {p.job.session_key for p in batch}
         stale = [sid for sid, at in self._last_seen.items() if at < horizon]
         for sid in stale:
             del self._last_seen[sid]
         return any(sid not in mine for sid in self._last_seen)
 
-    def forget(self, session_id: str) -> None:
+    def forget(self, session_key: Hashable) -> None:
         """The session was closed: it will not send more jobs."""
-        self._last_seen.pop(session_id, None)
+        self._last_seen.pop(session_key, None)
 
     async def submit(self, job: Job) -> Any:
-        if job.session_id is not None:
-            self._last_seen[job.session_id] = time.perf_counter()
+        if job.session_key is not None:
+            self._last_seen[job.session_key] = time.perf_counter()
         pending = _Pending(job, asyncio.get_running_loop().create_future())
         try:
             self.queue.put_nowait(pending)
@@ -179,9 +180,9 @@ def run_jobs(runner: Forward, jobs: list[Job]) -> list[tuple[bool | None, Any]]:
     second job of a session already in this batch (deferred to the next batch)."""
     outcomes: list[tuple[bool | None, Any] | None] = [None] * len(jobs)
     prepared: list[tuple[int, ForwardItem | None]] = []
-    sessions: set[str] = set()
+    sessions: set[Any] = set()
     for i, job in enumerate(jobs):
-        if job.session_id is not None and job.session_id in sessions:
+        if job.session_key is not None and job.session_key in sessions:
             outcomes[i] = (None, None)  # one job per session per forward
             continue
         try:
@@ -189,8 +190,8 @@ def run_jobs(runner: Forward, jobs: list[Job]) -> list[tuple[bool | None, Any]]:
         except VerifierError as exc:
             outcomes[i] = (False, exc)
             continue
-        if job.session_id is not None:
-            sessions.add(job.session_id)
+        if job.session_key is not None:
+            sessions.add(job.session_key)
         prepared.append((i, item))
     items = [item for _, item in prepared if item is not None and item.token_ids]
     try:

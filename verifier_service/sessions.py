@@ -1,17 +1,32 @@
-"""Per-client sessions: a KV cache, a position and sampling settings, with LRU and idle TTL."""
+"""Per-client sessions: a KV slot, a position and sampling settings; idle TTL and fair eviction.
+
+Session ids are scoped by owner (the API key that opened them): another key can neither see,
+probe nor block an id. Creates count against a key's session quota from the moment they are
+admitted (``reserve``), so a burst of concurrent creates cannot overshoot it.
+
+Eviction (when the session table or the KV pool is full), for a create by key K:
+  1. K's own idle sessions, least recently used first;
+  2. another key's session only when it has been idle for longer than its *protection window*:
+     ``max(protect_s, 4 x its mean interval between calls)``, so a live client, however slow its
+     round trip, keeps its session while another key creates;
+  3. otherwise the create gets 503 with Retry-After, and nobody is evicted.
+Without API keys every session has the same owner, and this is plain LRU.
+"""
 
 from __future__ import annotations
 
 import secrets
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from shared.sampling import SamplingConfig
 from verifier_service.errors import VerifierError
+
+SessionKey = tuple[str | None, str]  # (owner, session id)
 
 
 @dataclass
@@ -21,6 +36,7 @@ class Session:
     config: SamplingConfig
     id: str = field(default_factory=lambda: secrets.token_urlsafe(12))
     last_used: float = 0.0
+    mean_gap: float | None = None  # running mean of the time between its calls
     owner: str | None = None  # the API key that opened it; other keys see 404
     create_digest: str = ""  # of the create request, so a retried create is recognised
     # The last verify answered, so a retried call (same position, same body) gets the same
@@ -29,19 +45,30 @@ class Session:
     last_verify_digest: str = ""
     last_reply: Any = None
 
+    @property
+    def key(self) -> SessionKey:
+        return (self.owner, self.id)
+
+
+def _not_found(session_id: str) -> VerifierError:
+    return VerifierError(404, "session_not_found", f"session {session_id!r} is unknown, expired "
+                         "or evicted; open a new one with POST /v1/sessions", "session_id")
+
 
 class SessionStore:
-    """Sessions by id. Over ``max_sessions`` the least recently used is evicted; sessions idle
+    """Sessions by (owner, id); see the module docstring for quota and eviction. Sessions idle
     longer than ``ttl_s`` expire. Unknown, evicted and expired ids all answer 404."""
 
     def __init__(self, max_sessions: int, ttl_s: float,
                  clock: Callable[[], float] = time.monotonic,
                  on_drop: Callable[[Session], None] = lambda session: None,
-                 max_per_owner: int = 0) -> None:
+                 max_per_owner: int = 0, protect_s: float = 2.0) -> None:
         self.max_sessions, self.ttl_s, self.clock = max_sessions, ttl_s, clock
         self.max_per_owner = max_per_owner  # 0: no per-key limit
+        self.protect_s = protect_s
         self.on_drop = on_drop  # frees what a session holds (its KV slot)
-        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self._sessions: OrderedDict[SessionKey, Session] = OrderedDict()  # LRU first
+        self._reserved: Counter[str | None] = Counter()  # admitted creates not yet added
         self._lock = threading.Lock()
         self.evicted = 0
         self.expired = 0
@@ -49,93 +76,126 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def add(self, session: Session) -> None:
-        with self._lock:
-            session.last_used = self.clock()
-            self._sessions[session.id] = session
-            while len(self._sessions) > self.max_sessions:
-                self.on_drop(self._sessions.popitem(last=False)[1])
-                self.evicted += 1
-
+    # -- lookups ------------------------------------------------------------------------------
     def get(self, session_id: str, owner: str | None = None) -> Session:
+        """The session, touched (it becomes the most recently used)."""
         with self._lock:
-            session = self._sessions.get(session_id)
-            if session is not None and session.owner != owner:
-                session = None  # another key's session does not exist for this caller
+            key = (owner, session_id)
+            session = self._sessions.get(key)
             now = self.clock()
             if session is not None and now - session.last_used > self.ttl_s:
-                self.on_drop(self._sessions.pop(session_id))
+                self.on_drop(self._sessions.pop(key))
                 self.expired += 1
                 session = None
             if session is None:
-                raise VerifierError(404, "session_not_found",
-                                    f"session {session_id!r} is unknown, expired or evicted; "
-                                    "open a new one with POST /v1/sessions", "session_id")
+                raise _not_found(session_id)
+            gap = now - session.last_used
+            session.mean_gap = (gap if session.mean_gap is None
+                                else 0.7 * session.mean_gap + 0.3 * gap)
             session.last_used = now
-            self._sessions.move_to_end(session_id)
+            self._sessions.move_to_end(key)
             return session
 
-    def ids(self) -> list[str]:
+    def peek(self, session_id: str, owner: str | None = None) -> Session | None:
         with self._lock:
-            return list(self._sessions)
+            return self._sessions.get((owner, session_id))
 
-    def exists(self, session_id: str) -> bool:
+    def exists(self, session_id: str, owner: str | None = None) -> bool:
         with self._lock:
-            return session_id in self._sessions
+            return (owner, session_id) in self._sessions
 
-    def peek(self, session_id: str) -> Session | None:
+    def ids(self, owner: str | None = None) -> list[str]:
         with self._lock:
-            return self._sessions.get(session_id)
+            return [sid for o, sid in self._sessions if o == owner]
 
     def count_owned(self, owner: str | None) -> int:
         with self._lock:
-            return sum(1 for s in self._sessions.values() if s.owner == owner)
+            return sum(1 for o, _ in self._sessions if o == owner)
 
-    def check_quota(self, owner: str | None) -> None:
-        """429 when ``owner`` (an API key) already holds ``max_per_owner`` sessions."""
-        limit = self.max_per_owner
-        if limit and owner is not None and self.count_owned(owner) >= limit:
-            raise VerifierError(429, "too_many_sessions", f"this API key holds {limit} open "
-                                f"sessions, the limit per key (SPECDEC_MAX_SESSIONS_PER_KEY); "
-                                "close one or retry later", "session_id", retry_after_s=1)
+    # -- creates ------------------------------------------------------------------------------
+    def reserve(self, owner: str | None) -> None:
+        """Admit one create for ``owner``: 429 when its open sessions plus its creates in
+        flight reach ``max_per_owner``. Undo with ``unreserve`` unless ``add`` follows."""
+        with self._lock:
+            limit = self.max_per_owner
+            held = sum(1 for o, _ in self._sessions if o == owner) + self._reserved[owner]
+            if limit and owner is not None and held >= limit:
+                raise VerifierError(429, "too_many_sessions", f"this API key holds {limit} "
+                                    "open sessions, the limit per key "
+                                    "(SPECDEC_MAX_SESSIONS_PER_KEY); close one or retry later",
+                                    "session_id", retry_after_s=1)
+            self._reserved[owner] += 1
 
+    def unreserve(self, owner: str | None) -> None:
+        with self._lock:
+            self._reserved[owner] -= 1
+            if self._reserved[owner] <= 0:
+                del self._reserved[owner]
+
+    def make_room(self, owner: str | None, keep: set[Any]) -> None:
+        """Evict (fairly) until the sessions plus the creates in flight fit ``max_sessions``."""
+        while True:
+            with self._lock:
+                if len(self._sessions) + sum(self._reserved.values()) <= self.max_sessions:
+                    return
+            if not self.evict_one_for(owner, keep):
+                raise busy_error("every session is in use by a live client")
+
+    def add(self, session: Session, reserved: bool = True) -> None:
+        """Store a created session (its create was admitted with ``reserve``)."""
+        with self._lock:
+            session.last_used = self.clock()
+            self._sessions[session.key] = session
+            if reserved:
+                self._reserved[session.owner] -= 1
+                if self._reserved[session.owner] <= 0:
+                    del self._reserved[session.owner]
+
+    # -- removal ------------------------------------------------------------------------------
     def remove(self, session_id: str, owner: str | None = None) -> None:
         with self._lock:
-            session = self._sessions.get(session_id)
-            if session is not None and session.owner == owner:
-                del self._sessions[session_id]
-            else:
-                session = None
+            session = self._sessions.pop((owner, session_id), None)
             if session is None:
-                raise VerifierError(404, "session_not_found",
-                                    f"session {session_id!r} is unknown, expired or evicted",
-                                    "session_id")
+                raise _not_found(session_id)
             self.on_drop(session)
 
     def discard(self, session_id: str, owner: str | None = None) -> None:
         """Remove the session if it is still there (it may have been evicted meanwhile)."""
         with self._lock:
-            session = self._sessions.get(session_id)
-            if session is None or session.owner != owner:
-                return
-            del self._sessions[session_id]
-            self.on_drop(session)
+            session = self._sessions.pop((owner, session_id), None)
+            if session is not None:
+                self.on_drop(session)
 
-    def evict_lru(self, keep: set[str]) -> bool:
-        """Evict the least recently used session not in ``keep``; False if there is none."""
+    def evict_one_for(self, owner: str | None, keep: set[Any]) -> bool:
+        """Evict one session to make room for a create by ``owner`` (the policy in the module
+        docstring); ``keep``: keys of sessions busy in the current batch. False: none may go."""
         with self._lock:
-            for sid in self._sessions:
-                if sid not in keep:
-                    self.on_drop(self._sessions.pop(sid))
-                    self.evicted += 1
-                    return True
-            return False
+            now = self.clock()
+            victim = next((key for key in self._sessions
+                           if key[0] == owner and key not in keep), None)
+            if victim is None:
+                victim = next((key for key, s in self._sessions.items()
+                               if key not in keep and now - s.last_used > self._window(s)),
+                              None)
+            if victim is None:
+                return False
+            self.on_drop(self._sessions.pop(victim))
+            self.evicted += 1
+            return True
+
+    def _window(self, session: Session) -> float:
+        return max(self.protect_s, 4 * (session.mean_gap or 0.0))
 
     def expire_idle(self) -> int:
         with self._lock:
             now = self.clock()
-            stale = [sid for sid, s in self._sessions.items() if now - s.last_used > self.ttl_s]
-            for sid in stale:
-                self.on_drop(self._sessions.pop(sid))
+            stale = [k for k, s in self._sessions.items() if now - s.last_used > self.ttl_s]
+            for key in stale:
+                self.on_drop(self._sessions.pop(key))
             self.expired += len(stale)
             return len(stale)
+
+
+def busy_error(why: str) -> VerifierError:
+    return VerifierError(503, "capacity_exhausted", f"no room for a new session: {why}; retry "
+                         "shortly", None, retry_after_s=1)
