@@ -4,12 +4,15 @@ Session ids are scoped by owner (the API key that opened them): another key can 
 probe nor block an id. Creates count against a key's session quota from the moment they are
 admitted (``reserve``), so a burst of concurrent creates cannot overshoot it.
 
-Eviction (when the session table or the KV pool is full), for a create by key K:
-  1. K's own idle sessions, least recently used first;
-  2. another key's session only when it has been idle for longer than its *protection window*:
+Eviction (when the session table or the KV pool is full), for a create by key K, never touching
+a session busy in the current batch:
+  1. K's own sessions, least recently used first;
+  2. a session that the key holding the most sessions (more than K + 1) opened and has not used
+     yet - so a key that floods creates cannot lock the others out;
+  3. another key's session only when it has been idle for longer than its *protection window*:
      ``max(protect_s, 4 x its mean interval between calls)``, so a live client, however slow its
      round trip, keeps its session while another key creates;
-  3. otherwise the create gets 503 with Retry-After, and nobody is evicted.
+  4. otherwise the create gets 503 with Retry-After, and nobody is evicted.
 Without API keys every session has the same owner, and this is plain LRU.
 """
 
@@ -171,11 +174,16 @@ class SessionStore:
         docstring); ``keep``: keys of sessions busy in the current batch. False: none may go."""
         with self._lock:
             now = self.clock()
-            victim = next((key for key in self._sessions
-                           if key[0] == owner and key not in keep), None)
+            free = [(key, s) for key, s in self._sessions.items() if key not in keep]  # LRU 1st
+            held = Counter(key[0] for key in self._sessions)
+            hog = max(held, key=lambda o: held[o]) if held else None
+            victim = next((key for key, _ in free if key[0] == owner), None)
+            if victim is None and hog is not None and held[hog] > held[owner] + 1:
+                # the key holding the most sessions gives up one it never used since opening
+                victim = next((key for key, s in free if key[0] == hog and s.mean_gap is None),
+                              None)
             if victim is None:
-                victim = next((key for key, s in self._sessions.items()
-                               if key not in keep and now - s.last_used > self._window(s)),
+                victim = next((key for key, s in free if now - s.last_used > self._window(s)),
                               None)
             if victim is None:
                 return False
@@ -184,6 +192,7 @@ class SessionStore:
             return True
 
     def _window(self, session: Session) -> float:
+        """How long a session is safe from other keys after its last call."""
         return max(self.protect_s, 4 * (session.mean_gap or 0.0))
 
     def expire_idle(self) -> int:
