@@ -29,6 +29,7 @@ from drafter_client.model_free import (
 from drafter_client.speculative import (
     GenerationResult,
     GenerationSettings,
+    finish_reason,
     speculative_generate,
 )
 from drafter_client.transport import HttpVerifier, SpecDecError, Verifier
@@ -99,6 +100,9 @@ class SpecDecClient:
         if self.info.protocol_version != PROTOCOL_VERSION:
             raise SpecDecError(f"verifier speaks protocol {self.info.protocol_version}, this "
                                f"client {PROTOCOL_VERSION}")
+        if any(t >= self.info.vocab_size for t in self.info.eos_token_ids):
+            raise SpecDecError("the verifier sent an invalid reply: eos_token_ids outside its "
+                               f"vocabulary of {self.info.vocab_size}")
         try:
             if isinstance(tokenizer, str):
                 tokenizer = load_tokenizer(tokenizer)
@@ -189,8 +193,16 @@ class SpecDecClient:
                 sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
             ))
         except SpecDecError as exc:  # one call: nothing was generated
-            exc.partial = GenerationResult(prompt_ids, [], GenerationMetrics())
+            exc.partial = GenerationResult(prompt_ids, [], GenerationMetrics(),
+                                           finish_reason="error")
             raise
+        if len(reply.token_ids) > max_new_tokens or any(
+                t >= self.info.vocab_size for t in reply.token_ids):
+            invalid = SpecDecError("the verifier sent an invalid reply: token_ids outside the "
+                                   f"vocabulary or longer than {max_new_tokens}")
+            invalid.partial = GenerationResult(prompt_ids, [], GenerationMetrics(),
+                                               finish_reason="error")
+            raise invalid
         metrics = GenerationMetrics(
             new_tokens=len(reply.token_ids), wall_s=time.perf_counter() - started,
             verify_forward_s=reply.forward_ms / 1e3,
@@ -198,7 +210,9 @@ class SpecDecClient:
             bytes_received=self.verifier.bytes_received - received,
         )
         return GenerationResult(prompt_ids, reply.token_ids, metrics,
-                                self.decode(reply.token_ids))
+                                self.decode(reply.token_ids),
+                                finish_reason(reply.token_ids, max_new_tokens,
+                                              self.info.eos_token_ids))
 
     def close(self) -> None:
         self.verifier.close()

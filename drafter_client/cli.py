@@ -13,10 +13,12 @@ from typing import Any
 
 import orjson
 import torch
+from pydantic import ValidationError
 
 from drafter_client.api import DrafterOptions, SpecDecClient
 from drafter_client.speculative import GenerationResult
 from drafter_client.transport import SpecDecError
+from shared.schema import SamplingParams
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -134,15 +136,33 @@ EXIT_PARTIAL = 3  # some tokens were generated (printed), then an unrecoverable 
 def _print_json(result: GenerationResult, error: str | None = None) -> None:
     body: dict[str, Any] = {
         "text": result.text, "token_ids": result.token_ids,
-        "prompt_token_ids": result.prompt_token_ids, "metrics": result.metrics.to_dict(),
+        "prompt_token_ids": result.prompt_token_ids, "finish_reason": result.finish_reason,
+        "metrics": result.metrics.to_dict(),
     }
     if error is not None:
         body.update(partial=True, error=error)
     sys.stdout.write(orjson.dumps(body).decode() + "\n")
 
 
+def _check_arguments(args: argparse.Namespace) -> str | None:
+    """One line naming the first bad flag, or None."""
+    try:
+        SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        flag = "--" + str(err["loc"][0]).replace("_", "-")
+        return f"{flag}: {err['msg']} (got {err.get('input')!r})"
+    if args.max_new_tokens < 1:
+        return f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})"
+    return None
+
+
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    problem = _check_arguments(args)
+    if problem is not None:
+        print(f"specdec: error: {problem}", file=sys.stderr)
+        return EXIT_ERROR
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "chat": args.chat}
     if args.command == "generate" and args.threads:
@@ -173,7 +193,7 @@ def run(argv: list[str] | None = None) -> int:
                 sys.stdout.write(result.text)
     except SpecDecError as exc:
         partial: GenerationResult | None = exc.partial
-        if partial is None:  # nothing started: exit 2
+        if partial is None or not partial.token_ids:  # nothing was generated: exit 2
             print(f"specdec: error: {exc}", file=sys.stderr)
             return EXIT_ERROR
         # Generation started and stopped: what was generated is on stdout, exit 3 says partial.
@@ -188,6 +208,10 @@ def run(argv: list[str] | None = None) -> int:
         _print_json(result)
     else:
         print("\n" + _summary(result, args.command))
+    if result.finish_reason == "context":
+        print(f"specdec: notice: stopped at the verifier's context limit of "
+              f"{client.info.max_context} tokens after {len(result.token_ids)} new tokens "
+              f"(asked for {args.max_new_tokens})", file=sys.stderr)
     return 0
 
 

@@ -49,6 +49,15 @@ class GenerationResult:
     token_ids: list[int]  # generated ids only
     metrics: GenerationMetrics
     text: str = ""
+    # "stop": an EOS token; "length": max_new_tokens; "context": the verifier's context limit;
+    # "error": cut short by an unrecoverable error (a partial result)
+    finish_reason: str = "length"
+
+
+def finish_reason(token_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> str:
+    if token_ids and token_ids[-1] in eos_token_ids:
+        return "stop"
+    return "length" if len(token_ids) >= max_new_tokens else "context"
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,36 @@ class VerifierSession:
             self.session_id = None
 
 
+def _check_reply(reply: VerifyResponse, req: VerifyRequest, greedy: bool,
+                 info: InfoResponse) -> None:
+    """Everything the loop reads from a reply, checked against what it asked: a verifier (or
+    anything at its URL) that answers nonsense is one clear error, never an IndexError."""
+    k, vocab = len(req.draft_ids), info.vocab_size
+    problem = None
+    if reply.num_accepted > k:
+        problem = f"num_accepted {reply.num_accepted} for {k} drafts"
+    elif greedy and (reply.target_argmax is None or len(reply.target_argmax) < k + 1):
+        problem = f"target_argmax needs {k + 1} ids in greedy mode"
+    elif greedy and any(t >= vocab for t in reply.target_argmax or []):
+        problem = f"target_argmax holds ids outside [0, {vocab})"
+    elif not greedy and (reply.target_logprobs is None or len(reply.target_logprobs) != k):
+        problem = f"target_logprobs needs {k} entries when sampling"
+    elif not greedy and any(v is not None and not v <= 0.0 for v in reply.target_logprobs or []):
+        problem = "target_logprobs holds a value above 0 or NaN"
+    elif reply.next_token is not None and reply.next_token >= vocab:
+        problem = f"next_token {reply.next_token} is outside [0, {vocab})"
+    elif reply.next_token is None and reply.row is None:
+        problem = "neither next_token nor the target row"
+    elif reply.position != req.position + min(reply.num_accepted, k) + 1:
+        problem = (f"position {reply.position} after accepting {reply.num_accepted} at "
+                   f"{req.position}")
+    elif req.return_top_ids and (reply.top_ids is None or len(reply.top_ids) < k + 1
+                                 or any(t >= vocab for ids in reply.top_ids for t in ids)):
+        problem = "top_ids does not hold one row of ids per scored position"
+    if problem is not None:
+        raise SpecDecError(f"the verifier sent an invalid reply: {problem}")
+
+
 def _check_verdict(reply: VerifyResponse, draft: Draft, draft_logprobs: torch.Tensor | None,
                    log_uniforms: torch.Tensor, config: SamplingConfig) -> int:
     """Our own copy of the acceptance rule must agree with the verifier's verdict."""
@@ -163,23 +202,28 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
     draft_logprobs = None if config.greedy else draft.logprobs  # None: one-hot draft
     # 3. One round trip: the verifier scores [last token, x_1..x_k] in one forward and finds
     #    the first rejection with our uniforms.
-    reply = session.verify(VerifyRequest(
+    req = VerifyRequest(
         position=session.position, last_token=session.committed[-1], draft_ids=draft.ids,
         draft_logprobs=None if draft_logprobs is None else draft_logprobs.tolist(),
         log_uniforms=log_uniforms.tolist(), final_uniform=float(uniforms[k]),
         return_top_ids=drafter.top_k_filler,
-    ))
+    )
+    reply = session.verify(req)
     t2 = time.perf_counter()
+    _check_reply(reply, req, config.greedy, info)
     accepted = _check_verdict(reply, draft, draft_logprobs, log_uniforms, config)
     # 4. The recovered or bonus token: drawn by the verifier when it could, else here from
     #    norm(max(0, p_j - q_j)) with p_j from the reply and our own q_j.
     if reply.next_token is not None:
         next_token = reply.next_token
     elif reply.row is not None and draft.probs is not None:
-        next_token = recover_token(reply.row.decode(info.vocab_size), draft.probs[accepted],
-                                   float(uniforms[k]))
+        try:
+            row = reply.row.decode(info.vocab_size)  # [vocab]
+        except ValueError as exc:
+            raise SpecDecError(f"the verifier sent an invalid reply: row: {exc}") from exc
+        next_token = recover_token(row, draft.probs[accepted], float(uniforms[k]))
     else:
-        raise SpecDecError("verifier sent neither the next token nor the target row")
+        raise SpecDecError("the verifier sent an invalid reply: a row for a one-hot draft")
     # 5. Output: accepted drafts + one token, cut after an EOS.
     tokens = [*draft.ids[:accepted], next_token]
     eos_at = next((i for i, t in enumerate(tokens) if t in info.eos_token_ids), None)
@@ -211,10 +255,13 @@ def speculative_generate(
     recorder = MetricsRecorder(verifier)
     session = VerifierSession(verifier, settings.sampling, prompt_ids)
 
-    def result() -> GenerationResult:
+    def result(error: bool = False) -> GenerationResult:
         generated = session.committed[len(prompt_ids):]
+        reason = ("error" if error else
+                  finish_reason(generated, settings.max_new_tokens, info.eos_token_ids))
         return GenerationResult(list(prompt_ids), generated,
-                                recorder.finish(len(generated), session.reopens))
+                                recorder.finish(len(generated), session.reopens),
+                                finish_reason=reason)
 
     try:
         session.open()
@@ -237,7 +284,7 @@ def speculative_generate(
             if outcome.finished:
                 break
     except SpecDecError as exc:  # keep what was generated: the caller reports it as partial
-        exc.partial = result()
+        exc.partial = result(error=True)
         raise
     finally:
         session.close()

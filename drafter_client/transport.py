@@ -102,6 +102,9 @@ class HttpVerifier:
         self.simulated_rtt_s = simulated_rtt_s  # added before each call, to study distance
         self.retry_budget_s = retry_budget_s
         self.retries = 0
+        if api_key and not (api_key.isascii() and api_key.isprintable()):
+            raise SpecDecError("the API key must be printable ASCII (check --api-key / "
+                               "SPECDEC_API_KEY)")
         self.client = client or httpx.Client(base_url=self.url, timeout=timeout_s)
         self.auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.bytes_sent = 0

@@ -32,23 +32,32 @@ class _Strict(BaseModel):
 
 
 class SamplingParams(_Strict):
-    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0 means greedy")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False,
+                               description="0 means greedy; any value > 0 is exact, tiny ones "
+                               "tend to greedy")
     top_k: int = Field(0, ge=0, le=INT32_MAX, description="0 disables top-k")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="1.0 disables top-p")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False,
+                         description="1.0 disables top-p; the best token is always kept")
 
     def to_config(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_k, self.top_p)
 
 
+# Bounds on what a verifier answers: a client checks them before using a reply (relations to
+# the request, such as next_token < vocab_size, are checked by the client's loop).
+Id = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Positive = Annotated[int, Field(ge=1, le=INT32_MAX)]
+
+
 class InfoResponse(_Strict):
     protocol_version: int
     model: str
-    vocab_size: int
+    vocab_size: Positive
     tokenizer_fingerprint: str
-    eos_token_ids: list[int]
-    max_context: int
-    max_draft_tokens: int
-    max_new_tokens: int
+    eos_token_ids: list[Id]
+    max_context: Positive
+    max_draft_tokens: Count
+    max_new_tokens: Positive
     dtype: str
     device: str
 
@@ -69,7 +78,7 @@ class CreateSessionRequest(_Strict):
 
 class CreateSessionResponse(_Strict):
     session_id: str
-    position: int
+    position: Positive
     prefill_ms: float
 
 
@@ -114,14 +123,23 @@ class EncodedRow(_Strict):
         return cls(probs=base64.b64encode(probs.numpy().astype("<f4").tobytes()).decode())
 
     def decode(self, vocab_size: int) -> torch.Tensor:
-        values = np.frombuffer(base64.b64decode(self.probs), dtype="<f4")
+        """[vocab_size] float32 probabilities; ValueError for anything that is not a valid row
+        (bad base64, wrong length, ids outside the vocabulary, negative, NaN or all zero)."""
+        values = np.frombuffer(base64.b64decode(self.probs, validate=True), dtype="<f4")
         if self.ids is None:
             if len(values) != vocab_size:
                 raise ValueError(f"dense row has {len(values)} entries, expected {vocab_size}")
-            return torch.from_numpy(values.astype(np.float32))
-        ids = np.frombuffer(base64.b64decode(self.ids), dtype="<i4")
-        row = torch.zeros(vocab_size, dtype=torch.float32)
-        row[torch.from_numpy(ids.astype(np.int64))] = torch.from_numpy(values.astype(np.float32))
+            row = torch.from_numpy(values.astype(np.float32))
+        else:
+            ids = np.frombuffer(base64.b64decode(self.ids, validate=True), dtype="<i4")
+            if len(ids) != len(values) or not ((ids >= 0) & (ids < vocab_size)).all():
+                raise ValueError(f"sparse row ids do not match its values or leave [0, "
+                                 f"{vocab_size})")
+            row = torch.zeros(vocab_size, dtype=torch.float32)
+            row[torch.from_numpy(ids.astype(np.int64))] = torch.from_numpy(
+                values.astype(np.float32))
+        if not bool(torch.isfinite(row).all()) or bool((row < 0).any()) or not row.sum() > 0:
+            raise ValueError("row is not a distribution (negative, NaN or all zero)")
         return row
 
 
@@ -135,15 +153,15 @@ def decode_logprobs(values: list[float | None]) -> torch.Tensor:
 
 
 class VerifyResponse(_Strict):
-    num_accepted: int
+    num_accepted: Count
     # [k] processed log p_i(x_i), null in greedy mode; an entry is null where p_i(x_i) = 0 (-inf)
     target_logprobs: list[float | None] | None
-    target_argmax: list[int] | None  # [k + 1]; greedy mode only
-    next_token: int | None  # recovered / bonus token when the verifier could draw it
+    target_argmax: list[Id] | None  # [k + 1]; greedy mode only
+    next_token: Id | None  # recovered / bonus token when the verifier could draw it
     row: EncodedRow | None  # target probs at the rejected position, when next_token is null
-    position: int  # the session's position once the client commits next_token
+    position: Positive  # the session's position once the client commits next_token
     forward_ms: float
-    top_ids: list[list[int]] | None = None  # [k + 1][n] when return_top_ids = n > 0
+    top_ids: list[list[Id]] | None = None  # [k + 1][n] when return_top_ids = n > 0
 
 
 class GenerateRequest(_Strict):
@@ -156,7 +174,7 @@ class GenerateRequest(_Strict):
 
 
 class GenerateResponse(_Strict):
-    token_ids: list[int]
+    token_ids: list[Id]
     forward_ms: float
     forward_calls: int
 

@@ -96,7 +96,8 @@ class BodyLimit:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await send_error(scope, receive, send, 413, "body_too_large", too_big, "body")
             return
-        chunks, size = [], 0
+        chunks: list[bytes] = []
+        size = 0
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
