@@ -7,6 +7,7 @@ verifier. Skipped where nginx is not installed (`make test` installs it when it 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -27,20 +28,21 @@ pytestmark = [pytest.mark.nginx,
               pytest.mark.skipif(NGINX is None, reason="nginx is not installed")]
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[dict[str, str]]:
-    procs, urls = [], {}
+@contextlib.contextmanager
+def nginx_cluster(model: Path, root: Path) -> Iterator[tuple[dict[str, str],
+                                                            dict[str, subprocess.Popen[bytes]]]]:
+    """Two verifier replicas behind nginx with the project's config: (urls by name and "lb",
+    processes by name)."""
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    urls: dict[str, str] = {}
     for name in ("replica-a", "replica-b"):
         port = free_port()
-        proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "specdec-verifier"), "--model",
-             str(tiny_models["gpt2-target"]), "--dtype", "float32", "--device", "cpu",
-             "--port", str(port), "--threads", "1", "--replica-name", name],
+        procs[name] = subprocess.Popen(
+            [str(Path(sys.executable).parent / "specdec-verifier"), "--model", str(model),
+             "--dtype", "float32", "--device", "cpu", "--port", str(port), "--threads", "1",
+             "--replica-name", name],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(proc)
         urls[name] = f"http://127.0.0.1:{port}"
-    root = tmp_path_factory.mktemp("nginx")
     lb_port = free_port()
     upstreams = " ".join(f"server {u.removeprefix('http://')};" for u in urls.values())
     template = (ROOT / "deploy/nginx/specdec.conf.template").read_text()
@@ -56,18 +58,26 @@ def cluster(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
         f"  scgi_temp_path {root}/scgi;\n{site}\n}}\n")
     nginx = subprocess.Popen([str(NGINX), "-p", str(root), "-c", str(root / "nginx.conf"),
                               "-g", "daemon off;"], stderr=subprocess.PIPE)
-    procs.append(nginx)
     try:
-        for proc, url in zip(procs, urls.values(), strict=False):
-            wait_ready(url, proc)
+        for name in ("replica-a", "replica-b"):
+            wait_ready(urls[name], procs[name])
         urls["lb"] = f"http://127.0.0.1:{lb_port}"
         wait_ready(urls["lb"], nginx, path="/lb-healthz")
-        yield urls
+        yield urls, procs
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
+        for proc in (*procs.values(), nginx):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in (*procs.values(), nginx):
             proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[dict[str, str]]:
+    with nginx_cluster(tiny_models["gpt2-target"], tmp_path_factory.mktemp("nginx")) as (urls,
+                                                                                        _):
+        yield urls
 
 
 def test_sessions_stick_to_one_replica_and_spread(cluster: dict[str, str]) -> None:
@@ -104,3 +114,35 @@ def test_greedy_through_the_balancer_equals_a_single_verifier(
         for _ in range(2):  # fresh sessions, likely on both replicas
             got = balanced.generate(prompt, num_draft_tokens=3, max_new_tokens=20).token_ids
             assert got == expected, f"prompt {i}"
+
+
+def test_a_replica_killed_mid_generation_fails_over_with_identical_output(
+        tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """kill -9 of the replica holding the session, mid-generation: nginx answers 502 (retried),
+    then routes the session to the other replica, which does not know it (404); the client
+    reopens it there with its committed tokens and finishes with the undisturbed output."""
+    drafter = str(tiny_models["gpt2-drafter"])
+    prompt = "the cat sat on"
+    with nginx_cluster(tiny_models["gpt2-target"], tmp_path) as (urls, procs):
+        expected = SpecDecClient(urls["replica-a"], drafter, dtype="float32").generate(
+            prompt, num_draft_tokens=2, max_new_tokens=30).token_ids
+        client = SpecDecClient(urls["lb"], drafter, dtype="float32", retry_budget_s=60)
+        killed: list[str] = []
+
+        def kill_the_holder(_: list[int]) -> None:  # after the first block
+            if killed:
+                return
+            for name in ("replica-a", "replica-b"):
+                if httpx.get(f"{urls[name]}/v1/metrics").json()["sessions"]:
+                    procs[name].kill()
+                    procs[name].wait()
+                    killed.append(name)
+                    return
+
+        result = client.generate(prompt, num_draft_tokens=2, max_new_tokens=30,
+                                 on_tokens=kill_the_holder)
+        survivor = next(n for n in ("replica-a", "replica-b") if n not in killed)
+        served = httpx.get(f"{urls[survivor]}/v1/metrics").json()
+    assert killed, "no replica held the session"
+    assert result.token_ids == expected
+    assert result.metrics.session_reopens >= 1 and served["verify_calls"] > 0

@@ -4,6 +4,7 @@
   batching  aggregate tokens/s of one verifier under N concurrent clients, batching on vs off
   network   client and verifier in two network namespaces, with added delay (root)
   profile   where a block's time goes: drafter step, target forward, plain HF vs specdec
+  attack    idle, slowloris and stalled-body connections next to a normal client
   report    rebuild tables, CSV and plots from saved suite results, measuring nothing
 
 Every subcommand shares the same base options (``--target``, ``--drafter``, ``--threads``,

@@ -1,0 +1,193 @@
+"""``attack``: a verifier under slow-connection attacks, next to a normal client.
+
+Opens idle connections (nothing sent), slowloris connections (a request head that never ends,
+one header line a second) and stalled bodies (most of a large body, then nothing), all at once,
+and keeps them up for ``--seconds``. Meanwhile a normal client calls the verifier in a loop
+(info, then create / verify / delete). Reports the verifier's peak RSS, how many attack
+connections the verifier still holds open at the end, and the normal client's latency and
+errors.
+
+  python -m scripts.bench attack --target tiny
+  python -m scripts.bench attack --verifier-url http://127.0.0.1:8000 --verifier-pid 1234
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from scripts.bench.common import machine_record, markdown_table, write_json
+from tests.support.process import VerifierProcess
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class Attack:
+    def __init__(self, host: str, port: int, idle: int, slowloris: int, stalled: int,
+                 body_kib: int) -> None:
+        self.host, self.port = host, port
+        self.counts = {"idle": idle, "slowloris": slowloris, "stalled": stalled}
+        self.body = b"x" * (body_kib * 1024)
+        self.writers: dict[str, list[asyncio.StreamWriter]] = {k: [] for k in self.counts}
+        self.readers: dict[str, list[asyncio.StreamReader]] = {k: [] for k in self.counts}
+        self.failed_to_connect = 0
+
+    async def open(self, kind: str) -> None:
+        try:
+            reader, writer = await asyncio.open_connection(self.host, self.port)
+        except OSError:
+            self.failed_to_connect += 1
+            return
+        if kind == "slowloris":
+            writer.write(b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\n")
+        elif kind == "stalled":
+            writer.write(b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\ncontent-type: "
+                         b"application/json\r\ncontent-length: " +
+                         str(len(self.body) + 16).encode() + b"\r\n\r\n" + self.body)
+        with contextlib.suppress(OSError):
+            await writer.drain()
+        self.writers[kind].append(writer)
+        self.readers[kind].append(reader)
+
+    async def drip(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            for writer in self.writers["slowloris"]:
+                with contextlib.suppress(OSError, RuntimeError):
+                    writer.write(b"X-Slow: 1\r\n")
+            await asyncio.sleep(1.0)
+
+    def still_open(self) -> dict[str, int]:
+        """Attack connections the verifier has not closed (no EOF seen on them)."""
+        return {kind: sum(1 for r in readers if not r.at_eof() and r.exception() is None)
+                for kind, readers in self.readers.items()}
+
+    async def run(self, seconds: float) -> dict[str, int]:
+        await asyncio.gather(*(self.open(kind) for kind, n in self.counts.items()
+                               for _ in range(n)))
+        stop = asyncio.Event()
+        drip = asyncio.create_task(self.drip(stop))
+        pumps = [asyncio.create_task(self._pump(r)) for rs in self.readers.values() for r in rs]
+        await asyncio.sleep(seconds)
+        stop.set()
+        await drip
+        result = self.still_open()
+        for task in pumps:
+            task.cancel()
+        for writers in self.writers.values():
+            for writer in writers:
+                writer.close()
+        return result
+
+    @staticmethod
+    async def _pump(reader: asyncio.StreamReader) -> None:
+        with contextlib.suppress(Exception):
+            while await reader.read(65536):
+                pass
+
+
+def normal_client(url: str, stop: threading.Event, latencies: list[float],
+                  errors: list[str]) -> None:
+    with httpx.Client(base_url=url, timeout=30) as http:
+        while not stop.is_set():
+            started = time.perf_counter()
+            try:
+                assert http.get("/v1/info").status_code == 200
+                created = http.post("/v1/sessions", json={"prompt_ids": [2, 3, 4]})
+                assert created.status_code == 200, created.status_code
+                sid = created.json()["session_id"]
+                ok = http.post(f"/v1/sessions/{sid}/verify", json={
+                    "position": 3, "last_token": 4, "draft_ids": [5], "log_uniforms": [-0.1],
+                    "final_uniform": 0.5})
+                assert ok.status_code == 200, ok.status_code
+                http.delete(f"/v1/sessions/{sid}")
+                latencies.append(time.perf_counter() - started)
+            except (httpx.HTTPError, AssertionError) as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+            time.sleep(0.1)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="tiny", help="model spec, or 'tiny' (a random "
+                        "tiny Llama; the attack is on connections, not the model)")
+    parser.add_argument("--verifier-url", help="attack a running verifier instead")
+    parser.add_argument("--verifier-pid", type=int, help="its process id, for RSS")
+    parser.add_argument("--idle", type=int, default=500)
+    parser.add_argument("--slowloris", type=int, default=300)
+    parser.add_argument("--stalled", type=int, default=100)
+    parser.add_argument("--body-kib", type=int, default=900)
+    parser.add_argument("--seconds", type=float, default=35.0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--label", default="", help="a name for this run in the table")
+    parser.add_argument("--out", default="bench_results/attack.json")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    process = None
+    url, pid = args.verifier_url, args.verifier_pid
+    if url is None:
+        target = args.target
+        if target == "tiny":
+            from tests.support.tiny_models import save_tiny
+
+            target = str(save_tiny(Path(tempfile.mkdtemp()) / "tiny", "llama", 64, seed=3))
+        process = VerifierProcess(["--model", target, "--dtype", "float32"],
+                                  threads=args.threads).start()
+        assert process.proc is not None
+        url, pid = process.url, process.proc.pid
+    try:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        rss = [rss_mib(pid)] if pid else []
+        stop, latencies, errors = threading.Event(), [], []  # type: ignore[var-annotated]
+        client = threading.Thread(target=normal_client, args=(url, stop, latencies, errors))
+        attack = Attack(host, int(port), args.idle, args.slowloris, args.stalled,
+                        args.body_kib)
+        sampler_stop = threading.Event()
+
+        def sample() -> None:
+            while pid and not sampler_stop.wait(0.5):
+                rss.append(rss_mib(pid))
+
+        sampler = threading.Thread(target=sample)
+        client.start()
+        sampler.start()
+        still_open = asyncio.run(attack.run(args.seconds))
+        stop.set()
+        sampler_stop.set()
+        client.join()
+        sampler.join()
+    finally:
+        if process is not None:
+            process.stop()
+    ordered = sorted(latencies) or [0.0]
+    row = {
+        "label": args.label or url, "rss_start_mib": round(rss[0], 1) if rss else None,
+        "rss_peak_mib": round(max(rss), 1) if rss else None,
+        **{f"open_{kind}": n for kind, n in still_open.items()},
+        "refused": attack.failed_to_connect, "client_calls": len(latencies),
+        "client_errors": len(errors),
+        "client_p50_ms": round(1e3 * statistics.median(ordered), 1),
+        "client_p95_ms": round(1e3 * ordered[min(int(0.95 * len(ordered)), len(ordered) - 1)], 1),
+        "client_max_ms": round(1e3 * ordered[-1], 1),
+    }
+    print("\n" + markdown_table([row], [(k, k) for k in row]))
+    if errors:
+        print(f"first client error: {errors[0]}")
+    args.dtype, args.drafter, args.max_new_tokens = "float32", "-", 0
+    payload = {"machine": machine_record(args), "args": vars(args), "rows": [row],
+               "client_errors": errors[:20]}
+    write_json(args.out, payload)
+    return payload
