@@ -164,6 +164,24 @@ def test_idle_slow_and_stalled_connections_get_408_and_are_closed(server: LiveSe
     assert time.monotonic() - started < 5  # 1 s deadlines, not forever
 
 
+def test_connections_beyond_the_bound_close_the_longest_waiting(
+        tiny_models: dict[str, Path]) -> None:
+    settings = fp32_settings(tiny_models["gpt2-target"], max_connections=4,
+                             header_timeout_s=30.0)
+    with LiveServer(settings) as live:
+        idle = [socket.create_connection(("127.0.0.1", live.port)) for _ in range(6)]
+        time.sleep(0.3)
+        # Idle connections cannot lock a real client out: the longest-waiting ones make room.
+        for _ in range(3):
+            assert httpx.get(f"{live.url}/v1/info", timeout=5).status_code == 200
+        answers = [read_all(sock, timeout_s=0.5) for sock in idle]
+        for sock in idle:
+            sock.close()
+    closed = [a for a in answers if a.startswith(b"HTTP/1.1 408")]
+    assert len(closed) >= 3 and all(b"request_timeout" in a for a in closed)
+    assert answers[0].startswith(b"HTTP/1.1 408")  # the oldest went first
+
+
 # -- 6. settings that do not fit the model ------------------------------------------------------
 def test_settings_that_do_not_fit_the_model_refuse_to_start(tiny_models: dict[str, Path]) -> None:
     # The tiny model holds 256 positions: a 300-token prompt limit cannot be honoured.

@@ -76,8 +76,10 @@ def create_app(settings: Settings, runner: TargetRunner | None = None) -> FastAP
 def server_options(settings: Settings) -> dict[str, Any]:
     """uvicorn's options for these settings (the CLI's server and the tests' use the same)."""
     return {
-        "http": GuardedH11Protocol.with_timeout(settings.header_timeout_s),
-        "limit_concurrency": settings.max_connections,
+        "http": GuardedH11Protocol.configured(settings.header_timeout_s,
+                                              settings.max_connections),
+        # uvicorn's own bound (503 to every new request) only as a backstop for calls in flight
+        "limit_concurrency": 4 * settings.max_connections,
         "timeout_keep_alive": settings.keep_alive_s,
         "timeout_graceful_shutdown": max(1, round(settings.shutdown_grace_s)),
     }

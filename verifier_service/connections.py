@@ -4,8 +4,13 @@ uvicorn closes a keep-alive connection that stays idle after a response, but wai
 the first request head of a connection, and for a request head sent a byte at a time (slowloris).
 :class:`GuardedH11Protocol` gives every request head a deadline: a connection that has not sent a
 complete head within ``header_timeout_s`` of connecting (or of its previous response) gets a 408
-in the verifier's error shape and is closed. Bodies have their own deadline (``guards.BodyLimit``)
-and the number of connections is bounded by uvicorn's ``limit_concurrency`` (503 beyond it).
+in the verifier's error shape and is closed. Bodies have their own deadline (``guards.BodyLimit``).
+
+Connections are bounded by ``max_connections``. uvicorn's own bound answers 503 to every new
+request while it is reached, which lets idle connections lock real clients out; here a new
+connection beyond the bound instead closes the connection that has waited longest for a request
+head (408), so clients that send requests keep being served. Only when every connection is busy
+with a request does the newcomer get 503.
 """
 
 from __future__ import annotations
@@ -19,15 +24,30 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 class GuardedH11Protocol(H11Protocol):
     header_timeout_s = 10.0
+    max_connections = 0  # 0: no bound
     _head_timer: asyncio.TimerHandle | None = None
+    _waiting_since = 0.0  # when it started waiting for a request head
 
     @classmethod
-    def with_timeout(cls, header_timeout_s: float) -> type[GuardedH11Protocol]:
-        return type("GuardedH11Protocol", (cls,), {"header_timeout_s": header_timeout_s})
+    def configured(cls, header_timeout_s: float,
+                   max_connections: int = 0) -> type[GuardedH11Protocol]:
+        return type("GuardedH11Protocol", (cls,), {"header_timeout_s": header_timeout_s,
+                                                   "max_connections": max_connections})
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
         self._arm()
+        if self.max_connections and len(self.connections) > self.max_connections:
+            waiting = [c for c in self.connections if isinstance(c, GuardedH11Protocol)
+                       and c is not self and c._head_timer is not None]
+            if waiting:
+                min(waiting, key=lambda c: c._waiting_since)._reject(
+                    408, "request_timeout", "closed to make room for a new connection: it "
+                    "waited longest for a request head")
+            else:
+                self._reject(503, "too_many_connections", f"the verifier holds "
+                             f"{self.max_connections} busy connections "
+                             "(SPECDEC_MAX_CONNECTIONS); retry shortly", retry_after=True)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -46,6 +66,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _arm(self) -> None:
         self._disarm()
+        self._waiting_since = self.loop.time()
         self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timeout)
 
     def _disarm(self) -> None:
@@ -55,15 +76,20 @@ class GuardedH11Protocol(H11Protocol):
 
     def _head_timeout(self) -> None:
         self._head_timer = None
-        if self.transport.is_closing():
-            return
         if self.cycle is not None and not self.cycle.response_complete:
             return  # a request is being served
-        body = orjson.dumps({"error": {
-            "code": "request_timeout", "field": None,
-            "message": f"no complete request head within {self.header_timeout_s:g} s "
-                       "(SPECDEC_HEADER_TIMEOUT_S)"}})
-        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json"
-                             b"\r\nconnection: close\r\ncontent-length: "
-                             + str(len(body)).encode() + b"\r\n\r\n" + body)
+        self._reject(408, "request_timeout", f"no complete request head within "
+                     f"{self.header_timeout_s:g} s (SPECDEC_HEADER_TIMEOUT_S)")
+
+    def _reject(self, status: int, code: str, message: str, retry_after: bool = False) -> None:
+        """Answer with the verifier's error shape and close, outside any request cycle."""
+        self._disarm()
+        if self.transport.is_closing():
+            return
+        body = orjson.dumps({"error": {"code": code, "message": message, "field": None}})
+        reason = b"Request Timeout" if status == 408 else b"Service Unavailable"
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
+                             b"connection: close\r\n%scontent-length: %d\r\n\r\n"
+                             % (status, reason, b"retry-after: 1\r\n" if retry_after else b"",
+                                len(body)) + body)
         self.transport.close()

@@ -58,8 +58,9 @@ class Settings(BaseSettings):
                                 "beyond it 413")
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM: stop accepting, "
                                     "let calls in flight finish for up to this long, then exit")
-    max_connections: int = Field(512, ge=1, description="open connections (or calls in "
-                                 "flight) beyond which a new request gets 503")
+    max_connections: int = Field(512, ge=1, description="open connections; a new one beyond "
+                                 "it closes the one that waited longest for a request head "
+                                 "(503 when all are busy)")
     header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a "
                                     "complete request head within this long of connecting or of "
                                     "its last response; else 408 and closed")

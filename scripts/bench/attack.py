@@ -176,6 +176,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     row = {
         "label": args.label or url, "rss_start_mib": round(rss[0], 1) if rss else None,
         "rss_peak_mib": round(max(rss), 1) if rss else None,
+        "rss_end_mib": round(rss[-1], 1) if rss else None,
         **{f"open_{kind}": n for kind, n in still_open.items()},
         "refused": attack.failed_to_connect, "client_calls": len(latencies),
         "client_errors": len(errors),
