@@ -17,6 +17,7 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
@@ -104,3 +105,52 @@ def test_no_server_errors_and_the_server_survives(fuzz_server: LiveServer, api_s
     assert len(cases) >= min_operations and sum(cases.values()) >= min_cases, cases
     assert not [s for s in statuses if s >= 500]
     assert_still_serves(fuzz_server.url)
+
+
+# The classes an adversarial run found (issue #12): degenerate floats, ids of the wrong JSON type
+# or size, bodies that do not decode. Drawn into every POST operation: none may get a 5xx.
+FLOATS = [5e-324, 1e-310, 1e-300, 1e-40, 1e-8, 0.9999999999999999, 1.0, 100.0, 1e300, -0.0,
+          -1.0]
+IDS = [0, 1, 63, 64, -5, 99999, 2**31, 2**70, "1", 1.0, True, None]
+
+
+def raw_body(data: Any) -> bytes:
+    import json
+
+    return json.dumps(data).encode()
+
+
+@given(temperature=st.sampled_from(FLOATS), top_p=st.sampled_from(FLOATS),
+       top_k=st.sampled_from([0, 1, 5, 2**31 - 1, 2**31, -1]),
+       ids=st.lists(st.sampled_from(IDS), min_size=0, max_size=4),
+       path=st.sampled_from(["/v1/sessions", "/v1/generate", "verify"]),
+       garbage=st.sampled_from([None, b"\xff\xfe{", b"[" * 20000, b"{\"prompt_ids\": [NaN]}",
+                                b"{\"prompt_ids\": [Infinity]}"]))
+@settings(max_examples=250, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+def test_adversarial_classes_never_get_a_server_error(
+        fuzz_server: LiveServer, temperature: float, top_p: float, top_k: int, ids: list[Any],
+        path: str, garbage: bytes | None) -> None:
+    sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
+    with httpx.Client(base_url=fuzz_server.url, headers=AUTH, timeout=30) as http:
+        if path == "verify":
+            created = http.post("/v1/sessions", json={"prompt_ids": [2, 3, 4],
+                                                      "sampling": {"temperature": 1.0}})
+            assert created.status_code == 200, created.text
+            sid = created.json()["session_id"]
+            body: Any = {"position": 3, "last_token": ids[0] if ids else 4, "draft_ids": ids,
+                         "draft_logprobs": [-0.5] * len(ids), "log_uniforms": [-0.1] * len(ids),
+                         "final_uniform": min(abs(top_p), 0.99)}
+            target = f"/v1/sessions/{sid}/verify"
+        else:
+            body = {"prompt_ids": ids or [2], "sampling": sampling}
+            if path == "/v1/generate":
+                body["max_new_tokens"] = 4
+            target = path
+        content = garbage if garbage is not None else raw_body(body)
+        response = http.post(target, content=content,
+                             headers={"content-type": "application/json"})
+        assert response.status_code < 500, (target, content[:200], response.text[:300])
+        assert "error" in response.json() or response.status_code == 200
+        if path == "verify":
+            http.delete(f"/v1/sessions/{sid}")
