@@ -22,6 +22,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from tests.support.live_server import LiveServer, fp32_settings
+from tests.support.process import one_session
 
 pytestmark = pytest.mark.fuzz
 KEY = "fuzz-key-0001"
@@ -79,14 +80,7 @@ def fuzz(url: str, api_schema: Any, mode: GenerationMode) -> tuple[Counter[str],
 
 def assert_still_serves(url: str) -> None:
     with httpx.Client(base_url=url, headers=AUTH, timeout=30) as http:
-        created = http.post("/v1/sessions", json={"prompt_ids": [2, 3, 4]})
-        assert created.status_code == 200, created.text
-        sid = created.json()["session_id"]
-        ok = http.post(f"/v1/sessions/{sid}/verify", json={
-            "position": 3, "last_token": 4, "draft_ids": [5], "log_uniforms": [-0.1],
-            "final_uniform": 0.5})
-        assert ok.status_code == 200, ok.text
-        assert http.delete(f"/v1/sessions/{sid}").status_code == 204
+        one_session(http)
 
 
 # (mode, operations at least, cases at least): every operation follows the schema; all but the

@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from scripts.bench.common import machine_record, markdown_table, write_json
-from tests.support.process import VerifierProcess
+from tests.support.process import VerifierProcess, one_session
 
 
 def rss_mib(pid: int) -> float:
@@ -105,15 +105,8 @@ def normal_client(url: str, stop: threading.Event, latencies: list[float],
         while not stop.is_set():
             started = time.perf_counter()
             try:
-                assert http.get("/v1/info").status_code == 200
-                created = http.post("/v1/sessions", json={"prompt_ids": [2, 3, 4]})
-                assert created.status_code == 200, created.status_code
-                sid = created.json()["session_id"]
-                ok = http.post(f"/v1/sessions/{sid}/verify", json={
-                    "position": 3, "last_token": 4, "draft_ids": [5], "log_uniforms": [-0.1],
-                    "final_uniform": 0.5})
-                assert ok.status_code == 200, ok.status_code
-                http.delete(f"/v1/sessions/{sid}")
+                assert http.get("/v1/info").status_code == 200, "info"
+                one_session(http)
                 latencies.append(time.perf_counter() - started)
             except (httpx.HTTPError, AssertionError) as exc:
                 errors.append(f"{type(exc).__name__}: {exc}")

@@ -41,6 +41,20 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s:
     raise RuntimeError(f"{url} did not become ready in {timeout_s:g} s")
 
 
+def one_session(http: httpx.Client) -> None:
+    """A verifier's basic round: create a session, verify one draft, delete it; AssertionError
+    naming the call that did not answer as expected."""
+    created = http.post("/v1/sessions", json={"prompt_ids": [2, 3, 4]})
+    assert created.status_code == 200, f"create: {created.status_code} {created.text[:200]}"
+    sid = created.json()["session_id"]
+    ok = http.post(f"/v1/sessions/{sid}/verify", json={
+        "position": 3, "last_token": 4, "draft_ids": [5], "log_uniforms": [-0.1],
+        "final_uniform": 0.5})
+    assert ok.status_code == 200, f"verify: {ok.status_code} {ok.text[:200]}"
+    gone = http.delete(f"/v1/sessions/{sid}")
+    assert gone.status_code == 204, f"delete: {gone.status_code}"
+
+
 class VerifierProcess:
     """``specdec-verifier`` on a loopback port, ready when the context is entered.
 
