@@ -161,7 +161,7 @@ def _check_reply(reply: VerifyResponse, req: VerifyRequest, greedy: bool,
         problem = f"next_token {reply.next_token} is outside [0, {vocab})"
     elif reply.next_token is None and reply.row is None:
         problem = "neither next_token nor the target row"
-    elif reply.position != req.position + min(reply.num_accepted, k) + 1:
+    elif reply.position != req.position + reply.num_accepted + 1:
         problem = (f"position {reply.position} after accepting {reply.num_accepted} at "
                    f"{req.position}")
     elif req.return_top_ids and (reply.top_ids is None or len(reply.top_ids) < k + 1

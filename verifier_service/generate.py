@@ -3,8 +3,6 @@ jobs with no drafts, each drawing the next token with the same sampling math and
 
 from __future__ import annotations
 
-import secrets
-
 import torch
 
 from shared.sampling import draw_uniforms
@@ -15,13 +13,11 @@ from verifier_service.scheduler import Scheduler
 
 async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
                    eos_token_ids: list[int], owner: str | None = None) -> GenerateResponse:
-    ctx.validator.check_protocol(req.protocol_version)
-    ctx.validator.check_prompt(req.prompt_ids)
+    ctx.validator.check_create(req.protocol_version, req.prompt_ids)
     ctx.validator.check_new_tokens(req.max_new_tokens)
     generator = torch.Generator().manual_seed(req.seed)
     created = await scheduler.submit(CreateSessionJob(
-        ctx, CreateSessionRequest(prompt_ids=req.prompt_ids, sampling=req.sampling),
-        secrets.token_urlsafe(12), owner))
+        ctx, CreateSessionRequest(prompt_ids=req.prompt_ids, sampling=req.sampling), owner))
     session_id, position, last = created.session_id, created.position, req.prompt_ids[-1]
     tokens: list[int] = []
     forward_ms = 0.0

@@ -8,6 +8,7 @@ counters - never the app or the scheduler that runs it.
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,7 +64,6 @@ class CreateSessionJob:
 
     ctx: JobContext
     req: CreateSessionRequest
-    session_id: str
     owner: str | None = None
     slot: int | None = None
     reserved: bool = False  # admitted against the key's session quota
@@ -72,6 +72,7 @@ class CreateSessionJob:
 
     def __post_init__(self) -> None:
         self.digest = request_digest(self.req)
+        self.session_id = self.req.session_id or secrets.token_urlsafe(12)  # client's, if any
 
     @property
     def num_tokens(self) -> int:

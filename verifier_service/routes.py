@@ -3,7 +3,6 @@ the scheduler (jobs) or the model thread; none holds state of its own."""
 
 from __future__ import annotations
 
-import secrets
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -70,10 +69,8 @@ async def create_session(body: CreateSessionRequest, state: StateDep,
                          owner: OwnerDep) -> CreateSessionResponse:
     """Open a session and prefill its prompt. Idempotent under a client-chosen
     ``session_id``: the same request again answers the same while the session is unused."""
-    state.jobs.validator.check_protocol(body.protocol_version)
-    state.jobs.validator.check_prompt(body.prompt_ids)
-    job = CreateSessionJob(state.jobs, body, body.session_id or secrets.token_urlsafe(12), owner)
-    return await state.scheduler.submit(job)  # type: ignore[no-any-return]
+    state.jobs.validator.check_create(body.protocol_version, body.prompt_ids)
+    return await state.scheduler.submit(CreateSessionJob(state.jobs, body, owner))  # type: ignore[no-any-return]
 
 
 @router.post("/v1/sessions/{session_id}/verify", response_model=VerifyResponse,

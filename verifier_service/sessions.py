@@ -111,10 +111,6 @@ class SessionStore:
         with self._lock:
             return [sid for o, sid in self._sessions if o == owner]
 
-    def count_owned(self, owner: str | None) -> int:
-        with self._lock:
-            return sum(1 for o, _ in self._sessions if o == owner)
-
     # -- creates ------------------------------------------------------------------------------
     def reserve(self, owner: str | None) -> None:
         """Admit one create for ``owner``: 429 when its open sessions plus its creates in
@@ -131,9 +127,12 @@ class SessionStore:
 
     def unreserve(self, owner: str | None) -> None:
         with self._lock:
-            self._reserved[owner] -= 1
-            if self._reserved[owner] <= 0:
-                del self._reserved[owner]
+            self._release(owner)
+
+    def _release(self, owner: str | None) -> None:  # under the lock
+        self._reserved[owner] -= 1
+        if self._reserved[owner] <= 0:
+            del self._reserved[owner]
 
     def make_room(self, owner: str | None, keep: set[Any]) -> None:
         """Evict (fairly) until the sessions plus the creates in flight fit ``max_sessions``."""
@@ -144,15 +143,12 @@ class SessionStore:
             if not self.evict_one_for(owner, keep):
                 raise busy_error("every session is in use by a live client")
 
-    def add(self, session: Session, reserved: bool = True) -> None:
-        """Store a created session (its create was admitted with ``reserve``)."""
+    def add(self, session: Session) -> None:
+        """Store a created session; its create was admitted with ``reserve``."""
         with self._lock:
             session.last_used = self.clock()
             self._sessions[session.key] = session
-            if reserved:
-                self._reserved[session.owner] -= 1
-                if self._reserved[session.owner] <= 0:
-                    del self._reserved[session.owner]
+            self._release(session.owner)
 
     # -- removal ------------------------------------------------------------------------------
     def remove(self, session_id: str, owner: str | None = None) -> None:

@@ -35,6 +35,11 @@ class RequestValidator:
             raise VerifierError(413, "prompt_too_long", f"prompt_ids has {len(prompt_ids)} "
                                 f"tokens; the limit is {self.max_prompt}", "prompt_ids")
 
+    def check_create(self, protocol_version: int, prompt_ids: list[int]) -> None:
+        """What a create (or /v1/generate) can be refused for before it is queued."""
+        self.check_protocol(protocol_version)
+        self.check_prompt(prompt_ids)
+
     def check_new_tokens(self, max_new_tokens: int) -> None:
         if max_new_tokens > self.max_new_tokens:
             raise VerifierError(422, "too_many_tokens", f"max_new_tokens {max_new_tokens} "

@@ -9,7 +9,6 @@ but no socket, event loop or thread hand-off is paid. The HTTP path itself is te
 
 from __future__ import annotations
 
-import secrets
 from typing import TypeVar
 
 from pydantic import BaseModel
@@ -75,12 +74,10 @@ class InProcessVerifier:
     def create_session(self, req: CreateSessionRequest) -> CreateSessionResponse:
         req = _over_the_wire(req, CreateSessionRequest)
         try:
-            self.jobs.validator.check_protocol(req.protocol_version)
-            self.jobs.validator.check_prompt(req.prompt_ids)
+            self.jobs.validator.check_create(req.protocol_version, req.prompt_ids)
         except VerifierError as exc:
             raise _as_client_error(exc) from None
-        job = CreateSessionJob(self.jobs, req, req.session_id or secrets.token_urlsafe(12))
-        return self._run(job, CreateSessionResponse)
+        return self._run(CreateSessionJob(self.jobs, req), CreateSessionResponse)
 
     def verify(self, session_id: str, req: VerifyRequest) -> VerifyResponse:
         return self._run(VerifyJob(self.jobs, session_id, _over_the_wire(req, VerifyRequest)),
