@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from drafter_client.model_free import (
     PromptLookupDrafter,
 )
 from drafter_client.speculative import (
+    BlockOutcome,
     GenerationResult,
     GenerationSettings,
     finish_reason,
@@ -67,6 +69,19 @@ def build_model_free(name: str, options: DrafterOptions) -> Drafter:
     if name == "prompt-lookup":
         return PromptLookupDrafter(options.lookup_min_ngram, options.lookup_max_ngram)
     return BigramDrafter()
+
+
+def _block_callback(on_tokens: Callable[[list[int]], None] | None,
+                    on_block: Callable[[BlockOutcome], bool | None] | None,
+                    ) -> Callable[[BlockOutcome], bool | None] | None:
+    if on_tokens is None:
+        return on_block
+
+    def both(outcome: BlockOutcome) -> bool | None:
+        on_tokens(outcome.tokens)
+        return on_block(outcome) if on_block is not None else None
+
+    return both
 
 
 class SpecDecClient:
@@ -115,18 +130,38 @@ class SpecDecClient:
         self.tokenizer = tokenizer
         self.drafter_name = drafter if isinstance(drafter, str) else getattr(drafter, "name", None)
         self._check_tokenizer()
+        # How to build one more drafter of the same kind (fork): None for a ready Drafter.
+        self._new_drafter: Callable[[], Drafter] | None = None
         if isinstance(drafter, str) and drafter in MODEL_FREE_DRAFTERS:
+            name = drafter
+            self._new_drafter = lambda: build_model_free(name, options)
             try:
-                drafter = build_model_free(drafter, options)
+                drafter = self._new_drafter()
             except ValueError as exc:
                 raise SpecDecError(f"drafter {drafter}: {exc}") from exc
         elif isinstance(drafter, str):
             torch_device = pick_device(device)
             model = load_causal_lm(drafter, pick_dtype(dtype, torch_device), torch_device)
-            drafter = HFDrafter(model, self.info.vocab_size, name=drafter,
-                                min_prob=options.draft_min_prob)
+            spec, vocab = drafter, self.info.vocab_size
+            self._new_drafter = lambda: HFDrafter(model, vocab, name=spec,
+                                                  min_prob=options.draft_min_prob)
+            drafter = self._new_drafter()
             drafter.warm_up()
         self.drafter: Drafter | None = drafter
+
+    def fork(self) -> SpecDecClient:
+        """A client for one more concurrent generation: the same verifier, tokenizer and drafter
+        model (its weights shared, not copied), with its own drafter state and, over HTTP, its
+        own counters on the same connection pool. A client generates one sequence at a time;
+        run concurrent generations on forks."""
+        if self.drafter is not None and self._new_drafter is None:
+            raise SpecDecError("fork() needs a drafter given by name (a ready Drafter object "
+                               "cannot be copied)")
+        twin = copy.copy(self)
+        if isinstance(self.verifier, HttpVerifier):
+            twin.verifier = self.verifier.clone()
+        twin.drafter = self._new_drafter() if self._new_drafter is not None else None
+        return twin
 
     def _check_tokenizer(self) -> None:
         ours = tokenizer_fingerprint(self.tokenizer)
@@ -141,14 +176,22 @@ class SpecDecClient:
         if isinstance(prompt, list):
             return prompt
         if chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-                return_dict=False,
-            )
-            return list(ids)
+            return self.encode_chat([{"role": "user", "content": prompt}])
         return list(self.tokenizer.encode(prompt, add_special_tokens=False)) or [
             self.info.eos_token_ids[0]
         ]
+
+    def encode_chat(self, messages: list[dict[str, str]],
+                    chat_template: str | None = None) -> list[int]:
+        """A conversation in the model's chat template (or ``chat_template``), ready for the
+        assistant's answer."""
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise SpecDecError("the tokenizer has no chat template (give one with "
+                               "--chat-template FILE)")
+        ids = self.tokenizer.apply_chat_template(
+            messages, chat_template=chat_template, add_generation_prompt=True, tokenize=True,
+            return_dict=False)
+        return list(ids)
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -156,10 +199,15 @@ class SpecDecClient:
     def generate(self, prompt: str | list[int], *, num_draft_tokens: int | str = 4,
                  max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, chat: bool = False,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+                 on_tokens: Callable[[list[int]], None] | None = None,
+                 on_block: Callable[[BlockOutcome], bool | None] | None = None,
+                 ) -> GenerationResult:
         """Speculative generation; exactly the target's distribution for these settings.
 
-        ``num_draft_tokens``: k, or ``"auto"`` (cost model) or ``"heuristic"`` (grow/shrink)."""
+        ``num_draft_tokens``: k, or ``"auto"`` (cost model) or ``"heuristic"`` (grow/shrink).
+        ``on_tokens`` gets each block's new ids; ``on_block`` each :class:`BlockOutcome`
+        (drafts, how many were accepted, the new ids) and ends the generation by returning True
+        (finish_reason "stop")."""
         if self.drafter is None:
             raise SpecDecError("this client has no drafter; use baseline() or pass drafter=")
         try:
@@ -172,7 +220,7 @@ class SpecDecClient:
                 max_new_tokens, draft_length, seed)
             result = speculative_generate(self.verifier, self.drafter,
                                           self.encode(prompt, chat), settings, self.info,
-                                          on_tokens)
+                                          _block_callback(on_tokens, on_block))
         except SpecDecError as exc:
             if exc.partial is not None:
                 exc.partial.text = self.decode(exc.partial.token_ids)

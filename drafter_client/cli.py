@@ -2,6 +2,8 @@
 
   specdec generate --verifier-url URL --drafter MODEL --prompt TEXT [-k 4] [--json] ...
   specdec baseline --verifier-url URL --prompt TEXT [--json] ...
+  specdec serve    --verifier-url URL --drafter MODEL [--port 8080] ...  (OpenAI-compatible)
+  specdec chat     --verifier-url URL --drafter MODEL ...                 (interactive console)
 """
 
 from __future__ import annotations
@@ -16,22 +18,14 @@ import torch
 from pydantic import ValidationError
 
 from drafter_client.api import DrafterOptions, SpecDecClient
+from drafter_client.draft_length import make_draft_length
 from drafter_client.speculative import GenerationResult
 from drafter_client.transport import SpecDecError
 from shared.schema import SamplingParams
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _connection(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verifier-url", required=True, help="e.g. http://127.0.0.1:8000")
-    prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text")
-    prompt.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables top-p")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", help="tokenizer spec (default: the drafter's, or the "
                    "verifier's model when it resolves here)")
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
@@ -43,7 +37,51 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "before giving up (the first contact: at most 10 s)")
     p.add_argument("--simulated-rtt-ms", type=float, default=0.0,
                    help="add this delay before every call to the verifier (network studies)")
+
+
+def _sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables top-p")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    _connection(p)
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _sampling(p)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _drafter(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", required=True,
+                   help="a model (short name, local folder, .gguf file, hub id), or one of "
+                   "ngram, prompt-lookup, bigram")
+    p.add_argument("-k", "--num-draft-tokens", default="4",
+                   help="drafts per block: an integer, 'auto' (cost model) or 'heuristic' "
+                   "(grow by 2 after a fully accepted block, shrink by 1 otherwise)")
+    p.add_argument("--ngram-n", type=int, default=3, help="ngram: the order n")
+    p.add_argument("--ngram-kind", choices=["simple", "multi"], default="multi",
+                   help="ngram: fixed n (SimpleDynaGram) or all orders 2..n longest first "
+                   "(MultiDynaGram)")
+    p.add_argument("--ngram-top-k-filler", type=int, default=0, metavar="K",
+                   help="ngram: also learn the target's top-K ids at each scored position")
+    p.add_argument("--ngram-stop-if-unknown", action="store_true",
+                   help="ngram: stop a draft at an unknown context instead of padding it")
+    p.add_argument("--lookup-min-ngram", type=int, default=1,
+                   help="prompt-lookup: shortest match")
+    p.add_argument("--lookup-max-ngram", type=int, default=3,
+                   help="prompt-lookup: longest match")
+    p.add_argument("--draft-min-prob", type=float, default=0.0, metavar="P",
+                   help="model drafter: stop a block when its top probability drops below P")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
+                                                        "float16"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,32 +90,35 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="speculative decoding against a verifier")
     _common(gen)
-    gen.add_argument("--drafter", required=True,
-                     help="a model (short name, local folder, .gguf file, hub id), or one of "
-                     "ngram, prompt-lookup, bigram")
-    gen.add_argument("-k", "--num-draft-tokens", default="4",
-                     help="drafts per block: an integer, 'auto' (cost model) or 'heuristic' "
-                     "(grow by 2 after a fully accepted block, shrink by 1 otherwise)")
-    gen.add_argument("--ngram-n", type=int, default=3, help="ngram: the order n")
-    gen.add_argument("--ngram-kind", choices=["simple", "multi"], default="multi",
-                     help="ngram: fixed n (SimpleDynaGram) or all orders 2..n longest first "
-                     "(MultiDynaGram)")
-    gen.add_argument("--ngram-top-k-filler", type=int, default=0, metavar="K",
-                     help="ngram: also learn the target's top-K ids at each scored position")
-    gen.add_argument("--ngram-stop-if-unknown", action="store_true",
-                     help="ngram: stop a draft at an unknown context instead of padding it")
-    gen.add_argument("--lookup-min-ngram", type=int, default=1,
-                     help="prompt-lookup: shortest match")
-    gen.add_argument("--lookup-max-ngram", type=int, default=3,
-                     help="prompt-lookup: longest match")
-    gen.add_argument("--draft-min-prob", type=float, default=0.0, metavar="P",
-                     help="model drafter: stop a block when its top probability drops below P")
-    gen.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
-                                                          "float16"])
-    gen.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    gen.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    _drafter(gen)
     base = sub.add_parser("baseline", help="target-only generation on the verifier")
     _common(base)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible server (completions, chat, "
+                           "streaming) that drafts here and verifies on the verifier")
+    _connection(serve)
+    _drafter(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--served-model-name",
+                       help="the model name clients send (default: the verifier's model)")
+    serve.add_argument("--chat-template", metavar="FILE",
+                       help="a Jinja chat template file to use instead of the tokenizer's")
+    serve.add_argument("--max-concurrency", type=int, default=8,
+                       help="generations running at once (the verifier batches them)")
+    serve.add_argument("--max-waiting", type=int, default=64,
+                       help="requests waiting for a slot beyond --max-concurrency; more get 429")
+    serve.add_argument("--serve-api-key", default=os.environ.get("SPECDEC_SERVE_API_KEY"),
+                       help="require this Bearer key from the server's own clients (default: "
+                       "$SPECDEC_SERVE_API_KEY; none: open)")
+    chat = sub.add_parser("chat", help="an interactive console against a verifier")
+    _connection(chat)
+    _drafter(chat)
+    _sampling(chat)
+    chat.add_argument("--system", help="a system message opening the conversation")
+    chat.add_argument("--compare", action="store_true",
+                      help="also run the target alone on every turn and compare")
+    chat.add_argument("--no-color", action="store_true",
+                      help="plain text (also when stdout is not a terminal)")
     return parser
 
 
@@ -146,15 +187,72 @@ def _print_json(result: GenerationResult, error: str | None = None) -> None:
 
 def _check_arguments(args: argparse.Namespace) -> str | None:
     """One line naming the first bad flag, or None."""
-    try:
-        SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        flag = "--" + str(err["loc"][0]).replace("_", "-")
-        return f"{flag}: {err['msg']} (got {err.get('input')!r})"
-    if args.max_new_tokens < 1:
-        return f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})"
+    if "temperature" in args:
+        try:
+            SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            flag = "--" + str(err["loc"][0]).replace("_", "-")
+            return f"{flag}: {err['msg']} (got {err.get('input')!r})"
+        if args.max_new_tokens < 1:
+            return f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})"
+    if args.command == "serve":
+        for flag in ("max_concurrency", "port"):
+            if getattr(args, flag) < 1:
+                return f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})"
+        if args.max_waiting < 0:
+            return f"--max-waiting must be at least 0 (got {args.max_waiting})"
     return None
+
+
+def make_client(args: argparse.Namespace, with_drafter: bool = True) -> SpecDecClient:
+    """The client the flags describe (``_connection`` and, with a drafter, ``_drafter``)."""
+    if not with_drafter:
+        return SpecDecClient(args.verifier_url, None, args.tokenizer, timeout_s=args.timeout_s,
+                             simulated_rtt_ms=args.simulated_rtt_ms, api_key=args.api_key,
+                             retry_budget_s=args.retry_budget_s)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    options = DrafterOptions(
+        ngram_n=args.ngram_n, ngram_kind=args.ngram_kind,
+        ngram_top_k_filler=args.ngram_top_k_filler,
+        ngram_stop_if_unknown=args.ngram_stop_if_unknown,
+        lookup_min_ngram=args.lookup_min_ngram, lookup_max_ngram=args.lookup_max_ngram,
+        draft_min_prob=args.draft_min_prob)
+    return SpecDecClient(args.verifier_url, args.drafter, args.tokenizer, args.dtype,
+                         args.device, timeout_s=args.timeout_s, options=options,
+                         simulated_rtt_ms=args.simulated_rtt_ms, api_key=args.api_key,
+                         retry_budget_s=args.retry_budget_s)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from drafter_client.gateway import GatewaySettings, create_gateway
+
+    template = None
+    if args.chat_template:
+        try:
+            with open(args.chat_template, encoding="utf-8") as handle:
+                template = handle.read()
+        except OSError as exc:
+            print(f"specdec: error: --chat-template: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+    try:
+        client = make_client(args)
+        make_draft_length(str(args.num_draft_tokens), client.info.max_draft_tokens)
+    except (SpecDecError, ValueError) as exc:
+        print(f"specdec: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    settings = GatewaySettings(
+        served_model_name=args.served_model_name or client.info.model,
+        num_draft_tokens=str(args.num_draft_tokens), max_concurrency=args.max_concurrency,
+        max_waiting=args.max_waiting, chat_template=template, api_key=args.serve_api_key)
+    print(f"specdec serve: {settings.served_model_name!r} on http://{args.host}:{args.port}/v1 "
+          f"(verifier {args.verifier_url}, drafter {args.drafter})", file=sys.stderr)
+    uvicorn.run(create_gateway(client, settings), host=args.host, port=args.port,
+                log_level="warning")
+    return 0
 
 
 def run(argv: list[str] | None = None) -> int:
@@ -163,31 +261,28 @@ def run(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"specdec: error: {problem}", file=sys.stderr)
         return EXIT_ERROR
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "chat":
+        from drafter_client.console import run_console
+
+        try:
+            client = make_client(args)
+        except SpecDecError as exc:
+            print(f"specdec: error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        return run_console(client, args)
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                 "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "chat": args.chat}
-    if args.command == "generate" and args.threads:
-        torch.set_num_threads(args.threads)
     prompt = _read_prompt(args)
     try:
         if args.command == "generate":
-            options = DrafterOptions(
-                ngram_n=args.ngram_n, ngram_kind=args.ngram_kind,
-                ngram_top_k_filler=args.ngram_top_k_filler,
-                ngram_stop_if_unknown=args.ngram_stop_if_unknown,
-                lookup_min_ngram=args.lookup_min_ngram, lookup_max_ngram=args.lookup_max_ngram,
-                draft_min_prob=args.draft_min_prob)
-            client = SpecDecClient(args.verifier_url, args.drafter, args.tokenizer, args.dtype,
-                                   args.device, timeout_s=args.timeout_s, options=options,
-                                   simulated_rtt_ms=args.simulated_rtt_ms,
-                                   api_key=args.api_key, retry_budget_s=args.retry_budget_s)
+            client = make_client(args)
             stream = None if args.json else TextStream(client)
             result = client.generate(prompt, num_draft_tokens=args.num_draft_tokens,
                                      on_tokens=stream, **sampling)
         else:
-            client = SpecDecClient(args.verifier_url, None, args.tokenizer,
-                                   timeout_s=args.timeout_s,
-                                   simulated_rtt_ms=args.simulated_rtt_ms,
-                                   api_key=args.api_key, retry_budget_s=args.retry_budget_s)
+            client = make_client(args, with_drafter=False)
             result = client.baseline(prompt, **sampling)
             if not args.json:
                 sys.stdout.write(result.text)

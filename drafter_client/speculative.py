@@ -244,20 +244,24 @@ def speculative_generate(
     prompt_ids: list[int],
     settings: GenerationSettings,
     info: InfoResponse,
-    on_tokens: Callable[[list[int]], None] | None = None,
+    on_block: Callable[[BlockOutcome], bool | None] | None = None,
 ) -> GenerationResult:
     """Generate up to ``settings.max_new_tokens`` tokens whose distribution is exactly the
-    target's. On an unrecoverable error the :class:`SpecDecError` carries what was generated
-    (``exc.partial``)."""
+    target's. ``on_block`` sees every block as it is committed; when it returns True the
+    generation ends there with finish_reason "stop" (a stop string, a client gone; ending early
+    leaves the distribution of what came before unchanged). On an unrecoverable error the
+    :class:`SpecDecError` carries what was generated (``exc.partial``)."""
     config = settings.sampling.to_config()
     schedule = settings.draft_schedule()
     generator = torch.Generator().manual_seed(settings.seed)
     recorder = MetricsRecorder(verifier)
     session = VerifierSession(verifier, settings.sampling, prompt_ids)
 
+    stopped = False
+
     def result(error: bool = False) -> GenerationResult:
         generated = session.committed[len(prompt_ids):]
-        reason = ("error" if error else
+        reason = ("error" if error else "stop" if stopped else
                   finish_reason(generated, settings.max_new_tokens, info.eos_token_ids))
         return GenerationResult(list(prompt_ids), generated,
                                 recorder.finish(len(generated), session.reopens),
@@ -279,8 +283,9 @@ def speculative_generate(
                            outcome.round_trip_s, outcome.verifier_s)
             schedule.update(len(outcome.draft_ids), outcome.num_accepted, outcome.drafting_s,
                             outcome.round_trip_s)
-            if on_tokens is not None:
-                on_tokens(outcome.tokens)
+            if on_block is not None and on_block(outcome):
+                stopped = True
+                break
             if outcome.finished:
                 break
     except SpecDecError as exc:  # keep what was generated: the caller reports it as partial

@@ -105,7 +105,9 @@ class HttpVerifier:
         if api_key and not (api_key.isascii() and api_key.isprintable()):
             raise SpecDecError("the API key must be printable ASCII (check --api-key / "
                                "SPECDEC_API_KEY)")
+        self.owns_client = client is None  # a client passed in is closed by its owner
         self.client = client or httpx.Client(base_url=self.url, timeout=timeout_s)
+        self.api_key = api_key
         self.auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -191,5 +193,12 @@ class HttpVerifier:
         return self._call("POST", "/v1/generate", req,  # type: ignore[return-value]
                           GenerateResponse)
 
+    def clone(self) -> HttpVerifier:
+        """The same verifier over the same connection pool, with its own counters (one per
+        concurrent generation, so each one's metrics are its own)."""
+        return HttpVerifier(self.url, client=self.client, simulated_rtt_s=self.simulated_rtt_s,
+                            retry_budget_s=self.retry_budget_s, api_key=self.api_key)
+
     def close(self) -> None:
-        self.client.close()
+        if self.owns_client:
+            self.client.close()

@@ -39,6 +39,7 @@ class FakeJob:
     tokens: list[int]
     bad: bool = False
     events: list[str] = field(default_factory=list)
+    kind: str = "verify"
 
     @property
     def num_tokens(self) -> int:

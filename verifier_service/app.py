@@ -8,9 +8,11 @@ from typing import Any
 import orjson
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from shared.http_metrics import RequestMetrics
 from shared.schema import REPLICA_HEADER
 from verifier_service.connections import GuardedH11Protocol
 from verifier_service.errors import (
@@ -24,6 +26,7 @@ from verifier_service.lifespan import make_lifespan
 from verifier_service.routes import router
 from verifier_service.settings import Settings
 from verifier_service.target import TargetRunner
+from verifier_service.telemetry import Telemetry
 
 
 class ORJSONResponse(Response):
@@ -57,15 +60,22 @@ class ReplicaHeader:
 
 def create_app(settings: Settings, runner: TargetRunner | None = None) -> FastAPI:
     """Build the verifier. ``runner`` lets tests share one loaded target between apps."""
+    telemetry = Telemetry()
     app = FastAPI(title="specdec verifier", version="0.1.0",
-                  lifespan=make_lifespan(settings, runner),
+                  lifespan=make_lifespan(settings, runner, observer=telemetry),
                   default_response_class=ORJSONResponse)
+    app.state.telemetry = telemetry
+    telemetry.add_state(lambda: app.state.verifier.metrics()
+                        if hasattr(app.state, "verifier") else None)
     replica = settings.replica_name or f"{socket.gethostname()}:{settings.port}"
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
                        timeout_s=settings.body_timeout_s)
     app.add_middleware(ApiKeyAuth, keys=settings.key_list())  # outside BodyLimit: auth first
     app.add_middleware(ShutdownAnswer)
     app.add_middleware(ReplicaHeader, name=replica)
+    app.add_middleware(RequestMetrics, metrics=telemetry.http,  # outermost: sees every answer
+                       routes=[(r.path_regex.pattern, r.path) for r in router.routes
+                               if isinstance(r, APIRoute)])
     app.add_exception_handler(VerifierError, verifier_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)

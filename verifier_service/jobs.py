@@ -35,6 +35,10 @@ from verifier_service.validation import RequestValidator
 class VerifyCounters:
     verify_calls: int = 0  # verify calls that ran a forward (advanced a session)
     replayed_calls: int = 0  # retried verify calls answered from the session's last reply
+    scored_tokens: int = 0  # k + 1 per verify call that ran
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    prefill_tokens: int = 0
 
 
 @dataclass
@@ -69,6 +73,8 @@ class CreateSessionJob:
     reserved: bool = False  # admitted against the key's session quota
     replay: Session | None = None  # a retried create of a session that exists unchanged
     started: float = field(default_factory=time.perf_counter)
+
+    kind = "create"
 
     def __post_init__(self) -> None:
         self.digest = request_digest(self.req)
@@ -111,6 +117,7 @@ class CreateSessionJob:
                           owner=self.owner, create_digest=self.digest)
         self.ctx.sessions.add(session)
         self.reserved = False
+        self.ctx.counters.prefill_tokens += self.num_tokens
         return CreateSessionResponse(session_id=session.id, position=session.position,
                                      prefill_ms=1e3 * (time.perf_counter() - self.started))
 
@@ -135,6 +142,8 @@ class VerifyJob:
     session: Session | None = None
     replay: VerifyResponse | None = None  # the answer to this very call, already given once
     started: float = field(default_factory=time.perf_counter)
+
+    kind = "verify"
 
     def __post_init__(self) -> None:
         self.digest = request_digest(self.req)
@@ -172,7 +181,11 @@ class VerifyJob:
         )
         # The slot holds position + k tokens now; the session keeps last token + accepted.
         session.position += verdict.num_accepted + 1
-        self.ctx.counters.verify_calls += 1
+        counters = self.ctx.counters
+        counters.verify_calls += 1
+        counters.scored_tokens += len(req.draft_ids) + 1
+        counters.drafted_tokens += len(req.draft_ids)
+        counters.accepted_tokens += verdict.num_accepted
         reply = VerifyResponse(
             num_accepted=verdict.num_accepted,
             target_logprobs=(encode_logprobs(verdict.target_logprobs)

@@ -13,7 +13,7 @@ import torch
 from fastapi import FastAPI
 
 from verifier_service.jobs import JobContext
-from verifier_service.scheduler import Scheduler
+from verifier_service.scheduler import BatchObserver, Scheduler
 from verifier_service.sessions import SessionStore
 from verifier_service.settings import Settings, check_against_model
 from verifier_service.state import ModelThread, VerifierState
@@ -34,10 +34,10 @@ def build_jobs(runner: TargetRunner, settings: Settings) -> JobContext:
     return JobContext(sessions, validator, runner.pool)
 
 
-def make_lifespan(settings: Settings, runner: TargetRunner | None = None
-                  ) -> Callable[[FastAPI], Any]:
+def make_lifespan(settings: Settings, runner: TargetRunner | None = None,
+                  observer: BatchObserver | None = None) -> Callable[[FastAPI], Any]:
     """``runner``: a loaded target to serve (tests share one between apps); else it is loaded
-    from ``settings.model`` on the model thread."""
+    from ``settings.model`` on the model thread. ``observer``: sees every batch (metrics)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -55,7 +55,7 @@ def make_lifespan(settings: Settings, runner: TargetRunner | None = None
             max_batch_size=settings.max_batch_size if settings.batching else 1,
             max_batch_tokens=settings.max_batch_tokens,
             batch_wait_ms=settings.batch_wait_ms if settings.batching else 0.0,
-            max_queue=settings.max_queue,
+            max_queue=settings.max_queue, observer=observer,
         )
         state = VerifierState(settings, target, build_jobs(target, settings), scheduler,
                               model_thread)

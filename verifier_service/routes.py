@@ -22,6 +22,7 @@ from verifier_service import generate as target_alone
 from verifier_service.guards import OWNER_KEY
 from verifier_service.jobs import CreateSessionJob, VerifyJob
 from verifier_service.state import VerifierState
+from verifier_service.telemetry import CONTENT_TYPE_LATEST
 
 
 # Dependencies are async so FastAPI does not hop to a worker thread for each (about 0.5 ms).
@@ -62,6 +63,12 @@ async def info(state: StateDep) -> InfoResponse:
 @router.get("/v1/metrics")
 async def metrics(state: StateDep) -> dict[str, Any]:
     return state.metrics()
+
+
+@router.get("/metrics", include_in_schema=False)
+async def prometheus_metrics(request: Request) -> Response:
+    """Prometheus text exposition (docs/metrics.md); key-protected like every other route."""
+    return Response(request.app.state.telemetry.exposition(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.post("/v1/sessions", response_model=CreateSessionResponse, responses=ERRORS)

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 
 class Job(Protocol):
+    kind: str  # "create" or "verify": the label of its latency metrics
+
     @property
     def num_tokens(self) -> int:
         """Tokens this job adds to a batched forward."""
@@ -76,10 +78,17 @@ class SchedulerStats:
         }
 
 
+class BatchObserver(Protocol):
+    def observe_batch(self, jobs: list[tuple[str, float]], tokens: int, started: float,
+                      ended: float) -> None:
+        """One batch ran: its jobs as (kind, queued_at), perf_counter times."""
+
+
 class Scheduler:
     def __init__(self, runner: TargetRunner, run_on_model_thread: Any, max_batch_size: int,
-                 max_batch_tokens: int, batch_wait_ms: float, max_queue: int) -> None:
-        self.runner, self.run = runner, run_on_model_thread
+                 max_batch_tokens: int, batch_wait_ms: float, max_queue: int,
+                 observer: BatchObserver | None = None) -> None:
+        self.runner, self.run, self.observer = runner, run_on_model_thread, observer
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
         self.batch_wait_s = batch_wait_ms / 1e3
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=max_queue)
@@ -154,7 +163,11 @@ class Scheduler:
             for pending in batch:
                 self.stats.queue_wait_s += started - pending.queued_at
             outcomes = await self.run(run_jobs, self.runner, [p.job for p in batch])
-            self.stats.forward_s += time.perf_counter() - started
+            ended = time.perf_counter()
+            self.stats.forward_s += ended - started
+            if self.observer is not None:
+                self.observer.observe_batch([(p.job.kind, p.queued_at) for p in batch],
+                                            sum(p.job.num_tokens for p in batch), started, ended)
             self.stats.batches += 1
             self.stats.jobs += len(batch)
             self.stats.batch_sizes[len(batch)] += 1

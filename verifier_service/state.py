@@ -53,13 +53,17 @@ class VerifierState:
         return describe(self.runner, self.settings)
 
     def metrics(self) -> dict[str, Any]:
-        pool, sessions = self.runner.pool, self.jobs.sessions
+        pool, sessions, counters = self.runner.pool, self.jobs.sessions, self.jobs.counters
         return {
             "batching": self.settings.batching, **self.scheduler.stats.to_dict(),
             "queued": self.scheduler.queue.qsize(), "sessions": len(sessions),
             "evicted_sessions": sessions.evicted, "expired_sessions": sessions.expired,
             "kv_slots": pool.num_slots, "kv_slots_free": pool.free_slots,
             "kv_slot_tokens": pool.slot_tokens, "kv_pool_bytes": pool.nbytes,
-            "verify_calls": self.jobs.counters.verify_calls,
-            "replayed_calls": self.jobs.counters.replayed_calls,
+            "verify_calls": counters.verify_calls, "replayed_calls": counters.replayed_calls,
+            "scored_tokens": counters.scored_tokens, "drafted_tokens": counters.drafted_tokens,
+            "accepted_tokens": counters.accepted_tokens,
+            "acceptance_rate": round(counters.accepted_tokens / counters.drafted_tokens, 4)
+            if counters.drafted_tokens else 0.0,
+            "prefill_tokens": counters.prefill_tokens,
         }

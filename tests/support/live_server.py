@@ -1,10 +1,12 @@
-"""A real uvicorn verifier on a loopback port, in a thread of the test process."""
+"""Real uvicorn servers (the verifier, the gateway) on loopback ports, in threads of the test
+process."""
 
 from __future__ import annotations
 
 import threading
 import time
 from pathlib import Path
+from typing import Any, TypeVar
 
 import uvicorn
 
@@ -14,13 +16,17 @@ from verifier_service.settings import Settings
 from verifier_service.target import TargetRunner
 
 
-class LiveServer:
-    """A real uvicorn server on a loopback port, in a thread of the test process."""
+S = TypeVar("S", bound="ThreadedServer")
 
-    def __init__(self, settings: Settings, runner: TargetRunner | None = None) -> None:
+
+class ThreadedServer:
+    """Any ASGI app on a real uvicorn server on a loopback port, in a thread of the test
+    process."""
+
+    def __init__(self, app: Any, **options: Any) -> None:
         self.port = free_port()
-        config = uvicorn.Config(create_app(settings, runner), host="127.0.0.1", port=self.port,
-                                log_level="warning", **server_options(settings))
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                **options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -28,18 +34,25 @@ class LiveServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> LiveServer:
+    def __enter__(self: S) -> S:
         self.thread.start()
         deadline = time.monotonic() + 60
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("verifier did not start")
+                raise RuntimeError("server did not start")
             time.sleep(0.02)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+class LiveServer(ThreadedServer):
+    """The verifier for these settings (``runner``: an already loaded target to share)."""
+
+    def __init__(self, settings: Settings, runner: TargetRunner | None = None) -> None:
+        super().__init__(create_app(settings, runner), **server_options(settings))
 
 
 def fp32_settings(model: Path, **overrides: object) -> Settings:

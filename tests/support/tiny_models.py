@@ -22,6 +22,11 @@ WORDS = ["the", "cat", "dog", "sat", "on", "mat", "a", "ran", "to", "big", "red"
          "return", "(", ")", ":", "x", "y", "+", "=", "1", "2", "if", "else"]
 
 
+# Roles are not in the vocabulary (they encode as <unk>); enough to test the chat paths.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}assistant : {% endif %}")
+
+
 def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """A word-level tokenizer with exactly ``vocab_size`` ids, built offline."""
     names = ["<unk>", "<eos>", *WORDS]
@@ -29,7 +34,10 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     vocab = {name: i for i, name in enumerate(names[:vocab_size])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<eos>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>",
+                                        eos_token="<eos>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_model(arch: str, vocab_size: int, seed: int, init_range: float = 0.02):  # type: ignore[no-untyped-def]

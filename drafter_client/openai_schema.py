@@ -1,0 +1,152 @@
+"""The OpenAI request bodies ``specdec serve`` accepts, and OpenAI's error shape.
+
+Fields follow OpenAI's API reference for ``/v1/completions`` and ``/v1/chat/completions``;
+``top_k`` is the common extension (vLLM, llama.cpp). Unknown fields are ignored, as vLLM does;
+known fields that would change the distribution or the shape of the answer in ways we do not
+implement (``n`` > 1, penalties, ``logit_bias``, ``logprobs``, tools, ``echo``, ``suffix``,
+``best_of``, JSON modes) get a 400 naming the field rather than being silently dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class OpenAIError(Exception):
+    """Rendered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error",
+             404: "not_found_error", 429: "rate_limit_error", 502: "api_error",
+             503: "api_error"}
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after_s = retry_after_s
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message,
+                          "type": self.TYPES.get(self.status, "api_error"),
+                          "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: OpenAI's default, 1
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # extension; 0 and -1 disable it
+    seed: int | None = None  # None: a fresh seed per request
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    user: str | None = None
+
+    def stop_list(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4:
+            raise OpenAIError(400, "at most 4 stop sequences", "stop")
+        if any(not s for s in stops):
+            raise OpenAIError(400, "stop sequences must not be empty", "stop")
+        return stops
+
+    def check_supported(self) -> None:
+        """400 for a field we would otherwise have to ignore."""
+        unsupported = [
+            ("n", self.n != 1, "only n=1 is supported (send n requests)"),
+            ("presence_penalty", self.presence_penalty != 0, "penalties are not supported"),
+            ("frequency_penalty", self.frequency_penalty != 0, "penalties are not supported"),
+            ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
+            ("logprobs", self.logprobs not in (None, False, 0), "logprobs are not supported"),
+        ]
+        for param, bad, message in unsupported:
+            if bad:
+                raise OpenAIError(400, message, param)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise OpenAIError(400, "echo is not supported", "echo")
+        if self.suffix:
+            raise OpenAIError(400, "suffix is not supported", "suffix")
+        if self.best_of not in (None, 1):
+            raise OpenAIError(400, "only best_of=1 is supported", "best_of")
+
+    def single_prompt(self) -> str | list[int]:
+        """One prompt (text or token ids); a batch of several gets a 400."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise OpenAIError(400, "one prompt per request (got a batch of "
+                                  f"{len(prompt)}); send one request per prompt", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and not prompt:
+            raise OpenAIError(400, "the prompt is empty", "prompt")
+        return prompt  # type: ignore[return-value]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> ChatCompletionRequest:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens  # the newer name wins
+        return self
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise OpenAIError(400, "tools are not supported", "tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise OpenAIError(400, "only the text response format is supported",
+                              "response_format")
+        if self.top_logprobs:
+            raise OpenAIError(400, "logprobs are not supported", "top_logprobs")
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
