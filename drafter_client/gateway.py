@@ -38,12 +38,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
 from drafter_client.api import SpecDecClient
+from drafter_client.metrics import GenerationMetrics
 from drafter_client.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
 )
-from drafter_client.metrics import GenerationMetrics
 from drafter_client.speculative import BlockOutcome, GenerationResult
 from drafter_client.text import TextTracker
 from drafter_client.transport import SpecDecError, VerifierHTTPError, VerifierUnavailable
