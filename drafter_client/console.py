@@ -196,7 +196,7 @@ class Console:
         s = self.settings
         ids = self.prompt_ids(text)
         stream = ColorStream(self)
-        sampling = {"max_new_tokens": s.max_tokens, "temperature": s.temperature,
+        sampling: dict[str, Any] = {"max_new_tokens": s.max_tokens, "temperature": s.temperature,
                     "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed + self.turn}
         try:
             result = self.client.generate(ids, num_draft_tokens=s.k, on_block=stream,
