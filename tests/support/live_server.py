@@ -15,7 +15,6 @@ from verifier_service.app import create_app, server_options
 from verifier_service.settings import Settings
 from verifier_service.target import TargetRunner
 
-
 S = TypeVar("S", bound="ThreadedServer")
 
 
