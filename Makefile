@@ -4,9 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-real test-reliability lint demo bench bench-drafters \
-	bench-suite bench-batching bench-network bench-profile fetch-models clean ensure-nginx \
-	ensure-nettools
+.PHONY: install test test-fast test-real test-reliability test-compose lint demo bench \
+	bench-drafters bench-suite bench-batching bench-network bench-profile fetch-models clean \
+	ensure-nginx ensure-nettools ensure-containers
 
 install: $(STAMP)
 
@@ -47,7 +47,25 @@ ensure-nettools:
 	  else echo "ip/nft missing and not root: the network tests will be skipped"; fi; }
 
 test-fast: install
-	$(PYTEST) -m "not slow and not real and not faults and not fuzz and not netns"
+	$(PYTEST) -m "not slow and not real and not faults and not fuzz and not netns and not compose"
+
+# The real docker-compose.yml end to end with Podman + docker-compose 1.29 (minutes; not in
+# `make test`): builds the image on a debootstrapped Debian base, compose up (models -> verifier
+# healthy -> client output equal to a local run, the OpenAI gateway), then the scale profile
+# with 2 replicas behind nginx, then tears it all down. See docs/deploy.md.
+test-compose: install ensure-containers
+	$(BIN)/python -m pytest -q -m compose -p no:xdist tests/test_compose_e2e.py
+
+# Debian's podman (+ runc), docker-compose 1.29 and debootstrap; installed when root.
+ensure-containers:
+	@for tool in podman runc docker-compose debootstrap; do command -v $$tool >/dev/null 2>&1 \
+	  || missing="$$missing $$tool"; done; [ -z "$$missing" ] || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing podman runc docker-compose debootstrap (Debian packages)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc \
+	      docker-compose debootstrap >/dev/null \
+	      || echo "could not install them: the compose test will be skipped"; \
+	  else echo "missing:$$missing (not root): the compose test will be skipped"; fi; }
 
 # Faults, fuzzing, load and the network namespaces alone (all are part of `make test`).
 test-reliability: install ensure-nettools

@@ -247,7 +247,8 @@ def _serve(args: argparse.Namespace) -> int:
     settings = GatewaySettings(
         served_model_name=args.served_model_name or client.info.model,
         num_draft_tokens=str(args.num_draft_tokens), max_concurrency=args.max_concurrency,
-        max_waiting=args.max_waiting, chat_template=template, api_key=args.serve_api_key)
+        max_waiting=args.max_waiting, chat_template=template,
+        api_key=args.serve_api_key or None)  # empty (compose passes "" when unset): open
     print(f"specdec serve: {settings.served_model_name!r} on http://{args.host}:{args.port}/v1 "
           f"(verifier {args.verifier_url}, drafter {args.drafter})", file=sys.stderr)
     uvicorn.run(create_gateway(client, settings), host=args.host, port=args.port,
