@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from drafter_client.gateway import GatewaySettings, create_gateway
 from tests.support.live_server import LiveServer, ThreadedServer, fp32_settings
 
 MODEL = "tiny-gpt2"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -274,3 +277,38 @@ def test_gateway_api_key_and_verifier_down(tiny_models: dict[str, Path]) -> None
         assert info.value.status_code == 503
         assert error_of(info.value)["code"] == "verifier_unavailable"
         assert httpx.get(gw.url + "/health").json()["status"] == "ok"
+
+
+def test_a_client_that_hangs_up_stops_its_generation(gateway: ThreadedServer,
+                                                     gpt2_server: LiveServer) -> None:
+    """The stream is cut after its first chunk: the generation ends at its next block and its
+    verifier session is closed (not left to expire)."""
+    body = {"model": MODEL, "prompt": "the cat", "max_tokens": 200, "temperature": 0,
+            "stream": True}
+    with httpx.Client(timeout=30) as http, http.stream(
+            "POST", gateway.url + "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())
+    deadline = time.monotonic() + 30
+    while True:
+        running = scrape(gateway.url)["specdec_gateway_requests_running"][()]
+        sessions = httpx.get(gpt2_server.url + "/v1/metrics").json()["sessions"]
+        if running == 0 and sessions == 0:
+            break
+        assert time.monotonic() < deadline, (running, sessions)
+        time.sleep(0.1)
+    generated = scrape(gateway.url)["specdec_gateway_generated_tokens_total"][()]
+    assert generated > 0
+
+
+def test_the_grafana_dashboard_uses_metrics_that_exist(gateway: ThreadedServer,
+                                                       gpt2_server: LiveServer) -> None:
+    dashboard = orjson.loads((ROOT / "deploy/grafana/specdec.json").read_bytes())
+    # labelled series appear with their first value: one error answer on the verifier
+    httpx.post(gpt2_server.url + "/v1/sessions/none/verify", json={"position": 1,
+                                                                   "last_token": 0,
+                                                                   "final_uniform": 0.5})
+    used = {name for panel in dashboard["panels"] for target in panel["targets"]
+            for name in re.findall(r"specdec_[a-z_]+", target["expr"])}
+    exported = set(scrape(gateway.url)) | set(scrape(gpt2_server.url))
+    assert used and used <= exported, used - exported
