@@ -230,8 +230,13 @@ class SpecDecClient:
 
     def baseline(self, prompt: str | list[int], *, max_new_tokens: int = 128,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                 chat: bool = False) -> GenerationResult:
-        """Target-only generation on the verifier (``/v1/generate``), same sampling settings."""
+                 chat: bool = False, num_beams: int = 1, length_penalty: float = 1.0,
+                 early_stopping: bool | str = False,
+                 no_repeat_ngram_size: int = 0) -> GenerationResult:
+        """Target-only generation on the verifier (``/v1/generate``), same sampling settings;
+        with ``num_beams`` > 1 (greedy only) beam search as transformers' ``generate`` does it,
+        with ``length_penalty``, ``early_stopping`` (True, False or "never") and
+        ``no_repeat_ngram_size``."""
         prompt_ids = self.encode(prompt, chat)
         sent, received = self.verifier.bytes_sent, self.verifier.bytes_received
         started = time.perf_counter()
@@ -239,6 +244,9 @@ class SpecDecClient:
             reply = self.verifier.generate(GenerateRequest(
                 prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, seed=seed,
                 sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+                num_beams=num_beams, length_penalty=length_penalty,
+                early_stopping=early_stopping,  # type: ignore[arg-type]
+                no_repeat_ngram_size=no_repeat_ngram_size,
             ))
         except SpecDecError as exc:  # one call: nothing was generated
             exc.partial = GenerationResult(prompt_ids, [], GenerationMetrics(),

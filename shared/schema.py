@@ -11,7 +11,7 @@ verifier's KV cache holds all of them but the last, which the next verify call f
 from __future__ import annotations
 
 import base64
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ from shared.sampling import SamplingConfig
 
 PROTOCOL_VERSION = 1
 INT32_MAX = 2**31 - 1
+MAX_BEAMS = 64
 # Integers a client sends are bounded here, so an absurd one is a 422 naming its field, never a
 # failure deep inside (token ids are checked against the vocabulary by the verifier itself).
 TokenId = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
@@ -171,6 +172,14 @@ class GenerateRequest(_Strict):
     max_new_tokens: int = Field(128, ge=1, le=INT32_MAX)
     seed: int = Field(0, ge=0, le=2**63 - 1)
     stop_at_eos: bool = True
+    # Beam search (greedy sampling only), as transformers' generate(num_beams=N, ...).
+    num_beams: int = Field(1, ge=1, le=MAX_BEAMS, description="1: no beam search")
+    length_penalty: float = Field(1.0, ge=-100.0, le=100.0, allow_inf_nan=False,
+                                  description="beam score = sum of log-probs / length ** this")
+    early_stopping: bool | Literal["never"] = Field(
+        False, description="beam search: true, false or \"never\", as in transformers")
+    no_repeat_ngram_size: int = Field(0, ge=0, le=INT32_MAX,
+                                      description="beam search: never repeat an n-gram this long")
 
 
 class GenerateResponse(_Strict):

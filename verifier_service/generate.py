@@ -1,5 +1,6 @@
 """Target-only decoding (the baseline behind ``/v1/generate``): a session advanced by verify
-jobs with no drafts, each drawing the next token with the same sampling math and our own seed."""
+jobs with no drafts, each drawing the next token with the same sampling math and our own seed;
+or beam search (``num_beams`` > 1, :mod:`verifier_service.beam`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from shared.sampling import draw_uniforms
 from shared.schema import CreateSessionRequest, GenerateRequest, GenerateResponse, VerifyRequest
+from verifier_service.beam import beam_generate, check_beam_request
 from verifier_service.jobs import CreateSessionJob, JobContext, VerifyJob
 from verifier_service.scheduler import Scheduler
 
@@ -15,6 +17,9 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
                    eos_token_ids: list[int], owner: str | None = None) -> GenerateResponse:
     ctx.validator.check_create(req.protocol_version, req.prompt_ids)
     ctx.validator.check_new_tokens(req.max_new_tokens)
+    check_beam_request(req)
+    if req.num_beams > 1:
+        return await beam_generate(ctx, scheduler, req, eos_token_ids, owner)
     generator = torch.Generator().manual_seed(req.seed)
     created = await scheduler.submit(CreateSessionJob(
         ctx, CreateSessionRequest(prompt_ids=req.prompt_ids, sampling=req.sampling), owner))
