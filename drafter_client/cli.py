@@ -21,7 +21,7 @@ from drafter_client.api import DrafterOptions, SpecDecClient
 from drafter_client.draft_length import make_draft_length
 from drafter_client.speculative import GenerationResult
 from drafter_client.transport import SpecDecError
-from shared.schema import SamplingParams
+from shared.schema import GenerateRequest, SamplingParams
 
 
 def _connection(p: argparse.ArgumentParser) -> None:
@@ -93,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     _drafter(gen)
     base = sub.add_parser("baseline", help="target-only generation on the verifier")
     _common(base)
+    base.add_argument("--num-beams", type=int, default=1,
+                      help="beam search with this many beams (greedy; as transformers' "
+                      "generate(num_beams=N))")
+    base.add_argument("--length-penalty", type=float, default=1.0,
+                      help="beam search: score = sum of log-probs / length ** this")
+    base.add_argument("--early-stopping", choices=["false", "true", "never"], default="false",
+                      help="beam search: when to stop (as in transformers)")
+    base.add_argument("--no-repeat-ngram-size", type=int, default=0, metavar="N",
+                      help="beam search: never repeat an n-gram of this size")
     serve = sub.add_parser("serve", help="an OpenAI-compatible server (completions, chat, "
                            "streaming) that drafts here and verifies on the verifier")
     _connection(serve)
@@ -196,6 +205,17 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
             return f"{flag}: {err['msg']} (got {err.get('input')!r})"
         if args.max_new_tokens < 1:
             return f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})"
+    if "num_beams" in args:
+        try:
+            GenerateRequest(prompt_ids=[0], num_beams=args.num_beams,
+                            length_penalty=args.length_penalty,
+                            no_repeat_ngram_size=args.no_repeat_ngram_size)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            flag = "--" + str(err["loc"][0]).replace("_", "-")
+            return f"{flag}: {err['msg']} (got {err.get('input')!r})"
+        if args.num_beams > 1 and args.temperature != 0.0:
+            return "--num-beams: beam search is greedy; use --temperature 0"
     if args.command == "serve":
         for flag in ("max_concurrency", "port"):
             if getattr(args, flag) < 1:
@@ -284,7 +304,10 @@ def run(argv: list[str] | None = None) -> int:
                                      on_tokens=stream, **sampling)
         else:
             client = make_client(args, with_drafter=False)
-            result = client.baseline(prompt, **sampling)
+            early: bool | str = {"true": True, "false": False}.get(args.early_stopping, "never")
+            result = client.baseline(prompt, num_beams=args.num_beams,
+                                     length_penalty=args.length_penalty, early_stopping=early,
+                                     no_repeat_ngram_size=args.no_repeat_ngram_size, **sampling)
             if not args.json:
                 sys.stdout.write(result.text)
     except SpecDecError as exc:

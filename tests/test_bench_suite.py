@@ -26,10 +26,11 @@ def test_quick_suite_writes_consistent_results(tiny_models: dict[str, Path],
     systems = {r["system"] for r in rows if r["suite"] == "systems"}
     assert systems == {"target alone", "specdec model", "specdec ngram",
                        "specdec prompt-lookup", "specdec bigram", "HF generate", "HF assisted",
-                       "HF prompt lookup"}
+                       "HF prompt lookup", "target beam"}
     assert {r["suite"] for r in rows} == set(bench_report.SUITES)
     # fp32: every greedy system reproduces the target alone, token for token.
-    greedy = [r for r in runs if r["temperature"] == 0 and r["system"] != "target alone"]
+    greedy = [r for r in runs if r["temperature"] == 0
+              and r["system"] not in ("target alone", "target beam")]
     assert greedy and all(r["first_mismatch"] is None for r in greedy)
     for r in runs:
         if r["system"].startswith("specdec") and r["verify_calls"]:
@@ -40,7 +41,10 @@ def test_quick_suite_writes_consistent_results(tiny_models: dict[str, Path],
     assert len(saved["runs"]) == len(runs)
     with (out / "runs.csv").open() as fh:
         assert len(list(csv.DictReader(fh))) == len(runs)
-    assert "| code | specdec model |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| code | specdec model |" in report
+    beam = [r for r in runs if r["system"] == "target beam" and r["workload"] == "code"]
+    assert beam and beam[0]["text"] in report and "beam search vs greedy (code)" in report
     for png in ("speedup_vs_k.png", "context_length.png", "per_position_acceptance.png",
                 "achieved_vs_predicted.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
@@ -68,12 +72,14 @@ def test_drafter_variants_and_workload_filter(tiny_models: dict[str, Path],
     rows = payload["rows"]
     assert {r["workload"] for r in rows} == {"english"}
     by_system = {r["system"]: r for r in rows}
-    assert set(by_system) == {"target alone", "specdec model-confident", "specdec model-auto"}
+    assert set(by_system) == {"target alone", "specdec model-confident", "specdec model-auto",
+                              "target beam"}
+    assert by_system["target beam"]["k"] == "4"
     assert by_system["specdec model-auto"]["k"] == "auto"
     # A high confidence bar stops blocks early: fewer drafts per call than k = 4.
     assert by_system["specdec model-confident"]["mean_k"] < 4
     assert all(r["first_mismatch"] is None for r in payload["runs"]
-               if r["system"] != "target alone")
+               if r["system"] not in ("target alone", "target beam"))
 
 
 def test_batching_and_profile_run_on_tiny_models(tiny_models: dict[str, Path],

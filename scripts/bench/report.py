@@ -17,6 +17,7 @@ from scripts.bench.common import markdown_table
 
 SUITES = ("systems", "k", "temperature", "context", "rtt")
 TARGET = "target alone"
+BEAM = "target beam"  # beam search on the verifier, k = the number of beams
 
 
 # -- metrics -----------------------------------------------------------------------------------
@@ -94,7 +95,7 @@ def aggregate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "achieved_over_predicted": m("achieved_over_predicted"),
             "bytes_per_token": m("bytes_per_token"),
             "per_position_acceptance": per_pos,
-            "greedy_same_as_target": (None if temp > 0 or system == TARGET
+            "greedy_same_as_target": (None if temp > 0 or system in (TARGET, BEAM)
                                       else f"{len(runs) - len(mismatches)}/{len(runs)}"),
             "first_mismatch": min(mismatches) if mismatches else None,
             "time_split_s": {key: round(med([r["time_s"][key] for r in runs]), 3)
@@ -232,12 +233,29 @@ def report(rows: list[dict[str, Any]], machine: dict[str, Any], command: str) ->
     return "\n".join(parts)
 
 
+def beam_texts(records: list[dict[str, Any]], workload: str = "code") -> str:
+    """The beam search's and the target's greedy text on one workload, prompt by prompt: the
+    quality baseline next to what speculative decoding reproduces."""
+    runs = [r for r in records if r["workload"] == workload and r["suite"] == "systems"
+            and r["system"] in (BEAM, TARGET) and r.get("repeat", 0) == 0 and "text" in r]
+    if not any(r["system"] == BEAM for r in runs):
+        return ""
+    parts = [f"### beam search vs greedy ({workload})", ""]
+    for r in runs:
+        label = f"{r['system']}" + (f", {r['k']} beams" if r["system"] == BEAM else "")
+        parts += [f"{r['prompt']} - {label}:", "", "```", r["text"].rstrip(), "```", ""]
+    return "\n".join(parts)
+
+
 def write_outputs(out: Path, payload: dict[str, Any], command: str) -> None:
     rows, records = payload["rows"], payload["runs"]
     (out / "results.json").write_text(json.dumps(payload, indent=1))
     write_csv(out / "runs.csv", [{k: v for k, v in r.items() if k != "tokens"} for r in records])
     write_csv(out / "rows.csv", rows)
     text = report(rows, payload["machine"], command)
+    beams = beam_texts(records)
+    if beams:
+        text += "\n" + beams
     (out / "report.md").write_text(text)
     pngs = plot(rows, out)
     print("\n" + text)

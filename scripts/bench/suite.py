@@ -8,7 +8,9 @@ Every system runs in one process tree, on the same prompts, sampling settings an
   * ``HF generate``         ``transformers`` ``generate()`` in this process, target alone;
   * ``HF assisted``         ``generate(assistant_model=drafter)`` (its default schedule, or a
                             constant k in the k sweep);
-  * ``HF prompt lookup``    ``generate(prompt_lookup_num_tokens=k)``.
+  * ``HF prompt lookup``    ``generate(prompt_lookup_num_tokens=k)``;
+  * ``target beam``         beam search on the verifier (``--num-beams``), the quality baseline
+                            (its text and the greedy text are in the report, code workload).
 
 Suites: ``systems`` (every system x workload, greedy), ``k`` (draft length), ``temperature``
 (0.7, 1.0), ``context`` (prompt length 10..500 tokens), ``rtt`` (simulated round trip). Systems are
@@ -50,7 +52,15 @@ from scripts.bench.common import (
     machine_record,
     verifier,
 )
-from scripts.bench.report import SUITES, TARGET, aggregate, enrich, first_mismatch, write_outputs
+from scripts.bench.report import (
+    BEAM,
+    SUITES,
+    TARGET,
+    aggregate,
+    enrich,
+    first_mismatch,
+    write_outputs,
+)
 from shared.models import load_causal_lm, pick_device, pick_dtype
 
 WORKLOADS = ("code", "english", "input-grounded", "code-chat")
@@ -144,7 +154,13 @@ class Systems:
         if system == TARGET:
             result = self.base_client.baseline(ids, max_new_tokens=max_new, temperature=t,
                                                seed=sampling.seed)
-            return Run(result.token_ids, result.metrics.wall_s, result.metrics.to_dict())
+            return Run(result.token_ids, result.metrics.wall_s,
+                       {**result.metrics.to_dict(), "text": result.text})
+        if system == BEAM:
+            result = self.base_client.baseline(ids, max_new_tokens=max_new,
+                                               num_beams=int(k or 4))
+            return Run(result.token_ids, result.metrics.wall_s,
+                       {**result.metrics.to_dict(), "text": result.text})
         if system.startswith("specdec "):
             client = self.clients[system.removeprefix("specdec ")]
             result = client.generate(ids, num_draft_tokens=k if k is not None else 4,
@@ -217,9 +233,10 @@ def plan(args: argparse.Namespace, systems: Systems) -> list[Cell]:
         for workload, prompts in work.items():
             if workload not in args.workloads:
                 continue
+            beam = [(BEAM, args.num_beams)] if args.num_beams > 1 else []
             for p in prompts:
                 add("systems", p, [(s, "auto" if s == "specdec model-auto" else args.k)
-                                   for s in spec_names] + hf)
+                                   for s in spec_names] + hf + beam)
     if "k" in args.suites:
         k_system = "specdec model" if "model" in args.drafters else spec_names[0]
         for p in (p for w in args.k_workloads for p in work[w]):
@@ -280,6 +297,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="simulated round-trip times (ms) of the rtt suite")
     parser.add_argument("--rtt-workloads", nargs="+", choices=WORKLOADS, default=["code"],
                         help="workloads of the rtt suite (every drafter at -k)")
+    parser.add_argument("--num-beams", type=int, default=4,
+                        help="the systems suite's beam search row (target alone, this many "
+                        "beams; its text is in the report); 1 leaves it out")
     parser.add_argument("--prompts-per-workload", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers systems")
@@ -353,6 +373,6 @@ def run_cell(systems: Systems, cell: Cell, repeat: int, max_new: int,
     hf_base = cell_runs.get(("HF generate", "None"))
     for rec in cell_runs.values():
         enrich(rec, base, hf_base)
-        if cell.sampling.temperature == 0 and rec["system"] != TARGET:
+        if cell.sampling.temperature == 0 and rec["system"] not in (TARGET, BEAM):
             rec["first_mismatch"] = first_mismatch(rec["tokens"], base["tokens"])
     return list(cell_runs.values())
