@@ -117,12 +117,23 @@ def load_tokenizer(spec: str) -> Any:
     return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
-def load_causal_lm(spec: str, dtype: torch.dtype, device: torch.device) -> Any:
+def load_causal_lm(spec: str, dtype: torch.dtype, device: torch.device,
+                   device_map: str | dict[str, Any] | None = None,
+                   offload_folder: str | None = None) -> Any:
+    """``device_map``: accelerate's placement over several devices (then ``device`` is not
+    used); None: the whole model on ``device``."""
     from transformers import AutoModelForCausalLM
 
     path, gguf_file = resolve_model_spec(spec)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    if device_map is not None:
+        kwargs.update(device_map=device_map, offload_folder=offload_folder)
+        try:
+            model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        except (ValueError, KeyError) as exc:
+            raise ModelSpecError(f"cannot place {spec} with --device-map: {exc}") from None
+        return model.eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     return model.to(device).eval()
 
 

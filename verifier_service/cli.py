@@ -44,8 +44,7 @@ def load_target(settings: Settings) -> TargetRunner:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     try:
-        runner = TargetRunner.load(settings.model, settings.dtype, settings.device,
-                                   settings.max_context, settings.kv_budget_tokens)
+        runner = TargetRunner.from_settings(settings)
         check_against_model(settings, runner.max_context, runner.model_limit)
     except (SettingsError, ModelSpecError) as exc:
         print(f"specdec-verifier: {exc}", file=sys.stderr)

@@ -55,15 +55,16 @@ class KVPool:
     """``num_slots`` slots of ``slot_tokens`` positions for every layer of one model."""
 
     def __init__(self, config: Any, num_slots: int, slot_tokens: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device | list[torch.device]) -> None:
+        """``device``: one for all layers, or one per layer (a model placed over several)."""
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         shape = (num_slots, kv_heads, slot_tokens, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device)
-                     for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device)
-                       for _ in range(config.num_hidden_layers)]
+        layers = config.num_hidden_layers
+        devices = device if isinstance(device, list) else [device] * layers
+        self.keys = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
+        self.values = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
         self.num_slots, self.slot_tokens = num_slots, slot_tokens
         self._free = list(range(num_slots - 1, -1, -1))
 
@@ -100,9 +101,12 @@ def ragged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
         end = seg.start + seg.length
         keys[seg.slot, :, seg.start:end] = key[0, :, new]  # write the new K/V into the slot
         values[seg.slot, :, seg.start:end] = value[0, :, new]
+        mask = seg.visible
+        if mask is not None and mask.device != query.device:  # a model over several devices
+            mask = mask.to(query.device)
         out = F.scaled_dot_product_attention(
             query[:, :, new], keys[seg.slot, :, :end][None], values[seg.slot, :, :end][None],
-            attn_mask=seg.visible, scale=scaling, enable_gqa=True,
+            attn_mask=mask, scale=scaling, enable_gqa=True,
         )  # [1, heads, length, head_dim]
         outputs.append(out)
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None

@@ -46,9 +46,7 @@ def make_lifespan(settings: Settings, runner: TargetRunner | None = None,
         model_thread = ModelThread()
         target = runner
         if target is None:
-            target = await model_thread.run(TargetRunner.load, settings.model, settings.dtype,
-                                            settings.device, settings.max_context,
-                                            settings.kv_budget_tokens)
+            target = await model_thread.run(TargetRunner.from_settings, settings)
         check_against_model(settings, target.max_context, target.model_limit)
         scheduler = Scheduler(
             target, model_thread.run,

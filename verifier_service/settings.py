@@ -26,6 +26,11 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 (fast on AMX CPUs and recent GPUs)")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    device_map: str = Field("", description="a target larger than one device: accelerate's "
+                            "placement (auto, balanced, sequential: over the GPUs, then CPU "
+                            "offload) or a JSON {module: device} map; empty: all on --device")
+    offload_folder: str = Field("", description="with --device-map: where modules placed on "
+                                "\"disk\" are kept")
     threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default")
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")

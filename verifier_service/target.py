@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 
 from shared.models import (
+    ModelSpecError,
     load_causal_lm,
     load_tokenizer,
     pick_device,
@@ -17,6 +19,7 @@ from shared.models import (
     tokenizer_fingerprint,
 )
 from verifier_service.kv_pool import ATTENTION_NAME, KVPool, RaggedBatch, Segment
+from verifier_service.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,59 @@ def eos_ids_of(model: Any, tokenizer: Any) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return sorted(ids)
+
+
+def parse_device_map(text: str) -> str | dict[str, Any] | None:
+    """"" -> None (one device), "auto" / "balanced" / ... as is, "{...}" -> the JSON map."""
+    text = text.strip()
+    if not text:
+        return None
+    if text.startswith("{"):
+        try:
+            mapping = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ModelSpecError(f"--device-map is not valid JSON: {exc}") from None
+        if not isinstance(mapping, dict):
+            raise ModelSpecError("--device-map JSON must map module names to devices")
+        return mapping
+    return text
+
+
+def _hook_device(module: Any) -> torch.device | None:
+    """Where accelerate's hook on this module runs it (offloaded weights are brought there)."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    if device is None:
+        return None
+    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+
+
+def _weights_device(module: Any) -> torch.device | None:
+    return next((p.device for p in module.parameters() if p.device.type != "meta"), None)
+
+
+def attention_devices(model: Any, num_layers: int, default: torch.device) -> list[torch.device]:
+    """The device each layer's attention runs on (the module with that ``layer_idx``): the
+    nearest accelerate hook on it or a parent, else its weights' device, else ``default``."""
+    modules: dict[str, Any] = dict(model.named_modules())
+    devices: dict[int, torch.device] = {}
+    for name, module in modules.items():
+        idx = getattr(module, "layer_idx", None)
+        if not isinstance(idx, int) or idx in devices:  # the decoder layer or its attention
+            continue
+        path, found = name, None
+        while found is None:
+            found = _hook_device(modules[path])
+            if not path:
+                break
+            path = path.rpartition(".")[0]
+        devices[idx] = found or _weights_device(module) or default
+    return [devices.get(i, default) for i in range(num_layers)]
+
+
+def input_device(model: Any) -> torch.device:
+    embeddings = model.get_input_embeddings()
+    return (_hook_device(embeddings) or _weights_device(embeddings) or _weights_device(model)
+            or torch.device("cpu"))
 
 
 @dataclass(frozen=True)
@@ -51,7 +107,7 @@ class TargetRunner:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)  # where the token ids go in
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids = eos_ids_of(model, tokenizer)
@@ -62,22 +118,34 @@ class TargetRunner:
         # One slot holds one session's whole context; the budget decides how many slots exist.
         self.max_context = min(self.max_context, kv_budget_tokens)
         num_slots = max(kv_budget_tokens // self.max_context, 1)
-        self.pool = KVPool(model.config, num_slots, self.max_context, self.dtype, self.device)
+        self.pool = KVPool(model.config, num_slots, self.max_context, self.dtype,
+                           attention_devices(model, model.config.num_hidden_layers, self.device))
         model.set_attn_implementation(ATTENTION_NAME)
         log.info("KV pool: %d slots x %d tokens (%.0f MiB)", num_slots, self.max_context,
                  self.pool.nbytes / 2**20)
 
     @classmethod
     def load(cls, spec: str, dtype: str = "auto", device: str = "auto", max_context: int = 0,
-             kv_budget_tokens: int = 32768) -> TargetRunner:
+             kv_budget_tokens: int = 32768, device_map: str = "",
+             offload_folder: str = "") -> TargetRunner:
+        """``device_map``: place the model over several devices (accelerate's "auto",
+        "balanced", "sequential", or a JSON {module: device} map, "disk" offloading to
+        ``offload_folder``); each layer's KV slots live where that layer's attention runs."""
         started = time.perf_counter()
         torch_device = pick_device(device)
-        model = load_causal_lm(spec, pick_dtype(dtype, torch_device), torch_device)
+        model = load_causal_lm(spec, pick_dtype(dtype, torch_device), torch_device,
+                               device_map=parse_device_map(device_map),
+                               offload_folder=offload_folder or None)
         runner = cls(model, load_tokenizer(spec), spec, max_context, kv_budget_tokens)
         runner.warm_up()
         log.info("loaded target %s (%s, %s) in %.1f s", spec, runner.dtype, runner.device,
                  time.perf_counter() - started)
         return runner
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> TargetRunner:
+        return cls.load(settings.model, settings.dtype, settings.device, settings.max_context,
+                        settings.kv_budget_tokens, settings.device_map, settings.offload_folder)
 
     def warm_up(self) -> None:
         """One small forward, so the first client does not pay for kernel selection and

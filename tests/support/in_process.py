@@ -58,8 +58,7 @@ class InProcessVerifier:
     @classmethod
     def load(cls, settings: Settings) -> InProcessVerifier:
         """Load ``settings.model`` as the verifier's lifespan would."""
-        runner = TargetRunner.load(settings.model, settings.dtype, settings.device,
-                                   settings.max_context, settings.kv_budget_tokens)
+        runner = TargetRunner.from_settings(settings)
         return cls(runner, settings)
 
     def _run(self, job: Job, reply_model: type[M]) -> M:
