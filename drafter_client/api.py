@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 
 from drafter_client.draft_length import make_draft_length
-from drafter_client.drafters import Drafter, HFDrafter
+from drafter_client.drafters import Drafter, HFDrafter, HFSeq2SeqDrafter
 from drafter_client.metrics import GenerationMetrics
 from drafter_client.model_free import (
     BigramDrafter,
@@ -37,7 +37,7 @@ from drafter_client.speculative import (
 from drafter_client.transport import HttpVerifier, SpecDecError, Verifier
 from shared.models import (
     ModelSpecError,
-    load_causal_lm,
+    load_lm,
     load_tokenizer,
     pick_device,
     pick_dtype,
@@ -141,10 +141,19 @@ class SpecDecClient:
                 raise SpecDecError(f"drafter {drafter}: {exc}") from exc
         elif isinstance(drafter, str):
             torch_device = pick_device(device)
-            model = load_causal_lm(drafter, pick_dtype(dtype, torch_device), torch_device)
+            model = load_lm(drafter, pick_dtype(dtype, torch_device), torch_device)
+            seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
+            if seq2seq != self.info.is_encoder_decoder:
+                kinds = ("an encoder-decoder", "a decoder-only")
+                raise SpecDecError(
+                    f"drafter {drafter} is {kinds[0] if seq2seq else kinds[1]} model and the "
+                    f"verifier's target {self.info.model} is "
+                    f"{kinds[0] if self.info.is_encoder_decoder else kinds[1]} one: use a "
+                    "drafter of the same kind, or a model-free drafter")
             spec, vocab = drafter, self.info.vocab_size
-            self._new_drafter = lambda: HFDrafter(model, vocab, name=spec,
-                                                  min_prob=options.draft_min_prob)
+            kind = HFSeq2SeqDrafter if seq2seq else HFDrafter
+            self._new_drafter = lambda: kind(model, vocab, name=spec,
+                                             min_prob=options.draft_min_prob)
             drafter = self._new_drafter()
             drafter.warm_up()
         self.drafter: Drafter | None = drafter
@@ -173,13 +182,25 @@ class SpecDecClient:
             )
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        """Token ids of a prompt. For an encoder-decoder target the prompt is the encoder's
+        input, encoded as the tokenizer does for it (with its special tokens, e.g. T5's </s>)."""
         if isinstance(prompt, list):
             return prompt
         if chat:
             return self.encode_chat([{"role": "user", "content": prompt}])
-        return list(self.tokenizer.encode(prompt, add_special_tokens=False)) or [
+        special = self.info.is_encoder_decoder
+        return list(self.tokenizer.encode(prompt, add_special_tokens=special)) or [
             self.info.eos_token_ids[0]
         ]
+
+    def inputs(self, prompt: str | list[int], chat: bool = False
+               ) -> tuple[list[int], list[int] | None]:
+        """(decoder prompt, encoder ids): the prompt's ids and None for a decoder-only target;
+        [decoder start token] and the prompt's ids for an encoder-decoder one."""
+        ids = self.encode(prompt, chat)
+        if not self.info.is_encoder_decoder:
+            return ids, None
+        return [self.info.decoder_start_token_id or 0], ids
 
     def encode_chat(self, messages: list[dict[str, str]],
                     chat_template: str | None = None) -> list[int]:
@@ -215,12 +236,12 @@ class SpecDecClient:
         except ValueError as exc:
             raise SpecDecError(str(exc)) from exc
         try:
+            prompt_ids, encoder_ids = self.inputs(prompt, chat)
             settings = GenerationSettings(
                 SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
-                max_new_tokens, draft_length, seed)
-            result = speculative_generate(self.verifier, self.drafter,
-                                          self.encode(prompt, chat), settings, self.info,
-                                          _block_callback(on_tokens, on_block))
+                max_new_tokens, draft_length, seed, encoder_ids)
+            result = speculative_generate(self.verifier, self.drafter, prompt_ids, settings,
+                                          self.info, _block_callback(on_tokens, on_block))
         except SpecDecError as exc:
             if exc.partial is not None:
                 exc.partial.text = self.decode(exc.partial.token_ids)
@@ -237,7 +258,7 @@ class SpecDecClient:
         with ``num_beams`` > 1 (greedy only) beam search as transformers' ``generate`` does it,
         with ``length_penalty``, ``early_stopping`` (True, False or "never") and
         ``no_repeat_ngram_size``."""
-        prompt_ids = self.encode(prompt, chat)
+        prompt_ids, encoder_ids = self.inputs(prompt, chat)
         sent, received = self.verifier.bytes_sent, self.verifier.bytes_received
         started = time.perf_counter()
         try:
@@ -246,7 +267,7 @@ class SpecDecClient:
                 sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
                 num_beams=num_beams, length_penalty=length_penalty,
                 early_stopping=early_stopping,  # type: ignore[arg-type]
-                no_repeat_ngram_size=no_repeat_ngram_size,
+                no_repeat_ngram_size=no_repeat_ngram_size, encoder_ids=encoder_ids,
             ))
         except SpecDecError as exc:  # one call: nothing was generated
             exc.partial = GenerationResult(prompt_ids, [], GenerationMetrics(),

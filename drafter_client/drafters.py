@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, EncoderDecoderCache
 
-from drafter_client.kv_cache import crop_cache
+from shared.kv_cache import crop_cache
 from shared.sampling import (
     SamplingConfig,
     draw_uniforms,
@@ -33,8 +33,9 @@ class Drafter(Protocol):
     # the drafter wants back with each verify reply; 0 asks for none.
     top_k_filler: int
 
-    def reset(self, prompt_ids: list[int]) -> None:
-        """Start a new sequence."""
+    def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
+        """Start a new sequence (``encoder_ids``: the source, for an encoder-decoder target;
+        ``prompt_ids`` is then the decoder's prompt)."""
 
     def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
         """Draft k tokens after the committed sequence."""
@@ -80,14 +81,14 @@ class HFDrafter:
         self.device = next(model.parameters()).device
         self.committed: list[int] = []
         self.cached: list[int] = []
-        self.cache: DynamicCache | None = None
+        self.cache: DynamicCache | EncoderDecoderCache | None = None
 
     def warm_up(self) -> None:
         """A throwaway draft, so the first real block does not pay for kernel warm-up."""
         self.reset([i % self.model.config.vocab_size for i in range(16)])
         self.propose(2, SamplingConfig(), torch.Generator())
 
-    def reset(self, prompt_ids: list[int]) -> None:
+    def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
         self.committed = list(prompt_ids)
         self.cached = []
         self.cache = DynamicCache(config=self.model.config)
@@ -134,3 +135,32 @@ class HFDrafter:
         keep = min(common_prefix(self.cached, self.committed), len(self.committed) - 1)
         crop_cache(self.cache, keep)
         del self.cached[keep:]
+
+
+class HFSeq2SeqDrafter(HFDrafter):
+    """An encoder-decoder drafter (T5, BART, ...) for an encoder-decoder target with the same
+    tokenizer: it encodes the source once per sequence and drafts decoder tokens with its own
+    decoder cache (self-attention cropped like :class:`HFDrafter`'s, cross-attention kept)."""
+
+    def warm_up(self) -> None:
+        ids = [i % self.model.config.vocab_size for i in range(16)]
+        self.reset(ids[:1], ids)
+        self.propose(2, SamplingConfig(), torch.Generator())
+
+    def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
+        if encoder_ids is None:
+            raise ValueError("an encoder-decoder drafter needs the source (encoder_ids)")
+        self.committed = list(prompt_ids)
+        self.cached = []
+        self.cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        with torch.inference_mode():
+            self.encoded = self.model.get_encoder()(
+                input_ids=torch.tensor([encoder_ids], device=self.device))
+
+    @torch.inference_mode()
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        out = self.model(encoder_outputs=self.encoded,
+                         decoder_input_ids=torch.tensor([ids], device=self.device),
+                         cache=self.cache, use_cache=True)
+        self.cached.extend(ids)
+        return align_vocab(out.logits[0, -1].float().cpu(), self.vocab_size)  # [vocab]

@@ -50,9 +50,11 @@ class _SequenceDrafter:
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
+        self.source: list[int] = []  # an encoder-decoder target's source (prompt lookup uses it)
 
-    def reset(self, prompt_ids: list[int]) -> None:
+    def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
         self.tokens = []
+        self.source = list(encoder_ids or [])
         self._on_reset()
         self.commit(prompt_ids)
 
@@ -165,13 +167,17 @@ class PromptLookupDrafter(_SequenceDrafter):
         pass
 
     def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
+        """The longest tail match in the sequence (most recent first), else in the source of an
+        encoder-decoder target (summaries and edits copy from it)."""
         tokens = self.tokens
-        for m in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+        for m in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
             tail = tokens[-m:]
             for start in range(len(tokens) - m - 1, -1, -1):  # most recent match first
                 if tokens[start:start + m] == tail:
-                    follow = tokens[start + m:start + m + k]
-                    return Draft(follow, None, None)
+                    return Draft(tokens[start + m:start + m + k], None, None)
+            for start in range(len(self.source) - m):
+                if self.source[start:start + m] == tail:
+                    return Draft(self.source[start + m:start + m + k], None, None)
         return Draft([], None, None)
 
 

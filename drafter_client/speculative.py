@@ -68,6 +68,7 @@ class GenerationSettings:
     max_new_tokens: int
     draft_length: DraftLength | int = 4  # k per block, fixed or adaptive
     seed: int = 0
+    encoder_ids: list[int] | None = None  # an encoder-decoder target's source
 
     def draft_schedule(self) -> DraftLength:
         return (FixedLength(self.draft_length) if isinstance(self.draft_length, int)
@@ -101,8 +102,8 @@ class VerifierSession:
     """
 
     def __init__(self, verifier: Verifier, sampling: SamplingParams,
-                 prompt_ids: list[int]) -> None:
-        self.verifier, self.sampling = verifier, sampling
+                 prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
+        self.verifier, self.sampling, self.encoder_ids = verifier, sampling, encoder_ids
         self.committed = list(prompt_ids)
         self.session_id: str | None = None
         self.reopens = 0
@@ -113,7 +114,8 @@ class VerifierSession:
 
     def open(self) -> None:
         self.session_id = self.verifier.create_session(CreateSessionRequest(
-            prompt_ids=self.committed, sampling=self.sampling)).session_id
+            prompt_ids=self.committed, sampling=self.sampling,
+            encoder_ids=self.encoder_ids)).session_id
 
     def verify(self, req: VerifyRequest) -> VerifyResponse:
         for _ in range(MAX_REOPENS_PER_BLOCK):
@@ -255,7 +257,7 @@ def speculative_generate(
     schedule = settings.draft_schedule()
     generator = torch.Generator().manual_seed(settings.seed)
     recorder = MetricsRecorder(verifier)
-    session = VerifierSession(verifier, settings.sampling, prompt_ids)
+    session = VerifierSession(verifier, settings.sampling, prompt_ids, settings.encoder_ids)
 
     stopped = False
 
@@ -270,7 +272,7 @@ def speculative_generate(
     try:
         session.open()
         recorder.prefilled()
-        drafter.reset(prompt_ids)
+        drafter.reset(prompt_ids, settings.encoder_ids)
         while ((generated := session.position - len(prompt_ids)) < settings.max_new_tokens
                and session.position <= info.max_context):
             # A block yields up to k + 1 tokens and needs position + k <= max_context.

@@ -122,18 +122,30 @@ def load_causal_lm(spec: str, dtype: torch.dtype, device: torch.device,
                    offload_folder: str | None = None) -> Any:
     """``device_map``: accelerate's placement over several devices (then ``device`` is not
     used); None: the whole model on ``device``."""
-    from transformers import AutoModelForCausalLM
+    return load_lm(spec, dtype, device, device_map, offload_folder, encoder_decoder=False)
+
+
+def load_lm(spec: str, dtype: torch.dtype, device: torch.device,
+            device_map: str | dict[str, Any] | None = None, offload_folder: str | None = None,
+            encoder_decoder: bool | None = None) -> Any:
+    """A causal LM or, when its config says so (``encoder_decoder=None``), an
+    encoder-decoder (T5, BART, Marian, ...)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     path, gguf_file = resolve_model_spec(spec)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    if encoder_decoder is None:
+        encoder_decoder = bool(getattr(AutoConfig.from_pretrained(path, **kwargs),
+                                       "is_encoder_decoder", False))
+    auto: Any = AutoModelForSeq2SeqLM if encoder_decoder else AutoModelForCausalLM
     if device_map is not None:
         kwargs.update(device_map=device_map, offload_folder=offload_folder)
         try:
-            model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+            model: Any = auto.from_pretrained(path, dtype=dtype, **kwargs)
         except (ValueError, KeyError) as exc:
             raise ModelSpecError(f"cannot place {spec} with --device-map: {exc}") from None
         return model.eval()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    model = auto.from_pretrained(path, dtype=dtype, **kwargs)
     return model.to(device).eval()
 
 

@@ -61,6 +61,10 @@ class InfoResponse(_Strict):
     max_new_tokens: Positive
     dtype: str
     device: str
+    # An encoder-decoder target: sessions take the source as encoder_ids, and the decoder
+    # starts from decoder_start_token_id.
+    is_encoder_decoder: bool = False
+    decoder_start_token_id: Id | None = None
 
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"
@@ -75,6 +79,9 @@ class CreateSessionRequest(_Strict):
     session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN,
                                    description="client-chosen id (lets a load balancer route the "
                                    "session's first call by it); the verifier picks one if null")
+    encoder_ids: list[TokenId] | None = Field(
+        None, min_length=1, description="encoder-decoder targets only (required there): the "
+        "encoder's input; prompt_ids is then the decoder's prompt")
 
 
 class CreateSessionResponse(_Strict):
@@ -172,6 +179,9 @@ class GenerateRequest(_Strict):
     max_new_tokens: int = Field(128, ge=1, le=INT32_MAX)
     seed: int = Field(0, ge=0, le=2**63 - 1)
     stop_at_eos: bool = True
+    encoder_ids: list[TokenId] | None = Field(
+        None, min_length=1, description="encoder-decoder targets only (required there): the "
+        "encoder's input; prompt_ids is then the decoder's prompt")
     # Beam search (greedy sampling only), as transformers' generate(num_beams=N, ...).
     num_beams: int = Field(1, ge=1, le=MAX_BEAMS, description="1: no beam search")
     length_penalty: float = Field(1.0, ge=-100.0, le=100.0, allow_inf_nan=False,

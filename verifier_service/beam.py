@@ -36,6 +36,7 @@ from verifier_service.errors import VerifierError
 from verifier_service.jobs import JobContext
 from verifier_service.kv_pool import KVPool
 from verifier_service.scheduler import Scheduler
+from verifier_service.seq2seq import Seq2SeqPool
 from verifier_service.sessions import busy_error
 from verifier_service.target import ForwardItem
 
@@ -150,16 +151,6 @@ class BeamSearch:
         return self.finished[0, start:start + int(self.finished_lengths[0])].tolist()
 
 
-def reorder_slots(pool: KVPool, slots: list[int], parents: list[int], length: int) -> None:
-    """Model thread: slot j takes the first ``length`` cached positions of slot parents[j]."""
-    if parents == list(range(len(slots))):
-        return
-    dst = torch.tensor(slots)
-    src = torch.tensor([slots[p] for p in parents])
-    for cache in (*pool.keys, *pool.values):
-        cache[dst, :, :length] = cache[src, :, :length]  # the gather copies before writing
-
-
 @dataclass
 class BeamForwardJob:
     """One beam's new token on top of its slot (an ordinary scheduler job)."""
@@ -169,6 +160,7 @@ class BeamForwardJob:
     tokens: list[int]
     key: Hashable
     keep_logits: bool = True
+    encoder_ids: list[int] | None = None  # encoder-decoder targets: the first job's source
     kind = "beam"
 
     @property
@@ -180,7 +172,8 @@ class BeamForwardJob:
         return self.key
 
     def prepare(self, busy: set[Any]) -> ForwardItem:
-        return ForwardItem(self.slot, self.start, self.tokens, self.keep_logits)
+        return ForwardItem(self.slot, self.start, self.tokens, self.keep_logits,
+                           self.encoder_ids)
 
     def finish(self, logits: torch.Tensor | None) -> torch.Tensor | None:
         return None if logits is None else logits[-1]  # [vocab]
@@ -229,11 +222,13 @@ async def beam_generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequ
     started, calls = time.perf_counter(), 0
     try:
         # The prompt once, into beam 0's slot: at first every beam is the prompt.
+        encoder_ids = req.encoder_ids
         if len(prompt) > 1:
             await scheduler.submit(BeamForwardJob(slots[0], 0, prompt[:-1], keys[0],
-                                                  keep_logits=False))
+                                                  keep_logits=False, encoder_ids=encoder_ids))
+            encoder_ids = None
         row = await scheduler.submit(BeamForwardJob(slots[0], len(prompt) - 1, prompt[-1:],
-                                                    keys[0]))
+                                                    keys[0], encoder_ids=encoder_ids))
         calls += 1
         logits = row[None].expand(n, -1)  # [N, vocab]
         while True:
@@ -242,7 +237,7 @@ async def beam_generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequ
                 break
             # every beam's slot holds its parent's cache, then scores its new token
             cached = search.cur_len - 1
-            await scheduler.run(reorder_slots, ctx.pool, slots, parents, cached)
+            await scheduler.run(ctx.pool.reorder, slots, parents, cached)
             rows = await asyncio.gather(*(
                 scheduler.submit(BeamForwardJob(slots[j], cached, [tokens[j]], keys[j]))
                 for j in range(n)))
@@ -256,6 +251,6 @@ async def beam_generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequ
                             forward_ms=1e3 * (time.perf_counter() - started), forward_calls=calls)
 
 
-def _release(pool: KVPool, slots: list[int]) -> None:
+def _release(pool: KVPool | Seq2SeqPool, slots: list[int]) -> None:
     for slot in slots:
         pool.release(slot)

@@ -15,14 +15,15 @@ from verifier_service.scheduler import Scheduler
 
 async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
                    eos_token_ids: list[int], owner: str | None = None) -> GenerateResponse:
-    ctx.validator.check_create(req.protocol_version, req.prompt_ids)
+    ctx.validator.check_create(req.protocol_version, req.prompt_ids, req.encoder_ids)
     ctx.validator.check_new_tokens(req.max_new_tokens)
     check_beam_request(req)
     if req.num_beams > 1:
         return await beam_generate(ctx, scheduler, req, eos_token_ids, owner)
     generator = torch.Generator().manual_seed(req.seed)
     created = await scheduler.submit(CreateSessionJob(
-        ctx, CreateSessionRequest(prompt_ids=req.prompt_ids, sampling=req.sampling), owner))
+        ctx, CreateSessionRequest(prompt_ids=req.prompt_ids, sampling=req.sampling,
+                                  encoder_ids=req.encoder_ids), owner))
     session_id, position, last = created.session_id, created.position, req.prompt_ids[-1]
     tokens: list[int] = []
     forward_ms = 0.0

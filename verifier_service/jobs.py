@@ -26,6 +26,7 @@ from shared.schema import (
 )
 from verifier_service.errors import VerifierError
 from verifier_service.kv_pool import KVPool
+from verifier_service.seq2seq import Seq2SeqPool
 from verifier_service.sessions import Session, SessionKey, SessionStore, busy_error
 from verifier_service.target import ForwardItem
 from verifier_service.validation import RequestValidator
@@ -45,7 +46,7 @@ class VerifyCounters:
 class JobContext:
     sessions: SessionStore
     validator: RequestValidator
-    pool: KVPool
+    pool: KVPool | Seq2SeqPool
     counters: VerifyCounters = field(default_factory=VerifyCounters)
 
     def claim_slot(self, owner: str | None, busy: set[Any]) -> int:
@@ -105,7 +106,8 @@ class CreateSessionJob:
         except VerifierError:
             self.abort()
             raise
-        return ForwardItem(self.slot, 0, self.req.prompt_ids[:-1], keep_logits=False)
+        return ForwardItem(self.slot, 0, self.req.prompt_ids[:-1], keep_logits=False,
+                           encoder_ids=self.req.encoder_ids)
 
     def finish(self, logits: torch.Tensor | None) -> CreateSessionResponse:
         if self.replay is not None:

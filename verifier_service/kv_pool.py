@@ -84,6 +84,16 @@ class KVPool:
             raise ValueError(f"slot {slot} is already free")
         self._free.append(slot)
 
+    def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
+        """Slot j takes the first ``length`` cached positions of slot parents[j] (beam search
+        following its parents)."""
+        if parents == list(range(len(slots))):
+            return
+        for cache in (*self.keys, *self.values):
+            dst = torch.tensor(slots, device=cache.device)
+            src = torch.tensor([slots[p] for p in parents], device=cache.device)
+            cache[dst, :, :length] = cache[src, :, :length]  # the gather copies before writing
+
 
 def ragged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None,

@@ -30,7 +30,8 @@ def build_jobs(runner: TargetRunner, settings: Settings) -> JobContext:
     validator = RequestValidator(
         vocab_size=runner.vocab_size, max_context=runner.max_context,
         max_prompt=settings.max_prompt_tokens or runner.max_context - 1,
-        max_draft_tokens=settings.max_draft_tokens, max_new_tokens=settings.max_new_tokens)
+        max_draft_tokens=settings.max_draft_tokens, max_new_tokens=settings.max_new_tokens,
+        encoder_decoder=runner.is_encoder_decoder)
     return JobContext(sessions, validator, runner.pool)
 
 

@@ -187,6 +187,11 @@ class Forward(Protocol):
         """One forward over every item's new tokens; a logits row block per item that asked."""
 
 
+def needs_forward(item: ForwardItem) -> bool:
+    """New tokens, or a new encoder-decoder session's encoder input."""
+    return bool(item.token_ids) or item.encoder_ids is not None
+
+
 def run_jobs(runner: Forward, jobs: list[Job]) -> list[tuple[bool | None, Any]]:
     """Model thread: prepare every job, one forward for all, then finish each. Outcomes in job
     order: (True, answer), (False, exception) for a job that failed alone, or (None, None) for a
@@ -206,7 +211,7 @@ def run_jobs(runner: Forward, jobs: list[Job]) -> list[tuple[bool | None, Any]]:
         if job.session_key is not None:
             sessions.add(job.session_key)
         prepared.append((i, item))
-    items = [item for _, item in prepared if item is not None and item.token_ids]
+    items = [item for _, item in prepared if item is not None and needs_forward(item)]
     try:
         rows = iter(runner.forward(items) if items else [])
     except Exception as exc:  # the forward failed: every prepared job fails with it
@@ -216,7 +221,7 @@ def run_jobs(runner: Forward, jobs: list[Job]) -> list[tuple[bool | None, Any]]:
             outcomes[i] = (False, exc)
         return [o for o in outcomes if o is not None]
     for i, item in prepared:
-        logits = next(rows) if item is not None and item.token_ids else None
+        logits = next(rows) if item is not None and needs_forward(item) else None
         try:
             outcomes[i] = (True, jobs[i].finish(logits))
         except Exception as exc:  # noqa: BLE001 - reported to that job's caller only

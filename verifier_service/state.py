@@ -38,6 +38,8 @@ def describe(runner: TargetRunner, settings: Settings) -> InfoResponse:
         max_context=runner.max_context, max_draft_tokens=settings.max_draft_tokens,
         max_new_tokens=settings.max_new_tokens,
         dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device),
+        is_encoder_decoder=runner.is_encoder_decoder,
+        decoder_start_token_id=runner.decoder_start_token_id,
     )
 
 

@@ -12,13 +12,14 @@ import torch
 
 from shared.models import (
     ModelSpecError,
-    load_causal_lm,
+    load_lm,
     load_tokenizer,
     pick_device,
     pick_dtype,
     tokenizer_fingerprint,
 )
 from verifier_service.kv_pool import ATTENTION_NAME, KVPool, RaggedBatch, Segment
+from verifier_service.seq2seq import Seq2SeqPool, seq2seq_forward
 from verifier_service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ class ForwardItem:
     start: int  # tokens already in the slot
     token_ids: list[int]
     keep_logits: bool
+    encoder_ids: list[int] | None = None  # encoder-decoder targets: a new session's source
 
 
 class TargetRunner:
@@ -118,9 +120,19 @@ class TargetRunner:
         # One slot holds one session's whole context; the budget decides how many slots exist.
         self.max_context = min(self.max_context, kv_budget_tokens)
         num_slots = max(kv_budget_tokens // self.max_context, 1)
-        self.pool = KVPool(model.config, num_slots, self.max_context, self.dtype,
-                           attention_devices(model, model.config.num_hidden_layers, self.device))
-        model.set_attn_implementation(ATTENTION_NAME)
+        self.is_encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+        self.decoder_start_token_id: int | None = None
+        self.pool: KVPool | Seq2SeqPool
+        if self.is_encoder_decoder:  # per-session caches (verifier_service/seq2seq.py)
+            start = (getattr(model.generation_config, "decoder_start_token_id", None)
+                     or model.config.decoder_start_token_id)
+            self.decoder_start_token_id = int(start if start is not None else 0)
+            self.pool = Seq2SeqPool(num_slots, self.max_context)
+        else:
+            layers = model.config.num_hidden_layers
+            self.pool = KVPool(model.config, num_slots, self.max_context, self.dtype,
+                               attention_devices(model, layers, self.device))
+            model.set_attn_implementation(ATTENTION_NAME)
         log.info("KV pool: %d slots x %d tokens (%.0f MiB)", num_slots, self.max_context,
                  self.pool.nbytes / 2**20)
 
@@ -133,9 +145,9 @@ class TargetRunner:
         ``offload_folder``); each layer's KV slots live where that layer's attention runs."""
         started = time.perf_counter()
         torch_device = pick_device(device)
-        model = load_causal_lm(spec, pick_dtype(dtype, torch_device), torch_device,
-                               device_map=parse_device_map(device_map),
-                               offload_folder=offload_folder or None)
+        model = load_lm(spec, pick_dtype(dtype, torch_device), torch_device,
+                        device_map=parse_device_map(device_map),
+                        offload_folder=offload_folder or None)
         runner = cls(model, load_tokenizer(spec), spec, max_context, kv_budget_tokens)
         runner.warm_up()
         log.info("loaded target %s (%s, %s) in %.1f s", spec, runner.dtype, runner.device,
@@ -154,7 +166,8 @@ class TargetRunner:
         if slot is None:
             return
         ids = [i % self.vocab_size for i in range(16)]
-        self.forward([ForwardItem(slot, 0, ids, False)])
+        encoder_ids = ids if self.is_encoder_decoder else None
+        self.forward([ForwardItem(slot, 0, ids, False, encoder_ids)])
         self.forward([ForwardItem(slot, 16, ids[:5], True)])
         self.pool.release(slot)
 
@@ -162,6 +175,8 @@ class TargetRunner:
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
         """One forward pass over the new tokens of every item; [n, vocab] float32 logits for
         the items that asked for them."""
+        if isinstance(self.pool, Seq2SeqPool):
+            return seq2seq_forward(self.model, self.pool, items, self.device)
         segments: list[Segment] = []
         ids: list[int] = []  # [N] new tokens of all items, flattened
         positions: list[int] = []  # [N] each token's position in its own sequence

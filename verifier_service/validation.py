@@ -16,6 +16,7 @@ class RequestValidator:
     max_prompt: int  # tokens a prompt may hold
     max_draft_tokens: int
     max_new_tokens: int  # /v1/generate's cap
+    encoder_decoder: bool = False  # the target takes encoder_ids with every new session
 
     def check_protocol(self, version: int) -> None:
         if version != PROTOCOL_VERSION:
@@ -35,10 +36,25 @@ class RequestValidator:
             raise VerifierError(413, "prompt_too_long", f"prompt_ids has {len(prompt_ids)} "
                                 f"tokens; the limit is {self.max_prompt}", "prompt_ids")
 
-    def check_create(self, protocol_version: int, prompt_ids: list[int]) -> None:
+    def check_create(self, protocol_version: int, prompt_ids: list[int],
+                     encoder_ids: list[int] | None = None) -> None:
         """What a create (or /v1/generate) can be refused for before it is queued."""
         self.check_protocol(protocol_version)
         self.check_prompt(prompt_ids)
+        if self.encoder_decoder and encoder_ids is None:
+            raise VerifierError(422, "encoder_ids_required", "this target is an "
+                                "encoder-decoder model: send the source as encoder_ids (and the "
+                                "decoder's prompt as prompt_ids)", "encoder_ids")
+        if not self.encoder_decoder and encoder_ids is not None:
+            raise VerifierError(422, "not_encoder_decoder", "this target is a decoder-only "
+                                "model: encoder_ids is not used; put everything in prompt_ids",
+                                "encoder_ids")
+        if encoder_ids is not None:
+            self.check_ids(encoder_ids, "encoder_ids")
+            if len(encoder_ids) > self.max_prompt:
+                raise VerifierError(413, "prompt_too_long", f"encoder_ids has "
+                                    f"{len(encoder_ids)} tokens; the limit is {self.max_prompt}",
+                                    "encoder_ids")
 
     def check_new_tokens(self, max_new_tokens: int) -> None:
         if max_new_tokens > self.max_new_tokens:

@@ -73,7 +73,8 @@ class InProcessVerifier:
     def create_session(self, req: CreateSessionRequest) -> CreateSessionResponse:
         req = _over_the_wire(req, CreateSessionRequest)
         try:
-            self.jobs.validator.check_create(req.protocol_version, req.prompt_ids)
+            self.jobs.validator.check_create(req.protocol_version, req.prompt_ids,
+                                             req.encoder_ids)
         except VerifierError as exc:
             raise _as_client_error(exc) from None
         return self._run(CreateSessionJob(self.jobs, req), CreateSessionResponse)

@@ -8,12 +8,18 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    BartConfig,
+    BartForConditionalGeneration,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    T5Config,
+    T5ForConditionalGeneration,
 )
 
 from shared.models import load_causal_lm
@@ -63,9 +69,39 @@ def save_tiny(folder: Path, arch: str, vocab_size: int, seed: int,
     return folder
 
 
+def build_seq2seq(arch: str, vocab_size: int, seed: int, init_std: float = 0.5):  # type: ignore[no-untyped-def]
+    """A tiny encoder-decoder: T5-style (relative positions, decoder starts with pad = 0) or
+    BART-style (learned positions, decoder starts with EOS = 1)."""
+    torch.manual_seed(seed)
+    if arch == "t5":
+        config = T5Config(vocab_size=vocab_size, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                          num_decoder_layers=2, num_heads=4, pad_token_id=0, eos_token_id=1,
+                          decoder_start_token_id=0, initializer_factor=init_std,
+                          tie_word_embeddings=False)
+        model = T5ForConditionalGeneration(config)
+    else:
+        config = BartConfig(vocab_size=vocab_size, d_model=32, encoder_layers=2,
+                            decoder_layers=2, encoder_attention_heads=4,
+                            decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                            max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                            eos_token_id=1, decoder_start_token_id=1, forced_eos_token_id=None,
+                            init_std=init_std, scale_embedding=False)
+        model = BartForConditionalGeneration(config)
+    return model.eval()
+
+
+def save_seq2seq(folder: Path, arch: str, vocab_size: int, seed: int,
+                 init_std: float = 0.5) -> Path:
+    build_seq2seq(arch, vocab_size, seed, init_std).save_pretrained(folder)
+    build_tokenizer(vocab_size).save_pretrained(folder)
+    return folder
+
+
 def save_perturbed(source: Path, folder: Path, noise: float, seed: int) -> Path:
     """A drafter correlated with its target: the target's weights plus Gaussian noise."""
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    auto = (AutoModelForSeq2SeqLM if AutoConfig.from_pretrained(source).is_encoder_decoder
+            else AutoModelForCausalLM)
+    model = auto.from_pretrained(source, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
@@ -78,14 +114,20 @@ def save_perturbed(source: Path, folder: Path, noise: float, seed: int) -> Path:
 
 def build_tiny_set(root: Path) -> dict[str, Path]:
     """The fixture's model folders. 'gpt2-*' and 'llama-*': vocab 64 target/drafter pairs;
-    'peaky-*': vocab 16 with peaked distributions, for the statistical tests."""
+    'peaky-*': vocab 16 with peaked distributions, for the statistical tests; 't5-*',
+    'bart-*' and 'peaky-t5-*': encoder-decoder pairs."""
     paths = {
         "gpt2-target": save_tiny(root / "gpt2-target", "gpt2", 64, seed=1, init_range=0.3),
         "llama-target": save_tiny(root / "llama-target", "llama", 64, seed=3, init_range=0.3),
         "peaky-target": save_tiny(root / "peaky-target", "llama", 16, seed=5, init_range=0.5),
         "other-vocab": save_tiny(root / "other-vocab", "gpt2", 48, seed=7),
     }
-    for name, noise in (("gpt2", 0.02), ("llama", 0.01), ("peaky", 0.02)):
+    paths["t5-target"] = save_seq2seq(root / "t5-target", "t5", 64, seed=13, init_std=10.0)
+    paths["bart-target"] = save_seq2seq(root / "bart-target", "bart", 64, seed=17, init_std=0.3)
+    paths["peaky-t5-target"] = save_seq2seq(root / "peaky-t5-target", "t5", 16, seed=19,
+                                            init_std=3.0)
+    for name, noise in (("gpt2", 0.02), ("llama", 0.01), ("peaky", 0.02), ("t5", 0.02),
+                        ("bart", 0.02), ("peaky-t5", 0.05)):
         paths[f"{name}-drafter"] = save_perturbed(paths[f"{name}-target"],
                                                   root / f"{name}-drafter", noise, seed=11)
     return paths

@@ -1,7 +1,6 @@
-"""Rolling back the model drafter's transformers KV cache to the committed prefix.
-
-(The verifier keeps its KV in a slot pool and rolls back by moving a length: see
-``verifier_service/kv_pool.py``.)"""
+"""Rolling back a transformers KV cache to a prefix: the model drafter's cache, and the
+decoder caches of an encoder-decoder target (a causal target's KV lives in the verifier's slot
+pool and rolls back by moving a length: ``verifier_service/kv_pool.py``)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,106 @@
+"""Encoder-decoder targets (T5, BART, Marian, ...): per-session state instead of the slot pool.
+
+A session's "slot" holds its encoder output (computed once, when the session is created from its
+``encoder_ids``) and a transformers ``EncoderDecoderCache``: the decoder's self-attention K/V,
+which grows with the decoder tokens and is cropped back when drafts are rejected, and the
+cross-attention K/V over the encoder output, computed on the first decoder forward and reused.
+
+Forwards run one session at a time: concurrent sessions' jobs still share the scheduler's batches
+(one model-thread step), but each scores its block in its own decoder forward. Mixing
+encoder-decoder sessions in one ragged forward would need a ragged cross-attention too; the
+decoder forward of a block is small next to what batching would save only at high concurrency.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache, EncoderDecoderCache
+
+from shared.kv_cache import crop_cache
+
+
+@dataclass
+class Seq2SeqState:
+    encoder_outputs: Any  # the encoder's BaseModelOutput for this session's encoder_ids
+    cache: EncoderDecoderCache
+
+
+class Seq2SeqPool:
+    """The slot allocator of encoder-decoder targets: ``num_slots`` per-session states."""
+
+    def __init__(self, num_slots: int, slot_tokens: int) -> None:
+        self.num_slots, self.slot_tokens = num_slots, slot_tokens
+        self.states: list[Seq2SeqState | None] = [None] * num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the sessions' caches and encoder outputs right now."""
+        total = 0
+        for state in self.states:
+            if state is None:
+                continue
+            tensors = [state.encoder_outputs.last_hidden_state]
+            for part in (state.cache.self_attention_cache, state.cache.cross_attention_cache):
+                for layer in getattr(part, "layers", []):
+                    tensors += [t for t in (getattr(layer, "keys", None),
+                                            getattr(layer, "values", None)) if t is not None]
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        return total
+
+    def allocate(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        if slot in self._free:
+            raise ValueError(f"slot {slot} is already free")
+        self.states[slot] = None
+        self._free.append(slot)
+
+    def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
+        """Slot j takes a copy of slot parents[j]'s state, cut to ``length`` decoder positions
+        (beam search). The encoder output is shared: it never changes."""
+        if parents == list(range(len(slots))):
+            return
+        sources = [self.states[slots[p]] for p in parents]
+        copies: list[Seq2SeqState | None] = []
+        for state in sources:
+            assert state is not None
+            cache = copy.deepcopy(state.cache)
+            crop_cache(cache, length)
+            copies.append(Seq2SeqState(state.encoder_outputs, cache))
+        for slot, state in zip(slots, copies, strict=True):
+            self.states[slot] = state
+
+
+@torch.inference_mode()
+def seq2seq_forward(model: Any, pool: Seq2SeqPool, items: list[Any],
+                    device: torch.device) -> list[torch.Tensor | None]:
+    """Each item: encode (when it carries ``encoder_ids``: a new session), crop the decoder
+    cache to ``start`` (drafts rejected last time), then one decoder forward over its tokens."""
+    rows: list[torch.Tensor | None] = []
+    for item in items:
+        if item.encoder_ids is not None:
+            encoded = model.get_encoder()(
+                input_ids=torch.tensor([item.encoder_ids], device=device))
+            pool.states[item.slot] = Seq2SeqState(
+                encoded, EncoderDecoderCache(DynamicCache(), DynamicCache()))
+        state = pool.states[item.slot]
+        assert state is not None, f"slot {item.slot} holds no session"
+        crop_cache(state.cache, item.start)
+        if not item.token_ids:
+            rows.append(None)
+            continue
+        out = model(encoder_outputs=state.encoder_outputs,
+                    decoder_input_ids=torch.tensor([item.token_ids], device=device),
+                    cache=state.cache, use_cache=True)
+        rows.append(out.logits[0].float().cpu() if item.keep_logits else None)  # [n, vocab]
+    return rows
