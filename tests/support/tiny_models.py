@@ -125,9 +125,9 @@ def build_tiny_set(root: Path) -> dict[str, Path]:
     paths["t5-target"] = save_seq2seq(root / "t5-target", "t5", 64, seed=13, init_std=10.0)
     paths["bart-target"] = save_seq2seq(root / "bart-target", "bart", 64, seed=17, init_std=0.3)
     paths["peaky-t5-target"] = save_seq2seq(root / "peaky-t5-target", "t5", 16, seed=19,
-                                            init_std=3.0)
+                                            init_std=0.3)
     for name, noise in (("gpt2", 0.02), ("llama", 0.01), ("peaky", 0.02), ("t5", 0.02),
-                        ("bart", 0.02), ("peaky-t5", 0.05)):
+                        ("bart", 0.02), ("peaky-t5", 0.3)):
         paths[f"{name}-drafter"] = save_perturbed(paths[f"{name}-target"],
                                                   root / f"{name}-drafter", noise, seed=11)
     return paths

@@ -1,0 +1,185 @@
+"""Encoder-decoder targets (tiny T5 and BART pairs built offline): greedy output equals
+transformers' `generate(do_sample=False)` with every drafter kind, beam search equals
+`generate(num_beams=N)`, sampling passes the chi-square test of tests/test_distribution.py, and
+bad input gets the same 4xx."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForSeq2SeqLM
+
+import drafter_client.speculative as speculative
+import shared.sampling as sampling
+from drafter_client import SpecDecClient
+from drafter_client.transport import SpecDecError
+from tests.support.in_process import InProcessVerifier
+from tests.support.live_server import LiveServer, fp32_settings
+from tests.test_distribution import chi_square_p, reference_probs
+
+SOURCES = [[5, 6, 7, 8, 1], [9, 3, 22, 1], [40, 41, 1], [12, 30, 12, 30, 12, 1]]
+
+
+def hf_seq2seq(model_dir: Path, source: list[int], **kwargs: Any) -> list[int]:
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([source]), do_sample=False, **kwargs)
+    return out[0, 1:].tolist()  # type: ignore[no-any-return]  # after the decoder start token
+
+
+@pytest.fixture(scope="module", params=["t5", "bart"])
+def pair(request: pytest.FixtureRequest,
+         tiny_models: dict[str, Path]) -> Any:
+    arch = request.param
+    with LiveServer(fp32_settings(tiny_models[f"{arch}-target"], max_draft_tokens=8)) as server:
+        yield arch, server
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "prompt-lookup"])
+def test_greedy_equals_transformers(pair: Any, tiny_models: dict[str, Path],
+                                    drafter: str) -> None:
+    arch, server = pair
+    target = tiny_models[f"{arch}-target"]
+    spec = str(tiny_models[f"{arch}-drafter"]) if drafter == "model" else drafter
+    client = SpecDecClient(server.url, spec, str(target) if drafter != "model" else None,
+                           dtype="float32")
+    assert client.info.is_encoder_decoder
+    accepted = 0
+    for source in SOURCES:
+        reference = hf_seq2seq(target, source, max_new_tokens=20)
+        for k in (1, 4):
+            result = client.generate(source, num_draft_tokens=k, max_new_tokens=20)
+            assert result.token_ids == reference, (source, k)
+            accepted += result.metrics.accepted_tokens
+        assert client.baseline(source, max_new_tokens=20).token_ids == reference
+    assert accepted > 0  # the drafts did something
+
+
+@pytest.mark.parametrize("beams", [2, 4])
+def test_beam_search_equals_transformers(pair: Any, tiny_models: dict[str, Path],
+                                         beams: int) -> None:
+    arch, server = pair
+    target = tiny_models[f"{arch}-target"]
+    client = SpecDecClient(server.url, None, str(target))
+    for source in SOURCES:
+        for penalty, early in ((1.0, False), (0.5, True), (2.0, "never")):
+            ours = client.baseline(source, max_new_tokens=12, num_beams=beams,
+                                   length_penalty=penalty, early_stopping=early).token_ids
+            assert ours == hf_seq2seq(target, source, max_new_tokens=12, num_beams=beams,
+                                      length_penalty=penalty, early_stopping=early)
+
+
+def test_text_prompt_is_the_encoder_input(pair: Any, tiny_models: dict[str, Path]) -> None:
+    """A text prompt is encoded as the tokenizer does for the encoder (special tokens kept)."""
+    arch, server = pair
+    target = tiny_models[f"{arch}-target"]
+    client = SpecDecClient(server.url, str(tiny_models[f"{arch}-drafter"]), dtype="float32")
+    ids = client.tokenizer("the cat sat")["input_ids"]
+    result = client.generate("the cat sat", max_new_tokens=12)
+    assert result.token_ids == hf_seq2seq(target, list(ids), max_new_tokens=12)
+
+
+def test_bad_input(pair: Any, tiny_models: dict[str, Path], llama_server: LiveServer) -> None:
+    arch, server = pair
+    url = server.url
+    cases = [
+        ({"prompt_ids": [0]}, 422, "encoder_ids"),  # missing: an encoder-decoder target
+        ({"prompt_ids": [0], "encoder_ids": [5, 64]}, 422, "encoder_ids"),  # out of vocab
+        ({"prompt_ids": [0], "encoder_ids": []}, 422, "encoder_ids"),
+        ({"prompt_ids": [0], "encoder_ids": [5] * 5000}, 413, "encoder_ids"),
+    ]
+    for body, status, field in cases:
+        for path in ("/v1/sessions", "/v1/generate"):
+            r = httpx.post(url + path, json={**body, "max_new_tokens": 4}
+                           if path == "/v1/generate" else body)
+            assert r.status_code == status, (path, body, r.text)
+            assert field in (r.json()["error"]["field"] or ""), r.text
+    # a decoder-only target refuses encoder_ids
+    r = httpx.post(llama_server.url + "/v1/sessions", json={"prompt_ids": [2],
+                                                            "encoder_ids": [3]})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "encoder_ids"
+    # a decoder-only drafter for an encoder-decoder target: one clear error
+    with pytest.raises(SpecDecError, match="encoder-decoder"):
+        SpecDecClient(url, str(tiny_models["gpt2-drafter"]), dtype="float32")
+    # still serving
+    assert httpx.post(url + "/v1/generate", json={"prompt_ids": [0], "encoder_ids": [5, 1],
+                                                  "max_new_tokens": 3}).status_code == 200
+
+
+def exact_seq2seq_pairs(model_dir: Path, source: list[int], start: int,
+                        params: dict[str, float], eos: list[int]) -> dict[tuple[int, int], float]:
+    """P(first two decoder tokens) from the target itself, with transformers' warpers."""
+    model = AutoModelForSeq2SeqLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        enc = torch.tensor([source])
+        first = reference_probs(model(input_ids=enc, decoder_input_ids=torch.tensor(
+            [[start]])).logits[0, -1:], params)[0]  # [V]
+        vocab = first.shape[0]
+        dec = torch.tensor([[start, t] for t in range(vocab)])
+        second = reference_probs(model(input_ids=enc.expand(vocab, -1),
+                                       decoder_input_ids=dec).logits[:, -1], params)  # [V, V]
+    cells: dict[tuple[int, int], float] = {}
+    for t1 in range(vocab):
+        if t1 in eos:
+            cells[(t1, -1)] = float(first[t1])
+            continue
+        for t2 in range(vocab):
+            cells[(t1, t2)] = float(first[t1] * second[t1, t2])
+    return cells
+
+
+@pytest.fixture(scope="module")
+def peaky_client(tiny_models: dict[str, Path]) -> SpecDecClient:
+    verifier = InProcessVerifier.load(fp32_settings(tiny_models["peaky-t5-target"],
+                                                    max_draft_tokens=8))
+    return SpecDecClient(verifier, str(tiny_models["peaky-t5-drafter"]), dtype="float32",
+                         device="cpu")
+
+
+PEAKY_SOURCE = [5, 6, 7, 1]
+
+
+def draw_pairs(client: SpecDecClient, params: dict[str, float], runs: int) -> Counter:
+    counts: Counter = Counter()
+    for seed in range(runs):
+        ids = client.generate(PEAKY_SOURCE, num_draft_tokens=2, max_new_tokens=3, seed=seed,
+                              **params).token_ids  # type: ignore[arg-type]
+        counts[(ids[0], ids[1] if len(ids) > 1 else -1)] += 1
+    return counts
+
+
+def exact_for(client: SpecDecClient, tiny_models: dict[str, Path],
+              params: dict[str, float]) -> dict[tuple[int, int], float]:
+    return exact_seq2seq_pairs(tiny_models["peaky-t5-target"], PEAKY_SOURCE,
+                               client.info.decoder_start_token_id or 0, params,
+                               client.info.eos_token_ids)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [{"temperature": 0.7, "top_p": 0.9}])
+def test_sampling_follows_the_target(peaky_client: SpecDecClient, tiny_models: dict[str, Path],
+                                     params: dict[str, float]) -> None:
+    exact = exact_for(peaky_client, tiny_models, params)
+    assert max(exact.values()) < 0.8  # not degenerate: the test can tell distributions apart
+    p_value, tv = chi_square_p(draw_pairs(peaky_client, params, 5000), exact)
+    assert p_value > 1e-3 and tv < 0.1, (p_value, tv)
+
+
+@pytest.mark.slow
+def test_negative_control_accept_everything(peaky_client: SpecDecClient,
+                                            tiny_models: dict[str, Path],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same test catches a wrong acceptance rule on this path too."""
+    def accept_all(target_logprobs, draft_logprobs, log_uniforms):  # type: ignore[no-untyped-def]
+        return len(log_uniforms)
+
+    monkeypatch.setattr(sampling, "accept_drafts", accept_all)  # the verifier's copy
+    monkeypatch.setattr(speculative, "accept_drafts", accept_all)  # the client's re-check
+    params = {"temperature": 1.0}
+    p_value, tv = chi_square_p(draw_pairs(peaky_client, params, 2000),
+                               exact_for(peaky_client, tiny_models, params))
+    assert p_value < 1e-6, f"wrong rule not caught: p = {p_value:.2e}, TV = {tv:.3f}"
