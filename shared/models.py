@@ -127,9 +127,10 @@ def load_causal_lm(spec: str, dtype: torch.dtype, device: torch.device,
 
 def load_lm(spec: str, dtype: torch.dtype, device: torch.device,
             device_map: str | dict[str, Any] | None = None, offload_folder: str | None = None,
-            encoder_decoder: bool | None = None) -> Any:
+            encoder_decoder: bool | None = None, tp_plan: str | None = None) -> Any:
     """A causal LM or, when its config says so (``encoder_decoder=None``), an
-    encoder-decoder (T5, BART, Marian, ...)."""
+    encoder-decoder (T5, BART, Marian, ...). ``tp_plan="auto"``: sharded over the ranks of the
+    ``torchrun`` group this process is in (tensor parallelism)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     path, gguf_file = resolve_model_spec(spec)
@@ -138,10 +139,17 @@ def load_lm(spec: str, dtype: torch.dtype, device: torch.device,
         encoder_decoder = bool(getattr(AutoConfig.from_pretrained(path, **kwargs),
                                        "is_encoder_decoder", False))
     auto: Any = AutoModelForSeq2SeqLM if encoder_decoder else AutoModelForCausalLM
+    model: Any
+    if tp_plan:
+        try:
+            model = auto.from_pretrained(path, dtype=dtype, tp_plan=tp_plan, **kwargs)
+        except (ValueError, KeyError, OSError) as exc:
+            raise ModelSpecError(f"cannot shard {spec} with --tp-plan {tp_plan}: {exc}") from None
+        return model.eval()
     if device_map is not None:
         kwargs.update(device_map=device_map, offload_folder=offload_folder)
         try:
-            model: Any = auto.from_pretrained(path, dtype=dtype, **kwargs)
+            model = auto.from_pretrained(path, dtype=dtype, **kwargs)
         except (ValueError, KeyError) as exc:
             raise ModelSpecError(f"cannot place {spec} with --device-map: {exc}") from None
         return model.eval()

@@ -18,6 +18,7 @@ from shared.models import ModelSpecError
 from verifier_service.app import create_app, server_options
 from verifier_service.settings import Settings, SettingsError, check_against_model
 from verifier_service.target import TargetRunner
+from verifier_service.tensor_parallel import follow, under_torchrun
 
 
 def parse_settings(argv: list[str] | None = None) -> Settings:
@@ -56,7 +57,22 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.tp_plan and not under_torchrun():
+        print("specdec-verifier: --tp-plan shards the model over a torchrun group: start it "
+              "with `torchrun --nproc-per-node N -m verifier_service.cli ...`", file=sys.stderr)
+        raise SystemExit(2)
     runner = load_target(settings)  # before listening: a bad setting never serves a request
+    if runner.lockstep is not None and not runner.lockstep.leader:
+        follow(runner)  # ranks > 0: run rank 0's forwards on this shard until it stops
+        return
+    try:
+        serve(settings, runner)
+    finally:
+        if runner.lockstep is not None:
+            runner.lockstep.stop()
+
+
+def serve(settings: Settings, runner: TargetRunner) -> None:
     if settings.key_list():
         logging.getLogger(__name__).info("API keys required (%d configured)",
                                          len(settings.key_list()))

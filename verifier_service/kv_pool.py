@@ -55,10 +55,13 @@ class KVPool:
     """``num_slots`` slots of ``slot_tokens`` positions for every layer of one model."""
 
     def __init__(self, config: Any, num_slots: int, slot_tokens: int, dtype: torch.dtype,
-                 device: torch.device | list[torch.device]) -> None:
-        """``device``: one for all layers, or one per layer (a model placed over several)."""
+                 device: torch.device | list[torch.device], tp_size: int = 1) -> None:
+        """``device``: one for all layers, or one per layer (a model placed over several);
+        ``tp_size``: ranks sharing the KV heads (tensor parallelism; this rank holds its share).
+        """
+        self.lockstep: Any = None  # tensor parallel: reorders are announced to the other ranks
         heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // tp_size
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         shape = (num_slots, kv_heads, slot_tokens, head_dim)
         layers = config.num_hidden_layers
@@ -87,6 +90,11 @@ class KVPool:
     def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
         """Slot j takes the first ``length`` cached positions of slot parents[j] (beam search
         following its parents)."""
+        if self.lockstep is not None:
+            self.lockstep.announce("reorder", slots, parents, length)
+        self.local_reorder(slots, parents, length)
+
+    def local_reorder(self, slots: list[int], parents: list[int], length: int) -> None:
         if parents == list(range(len(slots))):
             return
         for cache in (*self.keys, *self.values):

@@ -31,6 +31,8 @@ class Settings(BaseSettings):
                             "offload) or a JSON {module: device} map; empty: all on --device")
     offload_folder: str = Field("", description="with --device-map: where modules placed on "
                                 "\"disk\" are kept")
+    tp_plan: str = Field("", description="tensor parallel: \"auto\" shards the target over "
+                         "the ranks of a torchrun group (rank 0 serves); empty: off")
     threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default")
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")
@@ -83,6 +85,9 @@ class Settings(BaseSettings):
             raise ValueError(f"max_prompt_tokens {self.max_prompt_tokens} must be below "
                              f"max_context {self.max_context} (the prompt and at least one "
                              "new token share one KV slot)")
+        if self.tp_plan and self.device_map:
+            raise ValueError("tp_plan and device_map are two ways to place one model: choose "
+                             "one")
         return self
 
 

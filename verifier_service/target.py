@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from shared.models import (
     ModelSpecError,
@@ -21,6 +22,7 @@ from shared.models import (
 from verifier_service.kv_pool import ATTENTION_NAME, KVPool, RaggedBatch, Segment
 from verifier_service.seq2seq import Seq2SeqPool, seq2seq_forward
 from verifier_service.settings import Settings
+from verifier_service.tensor_parallel import Lockstep
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ class TargetRunner:
     """Holds the target model and a pool of KV slots; one ``forward`` serves many sessions."""
 
     def __init__(self, model: Any, tokenizer: Any, name: str, max_context: int = 0,
-                 kv_budget_tokens: int = 32768) -> None:
+                 kv_budget_tokens: int = 32768, tp_size: int = 1) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -121,6 +123,7 @@ class TargetRunner:
         self.max_context = min(self.max_context, kv_budget_tokens)
         num_slots = max(kv_budget_tokens // self.max_context, 1)
         self.is_encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
+        self.lockstep: Lockstep | None = None  # tensor parallel: rank 0 leads the others
         self.decoder_start_token_id: int | None = None
         self.pool: KVPool | Seq2SeqPool
         if self.is_encoder_decoder:  # per-session caches (verifier_service/seq2seq.py)
@@ -131,7 +134,7 @@ class TargetRunner:
         else:
             layers = model.config.num_hidden_layers
             self.pool = KVPool(model.config, num_slots, self.max_context, self.dtype,
-                               attention_devices(model, layers, self.device))
+                               attention_devices(model, layers, self.device), tp_size)
             model.set_attn_implementation(ATTENTION_NAME)
         log.info("KV pool: %d slots x %d tokens (%.0f MiB)", num_slots, self.max_context,
                  self.pool.nbytes / 2**20)
@@ -139,7 +142,7 @@ class TargetRunner:
     @classmethod
     def load(cls, spec: str, dtype: str = "auto", device: str = "auto", max_context: int = 0,
              kv_budget_tokens: int = 32768, device_map: str = "",
-             offload_folder: str = "") -> TargetRunner:
+             offload_folder: str = "", tp_plan: str = "") -> TargetRunner:
         """``device_map``: place the model over several devices (accelerate's "auto",
         "balanced", "sequential", or a JSON {module: device} map, "disk" offloading to
         ``offload_folder``); each layer's KV slots live where that layer's attention runs."""
@@ -147,9 +150,14 @@ class TargetRunner:
         torch_device = pick_device(device)
         model = load_lm(spec, pick_dtype(dtype, torch_device), torch_device,
                         device_map=parse_device_map(device_map),
-                        offload_folder=offload_folder or None)
-        runner = cls(model, load_tokenizer(spec), spec, max_context, kv_budget_tokens)
-        runner.warm_up()
+                        offload_folder=offload_folder or None, tp_plan=tp_plan or None)
+        runner = cls(model, load_tokenizer(spec), spec, max_context, kv_budget_tokens,
+                     tp_size=dist.get_world_size() if tp_plan else 1)
+        runner.warm_up()  # every rank at once: the same forwards, so their collectives match
+        if tp_plan:
+            if not isinstance(runner.pool, KVPool):
+                raise ModelSpecError("--tp-plan serves decoder-only targets only")
+            runner.lockstep = runner.pool.lockstep = Lockstep()
         log.info("loaded target %s (%s, %s) in %.1f s", spec, runner.dtype, runner.device,
                  time.perf_counter() - started)
         return runner
@@ -157,7 +165,8 @@ class TargetRunner:
     @classmethod
     def from_settings(cls, settings: Settings) -> TargetRunner:
         return cls.load(settings.model, settings.dtype, settings.device, settings.max_context,
-                        settings.kv_budget_tokens, settings.device_map, settings.offload_folder)
+                        settings.kv_budget_tokens, settings.device_map, settings.offload_folder,
+                        settings.tp_plan)
 
     def warm_up(self) -> None:
         """One small forward, so the first client does not pay for kernel selection and
@@ -174,7 +183,13 @@ class TargetRunner:
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
         """One forward pass over the new tokens of every item; [n, vocab] float32 logits for
-        the items that asked for them."""
+        the items that asked for them. Under tensor parallelism every rank runs it."""
+        if self.lockstep is not None:
+            self.lockstep.announce("forward", items)
+        return self.local_forward(items)
+
+    @torch.inference_mode()
+    def local_forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
         if isinstance(self.pool, Seq2SeqPool):
             return seq2seq_forward(self.model, self.pool, items, self.device)
         segments: list[Segment] = []
