@@ -183,3 +183,23 @@ def test_negative_control_accept_everything(peaky_client: SpecDecClient,
     p_value, tv = chi_square_p(draw_pairs(peaky_client, params, 2000),
                                exact_for(peaky_client, tiny_models, params))
     assert p_value < 1e-6, f"wrong rule not caught: p = {p_value:.2e}, TV = {tv:.3f}"
+
+
+def test_openai_completions_on_an_encoder_decoder_target(pair: Any,
+                                                         tiny_models: dict[str, Path]) -> None:
+    """`specdec serve` in front of a T5 / BART verifier: the prompt is the encoder's input."""
+    import openai
+
+    from drafter_client.gateway import GatewaySettings, create_gateway
+    from tests.support.live_server import ThreadedServer
+
+    arch, server = pair
+    client = SpecDecClient(server.url, str(tiny_models[f"{arch}-drafter"]), dtype="float32")
+    expected = client.generate("the cat sat", max_new_tokens=10)
+    with ThreadedServer(create_gateway(client, GatewaySettings("tiny-s2s"))) as gateway:
+        oai = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0)
+        reply = oai.completions.create(model="tiny-s2s", prompt="the cat sat", temperature=0,
+                                       max_tokens=10)
+    assert reply.choices[0].text == expected.text
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == len(expected.token_ids)
