@@ -99,3 +99,17 @@ def test_batching_and_profile_run_on_tiny_models(tiny_models: dict[str, Path],
                      "--out", str(tmp_path / "profile.json")])
     components = [r["component"] for r in profile["rows"]]
     assert len(components) == 6 and all(r["ms"] > 0 for r in profile["rows"])
+
+
+def test_gateway_bench_runs_on_tiny_models(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    payload = bench([
+        "gateway", "--target", str(tiny_models["gpt2-target"]), "--drafter",
+        str(tiny_models["gpt2-drafter"]), "--dtype", "float32", "--threads", "1",
+        "--max-new-tokens", "8", "--prompts", "2", "--concurrency", "1", "2",
+        "--out", str(tmp_path / "gateway.json")])
+    rows = payload["rows"]
+    assert {(r["concurrency"], r["method"]) for r in rows} == {
+        (c, m) for c in (1, 2) for m in ("direct client", "gateway", "gateway, streamed")}
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["vs_direct"] == 1.0 for r in rows if r["method"] == "direct client")
+    assert json.loads((tmp_path / "gateway.json").read_text())["rows"] == rows
