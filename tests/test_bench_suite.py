@@ -113,3 +113,20 @@ def test_gateway_bench_runs_on_tiny_models(tiny_models: dict[str, Path], tmp_pat
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert all(r["vs_direct"] == 1.0 for r in rows if r["method"] == "direct client")
     assert json.loads((tmp_path / "gateway.json").read_text())["rows"] == rows
+
+
+def test_gpu_bench_smoke_run_on_cpu(tmp_path: Path) -> None:
+    """The GPU benchmark's whole pipeline on a tiny random Qwen-shaped pair on CPU (it measures
+    nothing useful there; it proves the command works before a GPU lease is spent on it)."""
+    payload = bench([
+        "gpu", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--ks", "0", "2",
+        "--calls", "2", "--clients", "1", "2", "--max-new-tokens", "4", "--blocks", "1", "5",
+        "--out", str(tmp_path / "gpu.json")])
+    assert [r["new_tokens"] for r in payload["raw_forward"]] == [1, 5]
+    assert [r["k"] for r in payload["served_calls"]] == [0, 2]
+    assert all(r["round_trip_ms"] >= r["inside_server_ms"] > 0 for r in payload["served_calls"])
+    assert payload["target_alone"]["served_tok_s"] > 0
+    assert all(row["equal"] for row in payload["aggregate_table"])
+    assert payload["drafter"]["c"] > 0
+    assert json.loads((tmp_path / "gpu.json").read_text())["served_calls"] == \
+        payload["served_calls"]

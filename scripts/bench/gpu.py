@@ -1,0 +1,288 @@
+"""``gpu``: the verifier engine on one accelerator, in one command (issue #13's measurements).
+
+Builds Qwen2.5-Coder-shaped models from their configs with random weights (1.5B target, 0.5B
+drafter; real weights are not needed for speed) unless ``--target`` / ``--drafter`` name real
+ones, then prints tables and writes one JSON:
+
+1. raw forward ms per block size (1, 5, 17 new tokens on a 512-token context): plain
+   transformers with a DynamicCache, and the verifier's engine (TargetRunner over the KV pool);
+2. served verify call ms per k (round trip, and inside the server), one client;
+3. target alone: ``/v1/generate`` tok/s next to transformers' ``generate()``;
+4. aggregate tok/s at 1 / 8 / 32 / 64 / 128 concurrent n-gram clients, batching on and off, with
+   the mean batch size and whether every client's output is the same both ways;
+5. the drafter's cost ratio c = one drafted token / one target forward of one token.
+
+  python -m scripts.bench gpu --device cuda                 # about 5-8 minutes on one GPU
+  python -m scripts.bench gpu --shape tiny --device cpu      # a smoke run, seconds
+
+Times on CUDA are taken after ``torch.cuda.synchronize()``. Clients are threads of this process
+(the n-gram drafter costs almost nothing, but at 128 clients the client side's Python is part of
+what is measured; the rows say how many clients ran).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+
+from drafter_client.drafters import HFDrafter
+from drafter_client.transport import HttpVerifier
+from scripts.bench.batching import run_clients
+from scripts.bench.common import load_prompts, machine_record, markdown_table, write_json
+from shared.models import load_causal_lm, load_tokenizer, pick_dtype
+from shared.sampling import SamplingConfig
+from shared.schema import CreateSessionRequest, GenerateRequest, VerifyRequest
+from tests.support.process import VerifierProcess
+from tests.support.tiny_models import build_tokenizer
+from verifier_service.target import ForwardItem, TargetRunner
+
+# Qwen2.5-Coder-1.5B / 0.5B (their config.json), and a tiny one for smoke runs.
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+                 "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
+                 "tie_word_embeddings": True},
+    "qwen0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                 "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+                 "tie_word_embeddings": True},
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
+             "tie_word_embeddings": True},
+}
+CONTEXT = 512
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--shape", choices=["qwen", "tiny"], default="qwen",
+                        help="the random models' shapes: Qwen2.5-Coder 1.5B / 0.5B, or tiny")
+    parser.add_argument("--target", help="a real target instead (folder, .gguf, short name)")
+    parser.add_argument("--drafter", help="a real drafter instead")
+    parser.add_argument("--blocks", type=int, nargs="+", default=[1, 5, 17])
+    parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 4, 8, 16])
+    parser.add_argument("--calls", type=int, default=30, help="verify calls per k")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    parser.add_argument("--out", default="bench_results/gpu.json")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 20) -> float:
+    fn()
+    fn()  # warm (kernel selection, allocator)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return 1e3 * statistics.median(times)
+
+
+def build_models(args: argparse.Namespace, root: Path) -> tuple[str, str]:
+    """Folders of the target and drafter: the real ones named, else random Qwen-shaped ones."""
+    names = ("tiny", "tiny") if args.shape == "tiny" else ("qwen1.5b", "qwen0.5b")
+    specs = []
+    for real, shape, seed in ((args.target, names[0], 1), (args.drafter, names[1], 2)):
+        if real:
+            specs.append(real)
+            continue
+        torch.manual_seed(seed)
+        config = Qwen2Config(max_position_embeddings=32768, eos_token_id=1, bos_token_id=1,
+                             **SHAPES[shape])
+        folder = root / f"{shape}-{seed}"
+        Qwen2ForCausalLM(config).to(pick_dtype(args.dtype, torch.device("cpu"))).save_pretrained(
+            folder)
+        build_tokenizer(config.vocab_size).save_pretrained(folder)
+        specs.append(str(folder))
+    return specs[0], specs[1]
+
+
+@torch.inference_mode()
+def raw_forwards(target: str, args: argparse.Namespace, device: torch.device,
+                 dtype: torch.dtype) -> tuple[list[dict[str, Any]], float, Any]:
+    model = load_causal_lm(target, dtype, device)
+    vocab = int(model.config.vocab_size)
+    context = [(i * 7919) % vocab for i in range(CONTEXT)]
+    rows = []
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.tensor([context], device=device), cache=cache, use_cache=True)
+    plain: dict[int, float] = {}
+    for n in args.blocks:
+        def step(n: int = n) -> None:
+            model(input_ids=torch.tensor([context[:n]], device=device), cache=cache,
+                  use_cache=True, logits_to_keep=n)
+            cache.crop(-n)
+        plain[n] = median_ms(step, device)
+    runner = TargetRunner(model, load_tokenizer(target), target, max_context=CONTEXT + 64,
+                          kv_budget_tokens=CONTEXT + 64)
+    slot = runner.pool.allocate()
+    assert slot is not None
+    runner.forward([ForwardItem(slot, 0, context, False)])
+    for n in args.blocks:
+        ours = median_ms(lambda n=n: runner.forward(
+            [ForwardItem(slot, CONTEXT, context[:n], True)]), device)
+        rows.append({"new_tokens": n, "plain_hf_ms": round(plain[n], 2),
+                     "engine_ms": round(ours, 2)})
+    one_token = plain[min(args.blocks)]
+    runner.pool.release(slot)
+    model.set_attn_implementation("sdpa")  # back to transformers' own, for generate() below
+    return rows, one_token, model
+
+
+def served_calls(url: str, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    verifier = HttpVerifier(url)
+    rows = []
+    context = [(i * 7919) % vocab for i in range(CONTEXT)]
+    for k in args.ks:
+        session = verifier.create_session(CreateSessionRequest(prompt_ids=context))
+        position, last = len(context), context[-1]
+        trips, inside = [], []
+        for call in range(args.calls + 2):
+            drafts = [(position * 31 + i) % vocab for i in range(k)]
+            started = time.perf_counter()
+            reply = verifier.verify(session.session_id, VerifyRequest(
+                position=position, last_token=last, draft_ids=drafts,
+                log_uniforms=[-1.0] * k, final_uniform=0.5))
+            if call >= 2:  # the first two warm the path
+                trips.append(time.perf_counter() - started)
+                inside.append(reply.forward_ms / 1e3)
+            position = reply.position
+            last = reply.next_token if reply.next_token is not None else drafts[-1]
+            if position + 17 > CONTEXT + 512:
+                break
+        verifier.delete_session(session.session_id)
+        rows.append({"k": k, "round_trip_ms": round(1e3 * statistics.median(trips), 2),
+                     "inside_server_ms": round(1e3 * statistics.median(inside), 2)})
+    verifier.close()
+    return rows
+
+
+def target_alone(url: str, model: Any, args: argparse.Namespace,
+                 device: torch.device) -> dict[str, Any]:
+    vocab = int(model.config.vocab_size)
+    prompt = [(i * 7919) % vocab for i in range(64)]
+    verifier = HttpVerifier(url)
+    verifier.generate(GenerateRequest(prompt_ids=prompt, max_new_tokens=4, stop_at_eos=False))
+    started = time.perf_counter()
+    served = verifier.generate(GenerateRequest(prompt_ids=prompt, stop_at_eos=False,
+                                               max_new_tokens=args.max_new_tokens))
+    served_s = time.perf_counter() - started
+    verifier.close()
+    ids = torch.tensor([prompt], device=device)
+    kwargs = {"do_sample": False, "max_new_tokens": args.max_new_tokens,
+              "min_new_tokens": args.max_new_tokens, "pad_token_id": 0}
+    with torch.inference_mode():
+        model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
+        _sync(device)
+        started = time.perf_counter()
+        model.generate(ids, **kwargs)
+        _sync(device)
+        hf_s = time.perf_counter() - started
+    return {"served_tok_s": round(len(served.token_ids) / served_s, 2),
+            "hf_generate_tok_s": round(args.max_new_tokens / hf_s, 2)}
+
+
+@torch.inference_mode()
+def drafter_cost(drafter: str, device: torch.device, dtype: torch.dtype,
+                 target_one_token_ms: float) -> dict[str, Any]:
+    model = load_causal_lm(drafter, dtype, device)
+    ours = HFDrafter(model, int(model.get_output_embeddings().weight.shape[0]))
+    vocab = int(model.config.vocab_size)
+    context = [(i * 7919) % vocab for i in range(CONTEXT)]
+    ours.reset(context)
+    ours._forward(context[:-1])
+
+    def block() -> None:
+        ours.propose(4, SamplingConfig(), torch.Generator())
+        ours.commit([])
+
+    per_token = median_ms(block, device) / 4
+    return {"drafter_ms_per_token": round(per_token, 2),
+            "target_ms_one_token": round(target_one_token_ms, 2),
+            "c": round(per_token / target_one_token_ms, 3)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    root = Path(tempfile.mkdtemp(prefix="specdec-gpu-"))
+    started = time.perf_counter()
+    target, drafter = build_models(args, root)
+    print(f"models ready in {time.perf_counter() - started:.0f} s", flush=True)
+
+    raw, one_token_ms, model = raw_forwards(target, args, device, dtype)
+    print(markdown_table(raw, [("new_tokens", "new tokens"), ("plain_hf_ms", "plain HF ms"),
+                               ("engine_ms", "specdec engine ms")]), flush=True)
+    vocab = int(model.config.vocab_size)
+    base = ["--model", target, "--dtype", args.dtype, "--device", args.device,
+            "--max-context", str(CONTEXT + 1024), "--kv-budget-tokens",
+            str(max(args.clients) * (CONTEXT + 1024)), "--max-sessions",
+            str(max(args.clients) + 8), "--max-batch-size", str(max(args.clients)),
+            "--max-batch-tokens", str(max(args.clients) * 24)]
+    with VerifierProcess(base, threads=args.threads or 1) as process:
+        calls = served_calls(process.url, args, vocab)
+        print(markdown_table(calls, [("k", "k"), ("round_trip_ms", "round trip ms"),
+                                     ("inside_server_ms", "inside the server ms")]), flush=True)
+        alone = target_alone(process.url, model, args, device)
+        print(f"target alone: served {alone['served_tok_s']} tok/s, transformers generate "
+              f"{alone['hf_generate_tok_s']} tok/s", flush=True)
+    del model
+    prompts, _ = load_prompts("repeat")
+    aggregate: list[dict[str, Any]] = []
+    outputs: dict[tuple[bool, int], Any] = {}
+    for batching in (True, False):
+        flags = ["--batching" if batching else "--no-batching"]
+        with VerifierProcess([*base, *flags], threads=args.threads or 1) as process:
+            run_clients(process.url, prompts, 1, 4, 4)  # warm-up
+            for n in args.clients:
+                row = run_clients(process.url, prompts, n, args.max_new_tokens, 4)
+                outputs[(batching, n)] = row.pop("outputs")
+                aggregate.append({"batching": batching, **row})
+                print(f"batching={'on ' if batching else 'off'} clients={n}: "
+                      f"{row['tokens_per_s']} tok/s, mean batch {row['mean_batch_size']}",
+                      flush=True)
+    table = []
+    for n in args.clients:
+        on = next(r for r in aggregate if r["batching"] and r["clients"] == n)
+        off = next(r for r in aggregate if not r["batching"] and r["clients"] == n)
+        table.append({"clients": n, "on": on["tokens_per_s"], "off": off["tokens_per_s"],
+                      "ratio": round(on["tokens_per_s"] / off["tokens_per_s"], 2),
+                      "batch": on["mean_batch_size"],
+                      "equal": outputs[(True, n)] == outputs[(False, n)]})
+    print(markdown_table(table, [("clients", "clients"), ("on", "batching on tok/s"),
+                                 ("off", "off tok/s"), ("ratio", "on/off"),
+                                 ("batch", "mean batch"), ("equal", "outputs equal")]))
+    cost = drafter_cost(drafter, device, dtype, one_token_ms)
+    print(f"drafter: {cost['drafter_ms_per_token']} ms per drafted token, target "
+          f"{cost['target_ms_one_token']} ms per token: c = {cost['c']}")
+    payload = {"machine": {**machine_record(_machine_args(args, target, drafter)),
+                           "device": args.device,
+                           "gpu": torch.cuda.get_device_name(device)
+                           if device.type == "cuda" else None,
+                           "context": CONTEXT, "wall_s": round(time.perf_counter() - started)},
+               "raw_forward": raw, "served_calls": calls, "target_alone": alone,
+               "aggregate": aggregate, "aggregate_table": table, "drafter": cost}
+    write_json(args.out, payload)
+    return payload
+
+
+def _machine_args(args: argparse.Namespace, target: str, drafter: str) -> argparse.Namespace:
+    return argparse.Namespace(threads=args.threads, dtype=args.dtype, target=target,
+                              drafter=drafter, max_new_tokens=args.max_new_tokens)
