@@ -1,0 +1,269 @@
+"""The engine of ``specdec serve``: OpenAI requests -> generation jobs on worker threads, each on
+its own fork of the :class:`SpecDecClient`; plain answers and server-sent event streams.
+
+At most ``max_concurrency`` generations run at once and ``max_waiting`` more wait; beyond that a
+429. A stream starts once its first block is verified (a failure before is an ordinary HTTP
+error); a client that hangs up stops its generation at the next block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from fastapi import Request
+from pydantic import ValidationError
+
+from drafter_client.api import SpecDecClient
+from drafter_client.gateway_metrics import GatewayMetrics
+from drafter_client.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIError
+from drafter_client.speculative import BlockOutcome, GenerationResult
+from drafter_client.text import TextTracker
+from drafter_client.transport import SpecDecError, VerifierHTTPError, VerifierUnavailable
+from shared.schema import SamplingParams
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    served_model_name: str
+    num_draft_tokens: str = "4"  # k: an integer, "auto" or "heuristic"
+    max_concurrency: int = 8  # generations running at once (worker threads)
+    max_waiting: int = 64  # admitted requests waiting for a worker; beyond: 429
+    chat_template: str | None = None  # overrides the tokenizer's
+    api_key: str | None = None  # clients must send it as a Bearer token
+    completion_max_tokens: int = 16  # OpenAI's default max_tokens for /v1/completions
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int
+    stops: list[str]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class Finished:
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string) or "length" (max_tokens or the context)
+    completion_tokens: int
+    result: GenerationResult
+
+
+def _verifier_error(exc: SpecDecError) -> OpenAIError:
+    """A failed generation as the status an OpenAI client expects."""
+    if isinstance(exc, VerifierUnavailable):
+        return OpenAIError(503, f"the verifier is unavailable: {exc}", code="verifier_unavailable",
+                           retry_after_s=1)
+    if isinstance(exc, VerifierHTTPError):
+        if exc.status in (400, 413, 422):  # the verifier refused what this request asked
+            return OpenAIError(400, str(exc), exc.field, code=exc.code)
+        if exc.status == 429:
+            return OpenAIError(429, str(exc), code=exc.code, retry_after_s=1)
+    return OpenAIError(502, f"verifier error: {exc}", code="verifier_error")
+
+
+class Gateway:
+    def __init__(self, client: SpecDecClient, settings: GatewaySettings) -> None:
+        self.client, self.settings = client, settings
+        self.metrics = GatewayMetrics()
+        self.executor = ThreadPoolExecutor(settings.max_concurrency,
+                                           thread_name_prefix="generation")
+        self._lock = threading.Lock()
+        self._admitted = 0
+        self._running = 0
+
+    # -- requests -> jobs ------------------------------------------------------------------
+    def authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        presented = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(presented.encode(), key.encode()):
+            raise OpenAIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
+                              code="invalid_api_key")
+
+    def check_model(self, model: str) -> None:
+        if model != self.settings.served_model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist (this server serves "
+                              f"`{self.settings.served_model_name}`)", "model",
+                              code="model_not_found")
+
+    def job(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+            prompt_param: str, default_max_tokens: int | None) -> Job:
+        info = self.client.info
+        if any(not 0 <= t < info.vocab_size for t in prompt_ids):
+            raise OpenAIError(400, f"prompt token ids must lie in [0, {info.vocab_size})",
+                              prompt_param)
+        if len(prompt_ids) >= info.max_context:
+            raise OpenAIError(400, f"this model's maximum context length is {info.max_context} "
+                              f"tokens; the prompt has {len(prompt_ids)}", prompt_param,
+                              code="context_length_exceeded")
+        try:
+            sampling = SamplingParams(
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_k=max(body.top_k or 0, 0), top_p=1.0 if body.top_p is None else body.top_p)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            raise OpenAIError(400, error["msg"], str(error["loc"][0])) from None
+        # No max_tokens on a chat: up to the context limit (the loop stops there).
+        max_tokens = body.max_tokens or default_max_tokens or info.max_context
+        seed = secrets.randbits(62) if body.seed is None else body.seed % 2**63
+        return Job(prompt_ids, max_tokens, sampling, seed, body.stop_list())
+
+    def completion_job(self, body: CompletionRequest) -> Job:
+        body.check_supported()
+        self.check_model(body.model)
+        prompt = body.single_prompt()
+        ids = prompt if isinstance(prompt, list) else self.client.encode(prompt)
+        return self.job(body, ids, "prompt", self.settings.completion_max_tokens)
+
+    def chat_job(self, body: ChatCompletionRequest) -> Job:
+        body.check_supported()
+        self.check_model(body.model)
+        try:
+            ids = self.client.encode_chat(body.conversation(), self.settings.chat_template)
+        except SpecDecError as exc:
+            raise OpenAIError(400, str(exc), "messages") from None
+        except Exception as exc:  # noqa: BLE001 - a template that fails on these messages
+            raise OpenAIError(400, f"the chat template failed on these messages: {exc}",
+                              "messages") from None
+        return self.job(body, ids, "messages", None)
+
+    # -- running -----------------------------------------------------------------------------
+    def admit(self) -> None:
+        with self._lock:
+            if self._admitted >= self.settings.max_concurrency + self.settings.max_waiting:
+                raise OpenAIError(429, f"the gateway is at its limit of "
+                                  f"{self._admitted} requests; retry later",
+                                  code="too_many_requests", retry_after_s=1)
+            self._admitted += 1
+            self.metrics.waiting.set(self._admitted - self._running)
+
+    def _started(self, delta: int) -> None:
+        with self._lock:
+            self._running += delta
+            if delta < 0:
+                self._admitted -= 1
+            self.metrics.running.set(self._running)
+            self.metrics.waiting.set(self._admitted - self._running)
+
+    def generate(self, job: Job, emit: Callable[[str], None] | None) -> Finished:
+        """Worker thread: one generation. ``emit`` gets every piece of text as soon as it can
+        no longer change ("" once, after the first block, so a stream can start)."""
+        self._started(+1)
+        try:
+            return self._generate(job, emit)
+        finally:
+            self._started(-1)
+
+    def _generate(self, job: Job, emit: Callable[[str], None] | None) -> Finished:
+        admitted = time.perf_counter()
+        client = self.client.fork()
+        tracker = TextTracker(client.decode, job.stops)
+        first = True
+
+        def on_block(outcome: BlockOutcome) -> bool:
+            nonlocal first
+            tracker.add(outcome.tokens)
+            piece = tracker.delta()
+            if first:
+                self.metrics.first_token.observe(time.perf_counter() - admitted)
+            if emit is not None and (piece or first):
+                emit(piece)
+            first = False
+            return tracker.stopped or job.cancelled.is_set()
+
+        try:
+            result = client.generate(
+                job.prompt_ids, num_draft_tokens=self.settings.num_draft_tokens,
+                max_new_tokens=job.max_tokens, temperature=job.sampling.temperature,
+                top_k=job.sampling.top_k, top_p=job.sampling.top_p, seed=job.seed,
+                on_block=on_block)
+        finally:
+            client.close()
+        self.metrics.finished(len(job.prompt_ids), result)
+        finish = "stop" if tracker.stopped or result.finish_reason == "stop" else "length"
+        return Finished(tracker.text, finish, len(tracker.ids), result)
+
+    async def run(self, job: Job) -> Finished:
+        self.admit()
+        try:
+            return await asyncio.wrap_future(self.executor.submit(self.generate, job, None))
+        except SpecDecError as exc:
+            raise _verifier_error(exc) from None
+        finally:
+            job.cancelled.set()  # the caller went away: stop at the next block
+
+    async def stream(self, job: Job, chunk: Callable[[str, str | None], dict[str, Any]],
+                     usage_chunk: Callable[[Finished], dict[str, Any] | None],
+                     first: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
+        """Start the generation; once its first block is verified (or it failed, which is then
+        an ordinary HTTP error) return the SSE body: ``first``, one chunk per piece of text, a
+        last chunk with the finish reason and the metrics, usage when asked, ``[DONE]``."""
+        self.admit()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def emit(piece: str) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, ("text", piece))
+
+        future: Future[Finished] = self.executor.submit(self.generate, job, emit)
+        future.add_done_callback(
+            lambda f: loop.call_soon_threadsafe(queue.put_nowait, ("done", f)))
+        try:
+            kind, value = await queue.get()
+        except BaseException:
+            job.cancelled.set()
+            raise
+        if kind == "done" and value.exception() is not None:
+            exc = value.exception()
+            raise _verifier_error(exc) if isinstance(exc, SpecDecError) else exc
+        return self._events(job, queue, (kind, value), chunk, usage_chunk, first)
+
+    async def _events(self, job: Job, queue: asyncio.Queue[tuple[str, Any]],
+                      item: tuple[str, Any], chunk: Callable[[str, str | None], dict[str, Any]],
+                      usage_chunk: Callable[[Finished], dict[str, Any] | None],
+                      first: dict[str, Any] | None) -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield _sse(first)
+            while True:
+                kind, value = item
+                if kind == "text":
+                    if value:
+                        yield _sse(chunk(value, None))
+                else:
+                    exc = value.exception()
+                    if exc is not None:
+                        error = (_verifier_error(exc) if isinstance(exc, SpecDecError)
+                                 else OpenAIError(500, f"internal error: {exc}"))
+                        yield _sse(error.body())
+                    else:
+                        done: Finished = value.result()
+                        last = chunk("", done.finish_reason)
+                        last["specdec"] = done.result.metrics.to_dict()
+                        yield _sse(last)
+                        usage = usage_chunk(done)
+                        if usage is not None:
+                            yield _sse(usage)
+                    break
+                item = await queue.get()
+            yield b"data: [DONE]\n\n"
+        finally:
+            job.cancelled.set()  # a client that hung up stops the generation at its next block
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
