@@ -16,12 +16,12 @@ import httpx
 import openai
 import orjson
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from drafter_client.api import SpecDecClient
 from drafter_client.cli import run
 from drafter_client.gateway import GatewaySettings, create_gateway
 from tests.support.live_server import LiveServer, ThreadedServer, fp32_settings
+from tests.support.prometheus import scrape
 
 MODEL = "tiny-gpt2"
 ROOT = Path(__file__).resolve().parent.parent
@@ -223,17 +223,6 @@ def test_other_bad_requests(oai: openai.OpenAI, gateway: ThreadedServer) -> None
     # the gateway still serves after all of that
     reply = oai.completions.create(model=MODEL, prompt="the cat", temperature=0, max_tokens=4)
     assert reply.usage is not None and reply.usage.completion_tokens >= 1
-
-
-def scrape(url: str, headers: dict[str, str] | None = None) -> dict[str, dict[tuple[Any, ...],
-                                                                            float]]:
-    text = httpx.get(url + "/metrics", headers=headers).raise_for_status().text
-    values: dict[str, dict[tuple[Any, ...], float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            values.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = \
-                sample.value
-    return values
 
 
 def test_gateway_prometheus_metrics(oai: openai.OpenAI, gateway: ThreadedServer) -> None:

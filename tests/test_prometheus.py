@@ -4,28 +4,12 @@ JSON metrics, error answers are counted by code, and it is key-protected when ke
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from drafter_client.api import SpecDecClient
 from tests.support.live_server import LiveServer, fp32_settings
-
-Samples = dict[str, dict[tuple[Any, ...], float]]
-
-
-def scrape(url: str, key: str | None = None) -> Samples:
-    headers = {"authorization": f"Bearer {key}"} if key else None
-    response = httpx.get(url + "/metrics", headers=headers)
-    response.raise_for_status()
-    assert response.headers["content-type"].startswith("text/plain")
-    values: Samples = {}
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            values.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = \
-                sample.value
-    return values
+from tests.support.prometheus import scrape
 
 
 def test_counters_match_the_clients_and_the_json(tiny_models: dict[str, Path]) -> None:
