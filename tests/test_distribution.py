@@ -21,16 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import torch
-from scipy import stats
-from transformers import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 import drafter_client.speculative as speculative
 import shared.sampling as sampling
@@ -39,12 +31,17 @@ from drafter_client.api import DrafterOptions
 from shared.models import load_causal_lm
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
+from tests.support.statistics import (
+    PROMPT,
+    chi_square_p,
+    exact_pair_distribution,
+    sample_pairs,
+)
 
 pytestmark = pytest.mark.slow
 
 RUNS = 5000
 CONTROL_RUNS = 2000  # fewer draws make a wrong rule harder to catch, so this is conservative
-PROMPT = [2, 3, 4]  # "the cat sat"
 CONFIGS = {
     "T=1": {"temperature": 1.0},
     "T=0.7,top-k=5": {"temperature": 0.7, "top_k": 5},
@@ -62,61 +59,6 @@ def verifier(tiny_models: dict[str, Path]) -> InProcessVerifier:
 def client(verifier: InProcessVerifier, tiny_models: dict[str, Path]) -> SpecDecClient:
     return SpecDecClient(verifier, str(tiny_models["peaky-drafter"]), dtype="float32",
                          device="cpu")
-
-
-def reference_probs(logits: torch.Tensor, params: dict[str, float]) -> torch.Tensor:
-    """[n, vocab] logits -> [n, vocab] probs with transformers' warpers (not our code)."""
-    warpers = LogitsProcessorList([TemperatureLogitsWarper(params["temperature"])])
-    if params.get("top_k"):
-        warpers.append(TopKLogitsWarper(int(params["top_k"])))
-    if params.get("top_p", 1.0) < 1.0:
-        warpers.append(TopPLogitsWarper(params["top_p"]))
-    return torch.softmax(warpers(None, logits.double()), dim=-1)
-
-
-def exact_pair_distribution(model_dir: Path, params: dict[str, float], eos: list[int],
-                            prompt: list[int] = PROMPT) -> dict[tuple[int, int], float]:
-    """P(first two tokens); a first token that is EOS ends the sequence: cell (eos, -1)."""
-    model = load_causal_lm(str(model_dir), torch.float32, torch.device("cpu"))
-    with torch.no_grad():
-        first = reference_probs(model(torch.tensor([prompt])).logits[0, -1:], params)[0]  # [V]
-        vocab = first.shape[0]
-        batch = torch.tensor([[*prompt, t] for t in range(vocab)])  # [V, len + 1]
-        second = reference_probs(model(batch).logits[:, -1], params)  # [V, V]
-    cells: dict[tuple[int, int], float] = {}
-    for t1 in range(vocab):
-        if t1 in eos:
-            cells[(t1, -1)] = float(first[t1])
-            continue
-        for t2 in range(vocab):
-            cells[(t1, t2)] = float(first[t1] * second[t1, t2])
-    return cells
-
-
-def sample_pairs(client: SpecDecClient, params: dict[str, float], runs: int,
-                 prompt: list[int] = PROMPT, k: int | str = 2) -> Counter:
-    counts: Counter = Counter()
-    for seed in range(runs):
-        ids = client.generate(prompt, num_draft_tokens=k, max_new_tokens=3, seed=seed,
-                              **params).token_ids  # type: ignore[arg-type]
-        counts[(ids[0], ids[1] if len(ids) > 1 else -1)] += 1
-    return counts
-
-
-def chi_square_p(counts: Counter, exact: dict[tuple[int, int], float]) -> tuple[float, float]:
-    """(p-value, total variation) of the observed counts against the exact distribution."""
-    assert set(counts) <= set(exact), "a pair outside the target's support was generated"
-    runs = sum(counts.values())
-    expected = np.array([exact[c] * runs for c in exact])
-    observed = np.array([counts.get(c, 0) for c in exact], dtype=float)
-    small = expected < 5
-    expected = np.append(expected[~small], expected[small].sum())
-    observed = np.append(observed[~small], observed[small].sum())
-    statistic = float(((observed - expected) ** 2 / np.maximum(expected, 1e-12)).sum())
-    p_value = float(stats.chi2.sf(statistic, len(expected) - 1))
-    tv = 0.5 * sum(abs(counts.get(c, 0) / runs - p) for c, p in exact.items())
-    print(f"\n{runs} draws: chi-square p = {p_value:.3g}, total variation = {tv:.4f}")
-    return p_value, tv
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

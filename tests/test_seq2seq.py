@@ -5,7 +5,6 @@ bad input gets the same 4xx."""
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from drafter_client import SpecDecClient
 from drafter_client.transport import SpecDecError
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
-from tests.test_distribution import chi_square_p, reference_probs
+from tests.support.statistics import chi_square_p, reference_probs, sample_pairs
 
 SOURCES = [[5, 6, 7, 8, 1], [9, 3, 22, 1], [40, 41, 1], [12, 30, 12, 30, 12, 1]]
 
@@ -143,15 +142,6 @@ def peaky_client(tiny_models: dict[str, Path]) -> SpecDecClient:
 PEAKY_SOURCE = [5, 6, 7, 1]
 
 
-def draw_pairs(client: SpecDecClient, params: dict[str, float], runs: int) -> Counter:
-    counts: Counter = Counter()
-    for seed in range(runs):
-        ids = client.generate(PEAKY_SOURCE, num_draft_tokens=2, max_new_tokens=3, seed=seed,
-                              **params).token_ids  # type: ignore[arg-type]
-        counts[(ids[0], ids[1] if len(ids) > 1 else -1)] += 1
-    return counts
-
-
 def exact_for(client: SpecDecClient, tiny_models: dict[str, Path],
               params: dict[str, float]) -> dict[tuple[int, int], float]:
     return exact_seq2seq_pairs(tiny_models["peaky-t5-target"], PEAKY_SOURCE,
@@ -165,7 +155,7 @@ def test_sampling_follows_the_target(peaky_client: SpecDecClient, tiny_models: d
                                      params: dict[str, float]) -> None:
     exact = exact_for(peaky_client, tiny_models, params)
     assert max(exact.values()) < 0.8  # not degenerate: the test can tell distributions apart
-    p_value, tv = chi_square_p(draw_pairs(peaky_client, params, 5000), exact)
+    p_value, tv = chi_square_p(sample_pairs(peaky_client, params, 5000, PEAKY_SOURCE), exact)
     assert p_value > 1e-3 and tv < 0.1, (p_value, tv)
 
 
@@ -180,7 +170,7 @@ def test_negative_control_accept_everything(peaky_client: SpecDecClient,
     monkeypatch.setattr(sampling, "accept_drafts", accept_all)  # the verifier's copy
     monkeypatch.setattr(speculative, "accept_drafts", accept_all)  # the client's re-check
     params = {"temperature": 1.0}
-    p_value, tv = chi_square_p(draw_pairs(peaky_client, params, 2000),
+    p_value, tv = chi_square_p(sample_pairs(peaky_client, params, 2000, PEAKY_SOURCE),
                                exact_for(peaky_client, tiny_models, params))
     assert p_value < 1e-6, f"wrong rule not caught: p = {p_value:.2e}, TV = {tv:.3f}"
 
