@@ -33,6 +33,7 @@ from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.statistics import (
     PROMPT,
+    accept_everything,
     chi_square_p,
     exact_pair_distribution,
     sample_pairs,
@@ -76,11 +77,7 @@ def test_negative_control_accept_everything(client: SpecDecClient,
                                             tiny_models: dict[str, Path],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A deliberately wrong acceptance rule (accept every draft) must fail the same test."""
-    def accept_all(target_logprobs, draft_logprobs, log_uniforms):  # type: ignore[no-untyped-def]
-        return len(log_uniforms)
-
-    monkeypatch.setattr(sampling, "accept_drafts", accept_all)  # the verifier's copy
-    monkeypatch.setattr(speculative, "accept_drafts", accept_all)  # the client's re-check
+    accept_everything(monkeypatch)
     params = CONFIGS["T=1"]
     exact = exact_pair_distribution(tiny_models["peaky-target"], params,
                                      client.info.eos_token_ids)

@@ -13,13 +13,17 @@ import pytest
 import torch
 from transformers import AutoModelForSeq2SeqLM
 
-import drafter_client.speculative as speculative
-import shared.sampling as sampling
 from drafter_client import SpecDecClient
 from drafter_client.transport import SpecDecError
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
-from tests.support.statistics import chi_square_p, reference_probs, sample_pairs
+from tests.support.statistics import (
+    accept_everything,
+    chi_square_p,
+    pair_cells,
+    reference_probs,
+    sample_pairs,
+)
 
 SOURCES = [[5, 6, 7, 8, 1], [9, 3, 22, 1], [40, 41, 1], [12, 30, 12, 30, 12, 1]]
 
@@ -121,14 +125,7 @@ def exact_seq2seq_pairs(model_dir: Path, source: list[int], start: int,
         dec = torch.tensor([[start, t] for t in range(vocab)])
         second = reference_probs(model(input_ids=enc.expand(vocab, -1),
                                        decoder_input_ids=dec).logits[:, -1], params)  # [V, V]
-    cells: dict[tuple[int, int], float] = {}
-    for t1 in range(vocab):
-        if t1 in eos:
-            cells[(t1, -1)] = float(first[t1])
-            continue
-        for t2 in range(vocab):
-            cells[(t1, t2)] = float(first[t1] * second[t1, t2])
-    return cells
+    return pair_cells(first, second, eos)
 
 
 @pytest.fixture(scope="module")
@@ -164,11 +161,7 @@ def test_negative_control_accept_everything(peaky_client: SpecDecClient,
                                             tiny_models: dict[str, Path],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The same test catches a wrong acceptance rule on this path too."""
-    def accept_all(target_logprobs, draft_logprobs, log_uniforms):  # type: ignore[no-untyped-def]
-        return len(log_uniforms)
-
-    monkeypatch.setattr(sampling, "accept_drafts", accept_all)  # the verifier's copy
-    monkeypatch.setattr(speculative, "accept_drafts", accept_all)  # the client's re-check
+    accept_everything(monkeypatch)
     params = {"temperature": 1.0}
     p_value, tv = chi_square_p(sample_pairs(peaky_client, params, 2000, PEAKY_SOURCE),
                                exact_for(peaky_client, tiny_models, params))

@@ -51,7 +51,27 @@ class RaggedBatch:
     segments: list[Segment]
 
 
-class KVPool:
+class SlotAllocator:
+    """``num_slots`` slot ids of ``slot_tokens`` positions each, handed out and taken back."""
+
+    def __init__(self, num_slots: int, slot_tokens: int) -> None:
+        self.num_slots, self.slot_tokens = num_slots, slot_tokens
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        if slot in self._free:
+            raise ValueError(f"slot {slot} is already free")
+        self._free.append(slot)
+
+
+class KVPool(SlotAllocator):
     """``num_slots`` slots of ``slot_tokens`` positions for every layer of one model."""
 
     def __init__(self, config: Any, num_slots: int, slot_tokens: int, dtype: torch.dtype,
@@ -68,24 +88,11 @@ class KVPool:
         devices = device if isinstance(device, list) else [device] * layers
         self.keys = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
         self.values = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
-        self.num_slots, self.slot_tokens = num_slots, slot_tokens
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
+        super().__init__(num_slots, slot_tokens)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-    def allocate(self) -> int | None:
-        return self._free.pop() if self._free else None
-
-    def release(self, slot: int) -> None:
-        if slot in self._free:
-            raise ValueError(f"slot {slot} is already free")
-        self._free.append(slot)
 
     def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
         """Slot j takes the first ``length`` cached positions of slot parents[j] (beam search

@@ -21,6 +21,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
 from shared.kv_cache import crop_cache
+from verifier_service.kv_pool import SlotAllocator
 
 
 @dataclass
@@ -29,17 +30,12 @@ class Seq2SeqState:
     cache: EncoderDecoderCache
 
 
-class Seq2SeqPool:
-    """The slot allocator of encoder-decoder targets: ``num_slots`` per-session states."""
+class Seq2SeqPool(SlotAllocator):
+    """The slots of encoder-decoder targets: ``num_slots`` per-session states."""
 
     def __init__(self, num_slots: int, slot_tokens: int) -> None:
-        self.num_slots, self.slot_tokens = num_slots, slot_tokens
+        super().__init__(num_slots, slot_tokens)
         self.states: list[Seq2SeqState | None] = [None] * num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
 
     @property
     def nbytes(self) -> int:
@@ -56,14 +52,9 @@ class Seq2SeqPool:
             total += sum(t.numel() * t.element_size() for t in tensors)
         return total
 
-    def allocate(self) -> int | None:
-        return self._free.pop() if self._free else None
-
     def release(self, slot: int) -> None:
-        if slot in self._free:
-            raise ValueError(f"slot {slot} is already free")
+        super().release(slot)
         self.states[slot] = None
-        self._free.append(slot)
 
     def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
         """Slot j takes a copy of slot parents[j]'s state, cut to ``length`` decoder positions

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,6 +18,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+import drafter_client.speculative as speculative
+import shared.sampling as sampling
 from drafter_client import SpecDecClient
 from shared.models import load_causal_lm
 
@@ -42,14 +45,31 @@ def exact_pair_distribution(model_dir: Path, params: dict[str, float], eos: list
         vocab = first.shape[0]
         batch = torch.tensor([[*prompt, t] for t in range(vocab)])  # [V, len + 1]
         second = reference_probs(model(batch).logits[:, -1], params)  # [V, V]
+    return pair_cells(first, second, eos)
+
+
+def pair_cells(first: torch.Tensor, second: torch.Tensor,
+               eos: list[int]) -> dict[tuple[int, int], float]:
+    """[V] P(t1) and [V, V] P(t2 | t1) -> P(t1, t2); an EOS first token ends the sequence: its
+    cell is (eos, -1)."""
     cells: dict[tuple[int, int], float] = {}
-    for t1 in range(vocab):
+    for t1 in range(first.shape[0]):
         if t1 in eos:
             cells[(t1, -1)] = float(first[t1])
             continue
-        for t2 in range(vocab):
+        for t2 in range(first.shape[0]):
             cells[(t1, t2)] = float(first[t1] * second[t1, t2])
     return cells
+
+
+def accept_everything(monkeypatch: Any) -> None:
+    """A deliberately wrong acceptance rule (every draft accepted), in the verifier's copy of the
+    rule and in the client's re-check: the negative control the tests must catch."""
+    def accept_all(target_logprobs, draft_logprobs, log_uniforms):  # type: ignore[no-untyped-def]
+        return len(log_uniforms)
+
+    monkeypatch.setattr(sampling, "accept_drafts", accept_all)
+    monkeypatch.setattr(speculative, "accept_drafts", accept_all)
 
 
 def sample_pairs(client: SpecDecClient, params: dict[str, float], runs: int,
