@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
 from drafter_client.api import SpecDecClient
-from drafter_client.gateway_engine import Finished, Gateway, GatewaySettings
+from drafter_client.gateway_engine import Finished, Gateway, GatewaySettings, Job
 from drafter_client.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIError
 from shared.http_metrics import RequestMetrics
 
@@ -71,6 +71,22 @@ async def _parse(request: Request, model: type[CompletionRequest] | type[ChatCom
                           param) from None
 
 
+async def _stream(gateway: Gateway, job: Job,
+                  body: CompletionRequest | ChatCompletionRequest,
+                  chunk: Callable[[str, str | None], dict[str, Any]],
+                  first: dict[str, Any] | None = None) -> Response:
+    """The SSE answer; a usage chunk (no choices) at the end when the request asked for one."""
+    include = body.stream_options is not None and body.stream_options.include_usage
+
+    def usage(done: Finished) -> dict[str, Any] | None:
+        if not include:
+            return None
+        return {**chunk("", None), "choices": [], "usage": _usage(len(job.prompt_ids), done)}
+
+    events = await gateway.stream(job, chunk, usage, first)
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
 async def completions(request: Request) -> Response:
     gateway = _gateway(request)
     body: CompletionRequest = await _parse(request, CompletionRequest)
@@ -83,11 +99,7 @@ async def completions(request: Request) -> Response:
                              "finish_reason": finish}]}
 
     if body.stream:
-        include = body.stream_options is not None and body.stream_options.include_usage
-        events = await gateway.stream(job, chunk, lambda done: {
-            **chunk("", None), "choices": [], "usage": _usage(len(job.prompt_ids), done),
-        } if include else None)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return await _stream(gateway, job, body, chunk)
     done = await gateway.run(job)
     payload = chunk(done.text, done.finish_reason)
     payload.update(usage=_usage(len(job.prompt_ids), done),
@@ -108,13 +120,9 @@ async def chat_completions(request: Request) -> Response:
                              "finish_reason": finish}]}
 
     if body.stream:
-        include = body.stream_options is not None and body.stream_options.include_usage
         first = chunk("", None)
         first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        events = await gateway.stream(job, chunk, lambda done: {
-            **chunk("", None), "choices": [], "usage": _usage(len(job.prompt_ids), done),
-        } if include else None, first)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return await _stream(gateway, job, body, chunk, first)
     done = await gateway.run(job)
     return _json({
         "id": rid, "object": "chat.completion", "created": created, "model": name,
