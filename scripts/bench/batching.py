@@ -15,6 +15,8 @@ import argparse
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +66,39 @@ def run_clients(url: str, prompts: list[str], n: int, max_new_tokens: int,
     }
 
 
+def on_off_sweep(start: Callable[[bool], AbstractContextManager[str]], prompts: list[str],
+                 clients: list[int], max_new_tokens: int, k: int
+                 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every client count against a verifier with batching on, then off (``start(batching)``
+    yields its URL): (one row per run, one table row per client count comparing the two)."""
+    rows: list[dict[str, Any]] = []
+    for batching in (True, False):
+        with start(batching) as url:
+            run_clients(url, prompts, 1, 8, k)  # warm-up
+            for n in clients:
+                row = {"batching": batching, **run_clients(url, prompts, n, max_new_tokens, k)}
+                rows.append(row)
+                print(f"batching={'on ' if batching else 'off'} clients={n:2d}: "
+                      f"{row['tokens_per_s']:.2f} tok/s, p50 {row['verify_p50_ms']} ms, p95 "
+                      f"{row['verify_p95_ms']} ms, mean batch {row['mean_batch_size']}",
+                      flush=True)
+    table = []
+    for n in clients:
+        on = next(r for r in rows if r["batching"] and r["clients"] == n)
+        off = next(r for r in rows if not r["batching"] and r["clients"] == n)
+        table.append({
+            "clients": n, "on": on["tokens_per_s"], "off": off["tokens_per_s"],
+            "ratio": round(on["tokens_per_s"] / off["tokens_per_s"], 2),
+            "p50": f"{on['verify_p50_ms']} / {off['verify_p50_ms']}",
+            "p95": f"{on['verify_p95_ms']} / {off['verify_p95_ms']}",
+            "batch": on["mean_batch_size"], "equal": on["outputs"] == off["outputs"]})
+    print("\n" + markdown_table(table, [
+        ("clients", "clients"), ("on", "batching on tok/s"), ("off", "off tok/s"),
+        ("ratio", "on/off"), ("p50", "p50 on/off ms"), ("p95", "p95 on/off ms"),
+        ("batch", "mean batch on"), ("equal", "outputs equal")]))
+    return rows, table
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_base_arguments(parser, out="bench_results/batching.json", max_new_tokens=32)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -79,35 +114,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.target = str(save_tiny(Path(tempfile.mkdtemp()) / "tiny", "llama", 64, seed=3,
                                     init_range=0.3))
     prompts, _ = load_prompts("repeat")
-    rows: list[dict[str, Any]] = []
-    for batching in (True, False):
-        flags = ["--max-batch-size", str(args.max_batch_size),
-                 "--batching" if batching else "--no-batching"]
-        with verifier(args, *flags) as url:
-            run_clients(url, prompts, 1, 8, args.k)  # warm-up
-            for n in args.clients:
-                row = {"batching": batching,
-                       **run_clients(url, prompts, n, args.max_new_tokens, args.k)}
-                rows.append(row)
-                print(f"batching={'on ' if batching else 'off'} clients={n:2d}: "
-                      f"{row['tokens_per_s']:.2f} tok/s, p50 {row['verify_p50_ms']} ms, p95 "
-                      f"{row['verify_p95_ms']} ms, mean batch {row['mean_batch_size']}",
-                      flush=True)
 
-    table = []
-    for n in args.clients:
-        on = next(r for r in rows if r["batching"] and r["clients"] == n)
-        off = next(r for r in rows if not r["batching"] and r["clients"] == n)
-        table.append({
-            "clients": n, "on": on["tokens_per_s"], "off": off["tokens_per_s"],
-            "ratio": round(on["tokens_per_s"] / off["tokens_per_s"], 2),
-            "p50": f"{on['verify_p50_ms']} / {off['verify_p50_ms']}",
-            "p95": f"{on['verify_p95_ms']} / {off['verify_p95_ms']}",
-            "batch": on["mean_batch_size"], "equal": on["outputs"] == off["outputs"]})
-    print("\n" + markdown_table(table, [
-        ("clients", "clients"), ("on", "batching on tok/s"), ("off", "off tok/s"),
-        ("ratio", "on/off"), ("p50", "p50 on/off ms"), ("p95", "p95 on/off ms"),
-        ("batch", "mean batch on"), ("equal", "outputs equal")]))
+    def start(batching: bool) -> AbstractContextManager[str]:
+        return verifier(args, "--max-batch-size", str(args.max_batch_size),
+                        "--batching" if batching else "--no-batching")
+
+    rows, _ = on_off_sweep(start, prompts, args.clients, args.max_new_tokens, args.k)
     payload = {"machine": machine_record(args), "args": vars(args), "rows": rows}
     write_json(args.out, payload)
     return payload

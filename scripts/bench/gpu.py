@@ -23,10 +23,11 @@ what is measured; the rows say how many clients ran).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from drafter_client.drafters import HFDrafter
 from drafter_client.transport import HttpVerifier
-from scripts.bench.batching import run_clients
+from scripts.bench.batching import on_off_sweep
 from scripts.bench.common import load_prompts, machine_record, markdown_table, write_json
 from shared.models import load_causal_lm, load_tokenizer, pick_dtype
 from shared.sampling import SamplingConfig
@@ -245,30 +246,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               f"{alone['hf_generate_tok_s']} tok/s", flush=True)
     del model
     prompts, _ = load_prompts("repeat")
-    aggregate: list[dict[str, Any]] = []
-    outputs: dict[tuple[bool, int], Any] = {}
-    for batching in (True, False):
+
+    @contextlib.contextmanager
+    def start(batching: bool) -> Iterator[str]:
         flags = ["--batching" if batching else "--no-batching"]
         with VerifierProcess([*base, *flags], threads=args.threads or 1) as process:
-            run_clients(process.url, prompts, 1, 4, 4)  # warm-up
-            for n in args.clients:
-                row = run_clients(process.url, prompts, n, args.max_new_tokens, 4)
-                outputs[(batching, n)] = row.pop("outputs")
-                aggregate.append({"batching": batching, **row})
-                print(f"batching={'on ' if batching else 'off'} clients={n}: "
-                      f"{row['tokens_per_s']} tok/s, mean batch {row['mean_batch_size']}",
-                      flush=True)
-    table = []
-    for n in args.clients:
-        on = next(r for r in aggregate if r["batching"] and r["clients"] == n)
-        off = next(r for r in aggregate if not r["batching"] and r["clients"] == n)
-        table.append({"clients": n, "on": on["tokens_per_s"], "off": off["tokens_per_s"],
-                      "ratio": round(on["tokens_per_s"] / off["tokens_per_s"], 2),
-                      "batch": on["mean_batch_size"],
-                      "equal": outputs[(True, n)] == outputs[(False, n)]})
-    print(markdown_table(table, [("clients", "clients"), ("on", "batching on tok/s"),
-                                 ("off", "off tok/s"), ("ratio", "on/off"),
-                                 ("batch", "mean batch"), ("equal", "outputs equal")]))
+            yield process.url
+
+    aggregate, table = on_off_sweep(start, prompts, args.clients, args.max_new_tokens, 4)
+    for row in aggregate:
+        del row["outputs"]
     cost = drafter_cost(drafter, device, dtype, one_token_ms)
     print(f"drafter: {cost['drafter_ms_per_token']} ms per drafted token, target "
           f"{cost['target_ms_one_token']} ms per token: c = {cost['c']}")
