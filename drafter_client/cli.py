@@ -194,15 +194,20 @@ def _print_json(result: GenerationResult, error: str | None = None) -> None:
     sys.stdout.write(orjson.dumps(body).decode() + "\n")
 
 
+def _flag_problem(exc: ValidationError) -> str:
+    """The first error of a wire model built from flags, naming the flag."""
+    err = exc.errors()[0]
+    flag = "--" + str(err["loc"][0]).replace("_", "-")
+    return f"{flag}: {err['msg']} (got {err.get('input')!r})"
+
+
 def _check_arguments(args: argparse.Namespace) -> str | None:
     """One line naming the first bad flag, or None."""
     if "temperature" in args:
         try:
             SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            flag = "--" + str(err["loc"][0]).replace("_", "-")
-            return f"{flag}: {err['msg']} (got {err.get('input')!r})"
+            return _flag_problem(exc)
         if args.max_new_tokens < 1:
             return f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})"
     if "num_beams" in args:
@@ -211,9 +216,7 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
                             length_penalty=args.length_penalty,
                             no_repeat_ngram_size=args.no_repeat_ngram_size)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            flag = "--" + str(err["loc"][0]).replace("_", "-")
-            return f"{flag}: {err['msg']} (got {err.get('input')!r})"
+            return _flag_problem(exc)
         if args.num_beams > 1 and args.temperature != 0.0:
             return "--num-beams: beam search is greedy; use --temperature 0"
     if args.command == "serve":

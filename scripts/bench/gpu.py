@@ -27,17 +27,25 @@ import contextlib
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from drafter_client.drafters import HFDrafter
 from drafter_client.transport import HttpVerifier
 from scripts.bench.batching import on_off_sweep
-from scripts.bench.common import load_prompts, machine_record, markdown_table, write_json
+from scripts.bench.common import (
+    load_prompts,
+    machine_record,
+    markdown_table,
+    median_ms,
+    plain_step_ms,
+    sync,
+    write_json,
+)
 from shared.models import load_causal_lm, load_tokenizer, pick_dtype
 from shared.sampling import SamplingConfig
 from shared.schema import CreateSessionRequest, GenerateRequest, VerifyRequest
@@ -58,6 +66,7 @@ SHAPES: dict[str, dict[str, Any]] = {
              "tie_word_embeddings": True},
 }
 CONTEXT = 512
+REPEATS = 20  # timed calls per median (after 2 warm-up calls)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,24 +83,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--out", default="bench_results/gpu.json")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_ms(fn: Callable[[], Any], device: torch.device, repeats: int = 20) -> float:
-    fn()
-    fn()  # warm (kernel selection, allocator)
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        started = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - started)
-    return 1e3 * statistics.median(times)
 
 
 def build_models(args: argparse.Namespace, root: Path) -> tuple[str, str]:
@@ -120,15 +111,7 @@ def raw_forwards(target: str, args: argparse.Namespace, device: torch.device,
     vocab = int(model.config.vocab_size)
     context = [(i * 7919) % vocab for i in range(CONTEXT)]
     rows = []
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([context], device=device), cache=cache, use_cache=True)
-    plain: dict[int, float] = {}
-    for n in args.blocks:
-        def step(n: int = n) -> None:
-            model(input_ids=torch.tensor([context[:n]], device=device), cache=cache,
-                  use_cache=True, logits_to_keep=n)
-            cache.crop(-n)
-        plain[n] = median_ms(step, device)
+    plain = {n: plain_step_ms(model, context, n, REPEATS, warm=2) for n in args.blocks}
     runner = TargetRunner(model, load_tokenizer(target), target, max_context=CONTEXT + 64,
                           kv_budget_tokens=CONTEXT + 64)
     slot = runner.pool.allocate()
@@ -136,7 +119,7 @@ def raw_forwards(target: str, args: argparse.Namespace, device: torch.device,
     runner.forward([ForwardItem(slot, 0, context, False)])
     for n in args.blocks:
         ours = median_ms(lambda n=n: runner.forward(
-            [ForwardItem(slot, CONTEXT, context[:n], True)]), device)
+            [ForwardItem(slot, CONTEXT, context[:n], True)]), REPEATS, device, warm=2)
         rows.append({"new_tokens": n, "plain_hf_ms": round(plain[n], 2),
                      "engine_ms": round(ours, 2)})
     one_token = plain[min(args.blocks)]
@@ -189,10 +172,10 @@ def target_alone(url: str, model: Any, args: argparse.Namespace,
               "min_new_tokens": args.max_new_tokens, "pad_token_id": 0}
     with torch.inference_mode():
         model.generate(ids, **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
-        _sync(device)
+        sync(device)
         started = time.perf_counter()
         model.generate(ids, **kwargs)
-        _sync(device)
+        sync(device)
         hf_s = time.perf_counter() - started
     return {"served_tok_s": round(len(served.token_ids) / served_s, 2),
             "hf_generate_tok_s": round(args.max_new_tokens / hf_s, 2)}
@@ -212,7 +195,7 @@ def drafter_cost(drafter: str, device: torch.device, dtype: torch.dtype,
         ours.propose(4, SamplingConfig(), torch.Generator())
         ours.commit([])
 
-    per_token = median_ms(block, device) / 4
+    per_token = median_ms(block, REPEATS, device, warm=2) / 4
     return {"drafter_ms_per_token": round(per_token, 2),
             "target_ms_one_token": round(target_one_token_ms, 2),
             "c": round(per_token / target_one_token_ms, 3)}

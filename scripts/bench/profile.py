@@ -15,13 +15,9 @@ The HTTP share of a verify call is read off the benchmarks' metrics (round trip 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from drafter_client.drafters import HFDrafter
 from scripts.bench.common import (
@@ -29,35 +25,13 @@ from scripts.bench.common import (
     fetch_offline_models,
     machine_record,
     markdown_table,
+    median_ms,
+    plain_step_ms,
     write_json,
 )
 from shared.models import load_causal_lm, load_tokenizer, pick_dtype
 from shared.sampling import SamplingConfig
 from verifier_service.target import ForwardItem, TargetRunner
-
-
-def median_ms(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return 1e3 * statistics.median(times)
-
-
-@torch.inference_mode()
-def plain_step_ms(model: Any, context: list[int], new: int, repeats: int) -> float:
-    """A decode step of ``new`` tokens on top of a ``context``-token DynamicCache."""
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([context]), cache=cache, use_cache=True)
-
-    def step() -> None:
-        model(input_ids=torch.tensor([context[:new]]), cache=cache, use_cache=True,
-              logits_to_keep=new)
-        cache.crop(-new)  # drop the step again
-
-    return median_ms(step, repeats)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

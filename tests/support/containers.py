@@ -98,8 +98,10 @@ class Podman:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    def containers(self, project: str) -> list[str]:
-        out = self.run("ps", "-a", "--filter", f"label=com.docker.compose.project={project}",
+    def containers(self, project: str, running_only: bool = False) -> list[str]:
+        """The names of a compose project's containers (all, or the running ones)."""
+        every = [] if running_only else ["-a"]
+        out = self.run("ps", *every, "--filter", f"label=com.docker.compose.project={project}",
                        "--format", "{{.Names}}", check=False).stdout
         return [name for name in str(out).split() if name]
 
@@ -114,10 +116,7 @@ class HealthTrigger:
 
     def _loop(self) -> None:
         while not self.stop.wait(self.every_s):
-            out = self.podman.run("ps", "--filter",
-                                  f"label=com.docker.compose.project={self.project}",
-                                  "--format", "{{.Names}}", check=False).stdout
-            for name in str(out).split():
+            for name in self.podman.containers(self.project, running_only=True):
                 self.podman.run("healthcheck", "run", name, check=False, timeout=30)
 
     def __enter__(self) -> HealthTrigger:
