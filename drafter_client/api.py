@@ -20,6 +20,7 @@ import httpx
 
 from drafter_client.draft_length import make_draft_length
 from drafter_client.drafters import Drafter, HFDrafter, HFSeq2SeqDrafter
+from drafter_client.hybrid import HybridDrafter
 from drafter_client.metrics import GenerationMetrics
 from drafter_client.model_free import (
     BigramDrafter,
@@ -59,6 +60,9 @@ class DrafterOptions:
     lookup_min_ngram: int = 1
     lookup_max_ngram: int = 3
     draft_min_prob: float = 0.0  # model drafter: stop a block below this top probability
+    tree_width: int = 1  # model drafter: > 1 drafts a token tree (runner-ups as leaves)
+    lookup: bool = False  # model drafter: hybrid with prompt lookup (drafter_client/hybrid.py)
+    lookup_tokens: int = 8  # hybrid: longest lookup draft
 
 
 def build_model_free(name: str, options: DrafterOptions) -> Drafter:
@@ -150,11 +154,25 @@ class SpecDecClient:
                     f"verifier's target {self.info.model} is "
                     f"{kinds[0] if self.info.is_encoder_decoder else kinds[1]} one: use a "
                     "drafter of the same kind, or a model-free drafter")
+            if seq2seq and options.tree_width > 1:
+                raise SpecDecError("token trees are verified for decoder-only targets only: "
+                                   "use tree_width 1 with an encoder-decoder pair")
             spec, vocab = drafter, self.info.vocab_size
             kind = HFSeq2SeqDrafter if seq2seq else HFDrafter
-            self._new_drafter = lambda: kind(model, vocab, name=spec,
-                                             min_prob=options.draft_min_prob)
-            drafter = self._new_drafter()
+            def new_drafter() -> Drafter:
+                made = kind(model, vocab, name=spec, min_prob=options.draft_min_prob,
+                            tree_width=options.tree_width)
+                if options.lookup and not seq2seq:
+                    return HybridDrafter(made, PromptLookupDrafter(
+                        options.lookup_min_ngram, options.lookup_max_ngram),
+                        options.lookup_tokens)
+                return made
+
+            try:
+                self._new_drafter = new_drafter
+                drafter = self._new_drafter()
+            except ValueError as exc:
+                raise SpecDecError(f"drafter {spec}: {exc}") from exc
             drafter.warm_up()
         self.drafter: Drafter | None = drafter
 

@@ -78,6 +78,14 @@ def _drafter(p: argparse.ArgumentParser) -> None:
                    help="prompt-lookup: longest match")
     p.add_argument("--draft-min-prob", type=float, default=0.0, metavar="P",
                    help="model drafter: stop a block when its top probability drops below P")
+    p.add_argument("--tree-width", type=int, default=1, metavar="W",
+                   help="model drafter: draft a token tree - the drafter's best chain and, at "
+                   "each position, up to W-1 runner-up tokens as leaves (1: a chain)")
+    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=False,
+                   help="model drafter: hybrid with prompt lookup - a match in the context "
+                   "drafts for free, the model drafts where there is none")
+    p.add_argument("--lookup-tokens", type=int, default=8, metavar="N",
+                   help="hybrid: the longest prompt-lookup draft")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                         "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -219,6 +227,11 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
             return _flag_problem(exc)
         if args.num_beams > 1 and args.temperature != 0.0:
             return "--num-beams: beam search is greedy; use --temperature 0"
+    if "tree_width" in args:
+        if args.tree_width < 1:
+            return f"--tree-width must be at least 1 (got {args.tree_width})"
+        if args.lookup_tokens < 1:
+            return f"--lookup-tokens must be at least 1 (got {args.lookup_tokens})"
     if args.command == "serve":
         for flag in ("max_concurrency", "port"):
             if getattr(args, flag) < 1:
@@ -241,7 +254,8 @@ def make_client(args: argparse.Namespace, with_drafter: bool = True) -> SpecDecC
         ngram_top_k_filler=args.ngram_top_k_filler,
         ngram_stop_if_unknown=args.ngram_stop_if_unknown,
         lookup_min_ngram=args.lookup_min_ngram, lookup_max_ngram=args.lookup_max_ngram,
-        draft_min_prob=args.draft_min_prob)
+        draft_min_prob=args.draft_min_prob, tree_width=args.tree_width, lookup=args.lookup,
+        lookup_tokens=args.lookup_tokens)
     return SpecDecClient(args.verifier_url, args.drafter, args.tokenizer, args.dtype,
                          args.device, timeout_s=args.timeout_s, options=options,
                          simulated_rtt_ms=args.simulated_rtt_ms, api_key=args.api_key,

@@ -15,6 +15,7 @@ from shared.sampling import (
     greedy_tokens,
     process_logits,
     sample_from_probs,
+    tree_depths,
 )
 
 
@@ -23,6 +24,32 @@ class Draft:
     ids: list[int]  # [k]
     logprobs: torch.Tensor | None  # [k] log q_i(x_i); None for deterministic (one-hot) drafts
     probs: torch.Tensor | None  # [k, vocab] processed q rows; None for deterministic drafts
+    # A token tree instead of a chain: each draft's parent (-1: the last committed token; see
+    # shared/sampling.py); tree drafts are one-hot (logprobs and probs None).
+    parents: list[int] | None = None
+
+    def limited(self, max_depth: int, max_nodes: int) -> Draft:
+        """At most ``max_depth`` tokens on any path and ``max_nodes`` drafts in all."""
+        if self.parents is None:
+            n = min(max_depth, max_nodes, len(self.ids))
+            if n == len(self.ids):
+                return self
+            return Draft(self.ids[:n], None if self.logprobs is None else self.logprobs[:n],
+                         None if self.probs is None else self.probs[:n])
+        keep: list[int] = []  # kept nodes (a parent is always kept before its children)
+        index: dict[int, int] = {}
+        for node, (parent, depth) in enumerate(zip(self.parents, tree_depths(self.parents),
+                                                   strict=True)):
+            if len(keep) < max_nodes and depth <= max_depth and (parent < 0 or parent in index):
+                index[node] = len(keep)
+                keep.append(node)
+        return Draft([self.ids[n] for n in keep], None, None,
+                     [index[self.parents[n]] if self.parents[n] >= 0 else -1 for n in keep])
+
+    @property
+    def depth(self) -> int:
+        """Tokens on the longest root-to-leaf path (k for a chain)."""
+        return max(tree_depths(self.parents), default=0) if self.parents else len(self.ids)
 
 
 class Drafter(Protocol):
@@ -45,6 +72,39 @@ class Drafter(Protocol):
 
     def observe_top_k(self, context: list[int], top_ids: list[int]) -> None:
         """The target's top ids after ``context`` (only called when ``top_k_filler`` > 0)."""
+
+
+class TreeBuilder:
+    """Collects paths into one token tree, sharing common prefixes (a trie)."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.parents: list[int] = []
+        self._child: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+
+    def add(self, parent: int, token: int) -> int:
+        """The node for ``token`` below ``parent`` (-1: the root), made if new."""
+        node = self._child.get((parent, token))
+        if node is None:
+            node = self._child[(parent, token)] = len(self.ids)
+            self.ids.append(token)
+            self.parents.append(parent)
+        return node
+
+    def add_path(self, tokens: list[int], parent: int = -1) -> None:
+        for token in tokens:
+            parent = self.add(parent, token)
+
+    def add_draft(self, draft: Draft) -> None:
+        if draft.parents is None:
+            self.add_path(draft.ids)
+            return
+        nodes: list[int] = []
+        for token, parent in zip(draft.ids, draft.parents, strict=True):
+            nodes.append(self.add(-1 if parent < 0 else nodes[parent], token))
+
+    def draft(self) -> Draft:
+        return Draft(list(self.ids), None, None, list(self.parents))
 
 
 def align_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -74,9 +134,16 @@ class HFDrafter:
     """
 
     def __init__(self, model: Any, vocab_size: int, name: str = "hf",
-                 min_prob: float = 0.0) -> None:
+                 min_prob: float = 0.0, tree_width: int = 1,
+                 alternative_min_prob: float = 0.05) -> None:
         self.model, self.vocab_size, self.name = model, vocab_size, name
         self.min_prob = min_prob  # stop a block when the drafter's top probability falls below
+        # tree_width > 1: a token tree - the argmax chain, and at each position up to
+        # tree_width - 1 runner-up tokens (drafter probability >= alternative_min_prob) as
+        # leaves; one-hot drafts, at no extra drafter forward.
+        if tree_width < 1:
+            raise ValueError("tree_width must be at least 1")
+        self.tree_width, self.alternative_min_prob = tree_width, alternative_min_prob
         self.top_k_filler = 0
         self.device = next(model.parameters()).device
         self.committed: list[int] = []
@@ -102,7 +169,32 @@ class HFDrafter:
         self.cached.extend(ids)
         return align_vocab(out.logits[0, -1].float().cpu(), self.vocab_size)  # [vocab]
 
+    def propose_tree(self, k: int) -> Draft:
+        """The argmax chain with runner-up leaves (see ``tree_width``); stops where the top
+        probability falls below ``min_prob``, leaving that position's candidates as leaves."""
+        tree = TreeBuilder()
+        if k == 0:
+            return tree.draft()
+        logits = self._forward(self.committed[len(self.cached):])  # [vocab]
+        parent = -1
+        for i in range(k):
+            top = torch.topk(torch.softmax(logits, -1), self.tree_width)
+            best = int(top.indices[0])
+            node = tree.add(parent, best)
+            for prob, token in zip(top.values[1:].tolist(), top.indices[1:].tolist(),
+                                   strict=True):
+                if prob >= self.alternative_min_prob:
+                    tree.add(parent, int(token))
+            if float(top.values[0]) < self.min_prob:
+                break  # not confident: the target picks among the candidates
+            parent = node
+            if i < k - 1:
+                logits = self._forward([best])
+        return tree.draft()
+
     def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
+        if self.tree_width > 1:
+            return self.propose_tree(k)
         if k == 0:
             return Draft([], None if config.greedy else torch.empty(0), None)
         logits = self._forward(self.committed[len(self.cached):])  # [vocab]

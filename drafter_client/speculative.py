@@ -28,6 +28,7 @@ from shared.sampling import (
     SamplingConfig,
     accept_drafts,
     accept_greedy,
+    accept_tree,
     draw_uniforms,
     recover_token,
 )
@@ -84,6 +85,14 @@ class BlockOutcome:
     drafting_s: float
     round_trip_s: float
     verifier_s: float  # time inside the verifier (queue + forward), part of the round trip
+    depth: int = -1  # a tree's longest path (its k for the draft-length schedule); -1: a chain
+    parents: list[int] | None = None  # a tree's parents (see Draft.parents)
+    accepted_path: list[int] | None = None  # a tree's accepted nodes
+
+    @property
+    def proposed(self) -> int:
+        """Draft positions tested (k for a chain, the depth for a tree)."""
+        return len(self.draft_ids) if self.depth < 0 else self.depth
 
 
 def _session_lost(exc: VerifierHTTPError) -> bool:
@@ -143,13 +152,29 @@ class VerifierSession:
             self.session_id = None
 
 
+def _tree_problem(reply: VerifyResponse, req: VerifyRequest) -> str | None:
+    parents, path = req.tree_parents or [], reply.accepted_path
+    if path is None:
+        return "accepted_path is missing for a tree"
+    if len(path) != reply.num_accepted:
+        return f"accepted_path has {len(path)} nodes for num_accepted {reply.num_accepted}"
+    here = -1
+    for node in path:
+        if node >= len(parents) or parents[node] != here:
+            return f"accepted_path {path} is not a path down the tree"
+        here = node
+    return None
+
+
 def _check_reply(reply: VerifyResponse, req: VerifyRequest, greedy: bool,
                  info: InfoResponse) -> None:
     """Everything the loop reads from a reply, checked against what it asked: a verifier (or
     anything at its URL) that answers nonsense is one clear error, never an IndexError."""
     k, vocab = len(req.draft_ids), info.vocab_size
     problem = None
-    if reply.num_accepted > k:
+    if req.tree_parents is not None and (problem := _tree_problem(reply, req)) is not None:
+        pass
+    elif reply.num_accepted > k:
         problem = f"num_accepted {reply.num_accepted} for {k} drafts"
     elif greedy and (reply.target_argmax is None or len(reply.target_argmax) < k + 1):
         problem = f"target_argmax needs {k + 1} ids in greedy mode"
@@ -163,6 +188,8 @@ def _check_reply(reply: VerifyResponse, req: VerifyRequest, greedy: bool,
         problem = f"next_token {reply.next_token} is outside [0, {vocab})"
     elif reply.next_token is None and reply.row is None:
         problem = "neither next_token nor the target row"
+    elif req.tree_parents is not None and reply.next_token is None:
+        problem = "no next_token for a tree"
     elif reply.position != req.position + reply.num_accepted + 1:
         problem = (f"position {reply.position} after accepting {reply.num_accepted} at "
                    f"{req.position}")
@@ -176,6 +203,15 @@ def _check_reply(reply: VerifyResponse, req: VerifyRequest, greedy: bool,
 def _check_verdict(reply: VerifyResponse, draft: Draft, draft_logprobs: torch.Tensor | None,
                    log_uniforms: torch.Tensor, config: SamplingConfig) -> int:
     """Our own copy of the acceptance rule must agree with the verifier's verdict."""
+    if draft.parents is not None:
+        path, _ = accept_tree(
+            draft.parents, draft.ids, None if config.greedy else log_uniforms.tolist(),
+            None if config.greedy else decode_logprobs(reply.target_logprobs or []).tolist(),
+            reply.target_argmax if config.greedy else None)
+        if path != reply.accepted_path:
+            raise SpecDecError(f"verifier accepted the path {reply.accepted_path} where the "
+                               f"acceptance rule gives {path}: protocol mismatch")
+        return len(path)
     ids = torch.tensor(draft.ids, dtype=torch.long)  # [k]
     if config.greedy:
         accepted = accept_greedy(ids, torch.tensor(reply.target_argmax or [], dtype=torch.long))
@@ -190,11 +226,15 @@ def _check_verdict(reply: VerifyResponse, draft: Draft, draft_logprobs: torch.Te
 
 def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
                       config: SamplingConfig, generator: torch.Generator,
-                      info: InfoResponse) -> BlockOutcome:
-    """One block of Algorithm 1 after ``session.committed``; commits nothing itself."""
-    # 1. Draft k tokens x_1..x_k with their q_i (a drafter may stop early).
+                      info: InfoResponse, max_depth: int | None = None) -> BlockOutcome:
+    """One block of Algorithm 1 after ``session.committed``; commits nothing itself.
+    ``max_depth``: the most tokens a draft may put on one path (default k; a drafter may offer
+    more than k where drafting is free, e.g. a prompt-lookup match)."""
+    # 1. Draft k tokens x_1..x_k with their q_i (a drafter may stop early), or a token tree.
     t0 = time.perf_counter()
-    draft = drafter.propose(k, config, generator)
+    draft = drafter.propose(k, config, generator).limited(
+        k if max_depth is None else max_depth,
+        min(info.max_draft_tokens, info.max_context - session.position))
     k = len(draft.ids)
     t1 = time.perf_counter()
     # 2. Our randomness for the verdict: k acceptance uniforms + 1 for the last token.
@@ -208,7 +248,7 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
         position=session.position, last_token=session.committed[-1], draft_ids=draft.ids,
         draft_logprobs=None if draft_logprobs is None else draft_logprobs.tolist(),
         log_uniforms=log_uniforms.tolist(), final_uniform=float(uniforms[k]),
-        return_top_ids=drafter.top_k_filler,
+        return_top_ids=drafter.top_k_filler, tree_parents=draft.parents,
     )
     reply = session.verify(req)
     t2 = time.perf_counter()
@@ -226,18 +266,24 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
         next_token = recover_token(row, draft.probs[accepted], float(uniforms[k]))
     else:
         raise SpecDecError("the verifier sent an invalid reply: a row for a one-hot draft")
-    # 5. Output: accepted drafts + one token, cut after an EOS.
-    tokens = [*draft.ids[:accepted], next_token]
+    # 5. Output: accepted drafts (a tree: along the accepted path) + one token, cut after an EOS.
+    path = reply.accepted_path if draft.parents is not None else list(range(accepted))
+    assert path is not None
+    tokens = [*(draft.ids[node] for node in path), next_token]
     eos_at = next((i for i, t in enumerate(tokens) if t in info.eos_token_ids), None)
     if eos_at is not None:
         tokens = tokens[: eos_at + 1]
     # 6. NASD filler: the target's top ids at every position it scored on the kept path.
     if reply.top_ids is not None:
-        for i in range(accepted + 1):  # row i follows committed + x_1..x_i
-            drafter.observe_top_k([*session.committed, *draft.ids[:i]], reply.top_ids[i])
+        kept = [draft.ids[node] for node in path]
+        rows = [0, *(node + 1 for node in path)]  # row 0 follows the root, row i + 1 node i
+        for i, row in enumerate(rows):
+            drafter.observe_top_k([*session.committed, *kept[:i]], reply.top_ids[row])
     return BlockOutcome(draft.ids, accepted, tokens, eos_at is not None,
                         drafting_s=t1 - t0, round_trip_s=t2 - t1,
-                        verifier_s=reply.forward_ms / 1e3)
+                        verifier_s=reply.forward_ms / 1e3,
+                        depth=-1 if draft.parents is None else draft.depth,
+                        parents=draft.parents, accepted_path=reply.accepted_path)
 
 
 def speculative_generate(
@@ -276,14 +322,16 @@ def speculative_generate(
         while ((generated := session.position - len(prompt_ids)) < settings.max_new_tokens
                and session.position <= info.max_context):
             # A block yields up to k + 1 tokens and needs position + k <= max_context.
-            k = max(0, min(schedule.next_k(), settings.max_new_tokens - generated - 1,
-                           info.max_context - session.position))
-            outcome = speculative_block(session, drafter, k, config, generator, info)
+            max_depth = max(0, min(settings.max_new_tokens - generated - 1,
+                                   info.max_context - session.position))
+            k = min(schedule.next_k(), max_depth)
+            outcome = speculative_block(session, drafter, k, config, generator, info,
+                                        max_depth)
             session.commit(outcome.tokens)
             drafter.commit(outcome.tokens)
             recorder.block(outcome.draft_ids, outcome.num_accepted, outcome.drafting_s,
                            outcome.round_trip_s, outcome.verifier_s)
-            schedule.update(len(outcome.draft_ids), outcome.num_accepted, outcome.drafting_s,
+            schedule.update(outcome.proposed, outcome.num_accepted, outcome.drafting_s,
                             outcome.round_trip_s)
             if on_block is not None and on_block(outcome):
                 stopped = True

@@ -21,6 +21,7 @@ sample on the client's behalf with the client's randomness and get the client's 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -198,3 +199,113 @@ def recover_token(
 ) -> int:
     """The client's half after a rejection: recovered token from norm(max(0, p_j - q_j))."""
     return sample_from_probs(residual_probs(target_row, draft_row), final_uniform)
+
+
+# -- token trees -------------------------------------------------------------------------------
+# A tree of N draft nodes hangs below the last committed token (the root). ``parents[i]`` is node
+# i's parent: -1 for the root, else an earlier node (parents[i] < i), so the nodes are in
+# topological order and siblings in the drafter's order of preference. Row 0 of the target's
+# logits follows the root, row i + 1 follows node i. Tree nodes are one-hot (deterministic)
+# candidates: greedy follows the argmax; sampling tests a node's children one after another
+# *without replacement* - child c is accepted with probability p'(c), where p' is p with the
+# children already rejected removed and renormalised - and when every child is rejected the next
+# token is drawn from that p'. Each child is then output with probability exactly p(c), and any
+# other token with p(t): the multi-candidate rule of SpecInfer (Miao et al. 2024, "SpecInfer",
+# multi-step speculative sampling) for one-hot drafts, also in Jeon et al. 2024 ("Recursive
+# speculative decoding"). Testing each child against the untouched p instead outputs the second
+# child with probability p(c2)(1 - p(c1)) / ... wrongly; the distribution tests use that as their
+# negative control.
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of every node (a child of the root has depth 1)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def tree_children(parents: list[int]) -> list[list[int]]:
+    """children[0] holds the root's children, children[i + 1] node i's, in order."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for node, parent in enumerate(parents):
+        children[parent + 1].append(node)
+    return children
+
+
+def is_chain(parents: list[int]) -> bool:
+    return all(parent == node - 1 for node, parent in enumerate(parents))
+
+
+def accept_tree(
+    parents: list[int],
+    draft_ids: list[int],
+    log_uniforms: list[float] | None,  # [N], one per node; None in greedy mode
+    node_logprobs: list[float] | None = None,  # [N] log p_parent(node's token); sampling
+    target_argmax: list[int] | None = None,  # [N + 1] argmax of every row; greedy
+) -> tuple[list[int], list[int]]:
+    """Walk the tree: the accepted path (node ids, root's child first) and the tokens rejected
+    at the node where the walk stopped (removed from p' before the next token is drawn)."""
+    children = tree_children(parents)
+    path: list[int] = []
+    here = -1  # the root
+    while True:
+        rejected: list[int] = []
+        chosen = None
+        if target_argmax is not None:
+            best = target_argmax[here + 1]
+            chosen = next((c for c in children[here + 1] if draft_ids[c] == best), None)
+        else:
+            assert node_logprobs is not None and log_uniforms is not None
+            removed = 0.0  # p-mass of the rejected children
+            for child in children[here + 1]:
+                token = draft_ids[child]
+                if token in rejected:  # a duplicate: p'(token) is 0 now
+                    continue
+                remaining = 1.0 - removed
+                logp = node_logprobs[child]
+                if remaining > 0.0 and log_uniforms[child] < logp - math.log(remaining):
+                    chosen = child
+                    break
+                rejected.append(token)
+                removed += math.exp(logp)
+        if chosen is None:
+            return path, rejected
+        path.append(chosen)
+        here = chosen
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    path: list[int]  # accepted nodes, root's child first
+    target_logprobs: torch.Tensor | None  # [N] log p_parent(node); None in greedy mode
+    target_argmax: torch.Tensor | None  # [N + 1]; greedy mode only
+    next_token: int  # the recovered / bonus token
+
+
+def verify_tree(
+    target_logits: torch.Tensor,  # [N + 1, vocab]: row 0 after the root, row i + 1 after node i
+    draft_ids: list[int],  # [N]
+    parents: list[int],  # [N]
+    log_uniforms: list[float],  # [N]
+    final_uniform: float,
+    config: SamplingConfig,
+) -> TreeVerdict:
+    """The verifier's half for a tree of one-hot drafts: the longest accepted path and the next
+    token, drawn with the client's ``final_uniform``."""
+    if config.greedy:
+        argmax = greedy_tokens(target_logits)  # [N + 1]
+        path, _ = accept_tree(parents, draft_ids, None, target_argmax=argmax.tolist())
+        stop = path[-1] + 1 if path else 0
+        return TreeVerdict(path, None, argmax, int(argmax[stop].item()))
+    logprobs = process_logits(target_logits, config)  # [N + 1, vocab]
+    rows = torch.tensor([p + 1 for p in parents], dtype=torch.long)  # [N] each node's parent row
+    node_lp = logprobs[rows, torch.tensor(draft_ids, dtype=torch.long)].double()  # [N]
+    path, rejected = accept_tree(parents, draft_ids, log_uniforms, node_lp.tolist())
+    probs = logprobs[path[-1] + 1 if path else 0].double().exp()  # [vocab]
+    if rejected:
+        kept = probs.clone()
+        kept[torch.tensor(rejected, dtype=torch.long)] = 0.0
+        if kept.sum() > 0.0:  # else only rounding rejected a certain child: p is the answer
+            probs = kept
+    return TreeVerdict(path, node_lp, None, sample_from_probs(probs, final_uniform))

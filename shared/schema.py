@@ -103,6 +103,9 @@ class VerifyRequest(_Strict):
     final_uniform: float = Field(ge=0.0, lt=1.0, description="uniform for the recovered/bonus draw")
     return_top_ids: int = Field(0, ge=0, le=64, description="also return the target's top-n ids "
                                 "at each scored position (n-gram filler)")
+    tree_parents: list[Annotated[int, Field(ge=-1, le=INT32_MAX)]] | None = Field(
+        None, description="a token tree instead of a chain: the parent of each draft (-1: the "
+        "last token; else an earlier draft's index); drafts are one-hot (draft_logprobs null)")
 
     @field_validator("log_uniforms")
     @classmethod
@@ -170,6 +173,9 @@ class VerifyResponse(_Strict):
     position: Positive  # the session's position once the client commits next_token
     forward_ms: float
     top_ids: list[list[Id]] | None = None  # [k + 1][n] when return_top_ids = n > 0
+    # A tree: the accepted drafts' indices, root's child first (num_accepted = its length);
+    # target_logprobs then holds log p_parent(node) per node, target_argmax one id per row.
+    accepted_path: list[Id] | None = None
 
 
 class GenerateRequest(_Strict):

@@ -196,3 +196,64 @@ def test_distribution_holds_with_concurrent_clients(server: LiveServer,
                                      clients[0].info.eos_token_ids)
     p_value, tv = chi_square_p(counts, exact)
     assert p_value > 1e-3, f"concurrent: chi-square p = {p_value:.2e}, TV = {tv:.3f}"
+
+
+# Token trees (one-hot candidates, several per position) and hybrid drafting. The tree's
+# children are tested one after another without replacement (shared/sampling.py); the naive rule
+# - every child tested against the untouched p - must fail the same test.
+TREES = {
+    "tree3,T=1": (DrafterOptions(tree_width=3, draft_min_prob=0.6), CONFIGS["T=1"]),
+    "tree3,T=0.7,top-k=5": (DrafterOptions(tree_width=3), CONFIGS["T=0.7,top-k=5"]),
+    "hybrid+tree,T=1,top-p=0.8": (DrafterOptions(tree_width=2, lookup=True),
+                                  CONFIGS["T=1,top-p=0.8"]),
+    "hybrid,T=1": (DrafterOptions(lookup=True), CONFIGS["T=1"]),
+}
+
+
+def tree_client(verifier: InProcessVerifier, options: DrafterOptions,
+                tiny_models: dict[str, Path]) -> SpecDecClient:
+    return SpecDecClient(verifier, str(tiny_models["peaky-drafter"]), dtype="float32",
+                         device="cpu", options=options)
+
+
+@pytest.mark.parametrize("name", list(TREES))
+def test_trees_and_hybrid_follow_the_target(name: str, verifier: InProcessVerifier,
+                                            tiny_models: dict[str, Path],
+                                            repeat_prompt: list[int]) -> None:
+    options, params = TREES[name]
+    client = tree_client(verifier, options, tiny_models)
+    prompt = repeat_prompt if options.lookup else PROMPT  # a lookup match for the hybrid
+    exact = exact_pair_distribution(tiny_models["peaky-target"], params,
+                                     client.info.eos_token_ids, prompt)
+    p_value, tv = chi_square_p(sample_pairs(client, params, RUNS, prompt, k=2), exact)
+    assert p_value > 1e-3, f"{name}: chi-square p = {p_value:.2e}, TV = {tv:.3f}"
+    assert tv < 0.1, f"{name}: TV = {tv:.3f}"
+
+
+def naive_accept_tree(parents, draft_ids, log_uniforms, node_logprobs=None,  # type: ignore[no-untyped-def]
+                      target_argmax=None):
+    """The wrong multi-draft rule: each child tested against the untouched p."""
+    children = sampling.tree_children(parents)
+    path, here = [], -1
+    while True:
+        rejected = []
+        chosen = next((c for c in children[here + 1]
+                       if log_uniforms[c] < node_logprobs[c]), None)
+        if chosen is None:
+            rejected = [draft_ids[c] for c in children[here + 1]]
+            return path, rejected
+        path.append(chosen)
+        here = chosen
+
+
+def test_negative_control_naive_tree_rule(verifier: InProcessVerifier,
+                                          tiny_models: dict[str, Path],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sampling, "accept_tree", naive_accept_tree)
+    monkeypatch.setattr(speculative, "accept_tree", naive_accept_tree)
+    options, params = TREES["tree3,T=1"]
+    client = tree_client(verifier, options, tiny_models)
+    exact = exact_pair_distribution(tiny_models["peaky-target"], params,
+                                     client.info.eos_token_ids)
+    p_value, tv = chi_square_p(sample_pairs(client, params, CONTROL_RUNS, k=2), exact)
+    assert p_value < 1e-6, f"naive tree rule not caught: p = {p_value:.2e}, TV = {tv:.3f}"

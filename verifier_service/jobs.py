@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from shared.sampling import verify_block
+from shared.sampling import verify_block, verify_tree
 from shared.schema import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -166,7 +166,8 @@ class VerifyJob:
             return None
         self.ctx.validator.check_verify(session, self.req)
         return ForwardItem(session.slot, session.position - 1,
-                           [self.req.last_token, *self.req.draft_ids], keep_logits=True)
+                           [self.req.last_token, *self.req.draft_ids], keep_logits=True,
+                           tree_parents=self.req.tree_parents)
 
     def finish(self, logits: torch.Tensor | None) -> VerifyResponse:
         if self.replay is not None:
@@ -174,6 +175,49 @@ class VerifyJob:
             return self.replay
         session, req = self.session, self.req
         assert session is not None and logits is not None  # [k + 1, vocab]
+        if req.tree_parents is not None:
+            reply = self._finish_tree(session, req, logits)
+        else:
+            reply = self._finish_chain(session, req, logits)
+        session.last_verify_position, session.last_verify_digest = req.position, self.digest
+        session.last_reply = reply
+        return reply
+
+    def _count(self, scored: int, accepted: int) -> None:
+        counters = self.ctx.counters
+        counters.verify_calls += 1
+        counters.scored_tokens += scored + 1
+        counters.drafted_tokens += scored
+        counters.accepted_tokens += accepted
+
+    def _top_ids(self, logits: torch.Tensor) -> list[list[int]] | None:
+        n = self.req.return_top_ids
+        return torch.topk(logits, min(n, logits.shape[-1])).indices.tolist() if n else None
+
+    def _finish_tree(self, session: Session, req: VerifyRequest,
+                     logits: torch.Tensor) -> VerifyResponse:
+        parents = req.tree_parents or []
+        verdict = verify_tree(logits, req.draft_ids, parents, req.log_uniforms,
+                              req.final_uniform, session.config)
+        # The slot holds the root at position - 1 and node i at position + i; the accepted path
+        # moves to position, position + 1, ... where a chain would have put it.
+        start = session.position
+        self.ctx.pool.compact(session.slot, [start + node for node in verdict.path],
+                              list(range(start, start + len(verdict.path))))
+        session.position += len(verdict.path) + 1
+        self._count(len(req.draft_ids), len(verdict.path))
+        return VerifyResponse(
+            num_accepted=len(verdict.path),
+            target_logprobs=(encode_logprobs(verdict.target_logprobs)
+                             if verdict.target_logprobs is not None else None),
+            target_argmax=(verdict.target_argmax.tolist()
+                           if verdict.target_argmax is not None else None),
+            next_token=verdict.next_token, row=None, position=session.position,
+            forward_ms=1e3 * (time.perf_counter() - self.started),
+            top_ids=self._top_ids(logits), accepted_path=verdict.path)
+
+    def _finish_chain(self, session: Session, req: VerifyRequest,
+                      logits: torch.Tensor) -> VerifyResponse:
         draft_lp = (torch.tensor(req.draft_logprobs, dtype=torch.float64)
                     if req.draft_logprobs is not None else None)
         verdict = verify_block(
@@ -183,12 +227,8 @@ class VerifyJob:
         )
         # The slot holds position + k tokens now; the session keeps last token + accepted.
         session.position += verdict.num_accepted + 1
-        counters = self.ctx.counters
-        counters.verify_calls += 1
-        counters.scored_tokens += len(req.draft_ids) + 1
-        counters.drafted_tokens += len(req.draft_ids)
-        counters.accepted_tokens += verdict.num_accepted
-        reply = VerifyResponse(
+        self._count(len(req.draft_ids), verdict.num_accepted)
+        return VerifyResponse(
             num_accepted=verdict.num_accepted,
             target_logprobs=(encode_logprobs(verdict.target_logprobs)
                              if verdict.target_logprobs is not None else None),
@@ -198,12 +238,8 @@ class VerifyJob:
             row=EncodedRow.encode(verdict.row) if verdict.row is not None else None,
             position=session.position,
             forward_ms=1e3 * (time.perf_counter() - self.started),
-            top_ids=(torch.topk(logits, min(req.return_top_ids, logits.shape[-1])).indices
-                     .tolist() if req.return_top_ids else None),
+            top_ids=self._top_ids(logits),
         )
-        session.last_verify_position, session.last_verify_digest = req.position, self.digest
-        session.last_reply = reply
-        return reply
 
     def abort(self) -> None:
         pass  # the session's position did not move; whatever the slot got past it is ignored

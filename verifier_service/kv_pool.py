@@ -34,11 +34,20 @@ class Segment:
     visible: torch.Tensor | None = None  # [length, start + length] causal mask; None: all
 
     @classmethod
-    def build(cls, slot: int, start: int, offset: int, length: int,
-              device: torch.device) -> Segment:
-        """The mask is the same for every layer, so it is built once per forward."""
+    def build(cls, slot: int, start: int, offset: int, length: int, device: torch.device,
+              tree_parents: list[int] | None = None) -> Segment:
+        """The mask is the same for every layer, so it is built once per forward.
+        ``tree_parents``: the new tokens after the first form a tree below it (parent -1 is the
+        first token): each sees the cached prefix, its ancestors and itself."""
         visible = None
-        if length > 1:
+        if tree_parents is not None:
+            sees = torch.eye(length, dtype=torch.bool)  # [length, length]
+            sees[:, 0] = True  # the root: every node descends from it
+            for node, parent in enumerate(tree_parents, start=1):
+                sees[node] |= sees[parent + 1]
+            prefix = torch.ones(length, start, dtype=torch.bool)
+            visible = torch.cat([prefix, sees], dim=1).to(device)  # [length, start + length]
+        elif length > 1:
             seen = torch.arange(start + length, device=device)  # [end]
             rows = start + torch.arange(length, device=device)  # [length]
             visible = seen[None, :] <= rows[:, None]  # [length, end]
@@ -100,6 +109,21 @@ class KVPool(SlotAllocator):
         if self.lockstep is not None:
             self.lockstep.announce("reorder", slots, parents, length)
         self.local_reorder(slots, parents, length)
+
+    def compact(self, slot: int, sources: list[int], targets: list[int]) -> None:
+        """Move cached positions ``sources`` of ``slot`` to ``targets`` (a token tree's accepted
+        path, to where a chain would have put it)."""
+        if self.lockstep is not None:
+            self.lockstep.announce("compact", slot, sources, targets)
+        self.local_compact(slot, sources, targets)
+
+    def local_compact(self, slot: int, sources: list[int], targets: list[int]) -> None:
+        if sources == targets:
+            return
+        for cache in (*self.keys, *self.values):
+            src = torch.tensor(sources, device=cache.device)
+            dst = torch.tensor(targets, device=cache.device)
+            cache[slot, :, dst] = cache[slot, :, src]  # the gather copies before writing
 
     def local_reorder(self, slots: list[int], parents: list[int], length: int) -> None:
         if parents == list(range(len(slots))):

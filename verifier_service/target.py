@@ -19,6 +19,7 @@ from shared.models import (
     pick_dtype,
     tokenizer_fingerprint,
 )
+from shared.sampling import tree_depths
 from verifier_service.kv_pool import ATTENTION_NAME, KVPool, RaggedBatch, Segment
 from verifier_service.seq2seq import Seq2SeqPool, seq2seq_forward
 from verifier_service.settings import Settings
@@ -101,6 +102,7 @@ class ForwardItem:
     token_ids: list[int]
     keep_logits: bool
     encoder_ids: list[int] | None = None  # encoder-decoder targets: a new session's source
+    tree_parents: list[int] | None = None  # token_ids[1:] form a tree below token_ids[0]
 
 
 class TargetRunner:
@@ -199,9 +201,13 @@ class TargetRunner:
         for item in items:
             offset = len(ids)
             segments.append(Segment.build(item.slot, item.start, offset, len(item.token_ids),
-                                          self.device))
+                                          self.device, item.tree_parents))
             ids.extend(item.token_ids)
-            positions.extend(range(item.start, item.start + len(item.token_ids)))
+            if item.tree_parents is None:
+                positions.extend(range(item.start, item.start + len(item.token_ids)))
+            else:  # a tree node sits at its depth below the root
+                positions.append(item.start)
+                positions.extend(item.start + d for d in tree_depths(item.tree_parents))
             if item.keep_logits:
                 keep.extend(range(offset, offset + len(item.token_ids)))
         out = self.model(

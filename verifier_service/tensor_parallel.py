@@ -56,5 +56,7 @@ def follow(runner: Any) -> None:
             runner.local_forward(*args)
         elif op == "reorder":
             runner.pool.local_reorder(*args)
+        elif op == "compact":
+            runner.pool.local_compact(*args)
         else:
             raise RuntimeError(f"unknown lockstep operation {op!r}")

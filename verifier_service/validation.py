@@ -75,6 +75,8 @@ class RequestValidator:
             raise VerifierError(422, "length_mismatch", f"draft_logprobs has "
                                 f"{len(req.draft_logprobs)} entries for {k} drafts",
                                 "draft_logprobs")
+        if req.tree_parents is not None:
+            self.check_tree(req)
         if req.position == session.last_verify_position:
             raise VerifierError(409, "step_conflict", f"position {req.position} was already "
                                 "verified with a different request; the session is at position "
@@ -86,3 +88,20 @@ class RequestValidator:
         if session.position + k > self.max_context:
             raise VerifierError(422, "context_overflow", f"position {session.position} + {k} "
                                 f"drafts exceeds max_context {self.max_context}", "draft_ids")
+
+    def check_tree(self, req: VerifyRequest) -> None:
+        parents = req.tree_parents or []
+        if len(parents) != len(req.draft_ids):
+            raise VerifierError(422, "length_mismatch", f"tree_parents has {len(parents)} "
+                                f"entries for {len(req.draft_ids)} drafts", "tree_parents")
+        if self.encoder_decoder:
+            raise VerifierError(422, "tree_unsupported", "token trees are verified for "
+                                "decoder-only targets only; send a chain (tree_parents null)",
+                                "tree_parents")
+        bad = next((i for i, p in enumerate(parents) if not -1 <= p < i), None)
+        if bad is not None:
+            raise VerifierError(422, "invalid_tree", f"tree_parents[{bad}] = {parents[bad]}: a "
+                                "parent must be -1 or an earlier draft's index", "tree_parents")
+        if req.draft_logprobs is not None:
+            raise VerifierError(422, "invalid_tree", "a tree's drafts are one-hot: send "
+                                "draft_logprobs null", "draft_logprobs")
