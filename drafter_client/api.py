@@ -63,6 +63,7 @@ class DrafterOptions:
     tree_width: int = 1  # model drafter: > 1 drafts a token tree (runner-ups as leaves)
     lookup: bool = False  # model drafter: hybrid with prompt lookup (drafter_client/hybrid.py)
     lookup_tokens: int = 8  # hybrid: longest lookup draft
+    overlap: bool = False  # model drafter: draft the next block while this one is verified
 
 
 def build_model_free(name: str, options: DrafterOptions) -> Drafter:
@@ -132,6 +133,7 @@ class SpecDecClient:
         except (ModelSpecError, OSError) as exc:
             raise SpecDecError(f"cannot load a tokenizer: {exc}") from exc
         self.tokenizer = tokenizer
+        self.options = options
         self.drafter_name = drafter if isinstance(drafter, str) else getattr(drafter, "name", None)
         self._check_tokenizer()
         # How to build one more drafter of the same kind (fork): None for a ready Drafter.
@@ -240,13 +242,14 @@ class SpecDecClient:
                  top_p: float = 1.0, seed: int = 0, chat: bool = False,
                  on_tokens: Callable[[list[int]], None] | None = None,
                  on_block: Callable[[BlockOutcome], bool | None] | None = None,
-                 ) -> GenerationResult:
+                 overlap: bool | None = None) -> GenerationResult:
         """Speculative generation; exactly the target's distribution for these settings.
 
         ``num_draft_tokens``: k, or ``"auto"`` (cost model) or ``"heuristic"`` (grow/shrink).
         ``on_tokens`` gets each block's new ids; ``on_block`` each :class:`BlockOutcome`
         (drafts, how many were accepted, the new ids) and ends the generation by returning True
-        (finish_reason "stop")."""
+        (finish_reason "stop"). ``overlap``: draft the next block while this one is verified
+        (default: the client's ``DrafterOptions.overlap``)."""
         if self.drafter is None:
             raise SpecDecError("this client has no drafter; use baseline() or pass drafter=")
         try:
@@ -257,7 +260,8 @@ class SpecDecClient:
             prompt_ids, encoder_ids = self.inputs(prompt, chat)
             settings = GenerationSettings(
                 SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
-                max_new_tokens, draft_length, seed, encoder_ids)
+                max_new_tokens, draft_length, seed, encoder_ids,
+                overlap=self.options.overlap if overlap is None else overlap)
             result = speculative_generate(self.verifier, self.drafter, prompt_ids, settings,
                                           self.info, _block_callback(on_tokens, on_block))
         except SpecDecError as exc:

@@ -86,6 +86,9 @@ def _drafter(p: argparse.ArgumentParser) -> None:
                    "drafts for free, the model drafts where there is none")
     p.add_argument("--lookup-tokens", type=int, default=8, metavar="N",
                    help="hybrid: the longest prompt-lookup draft")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
+                   help="model drafter: draft the next block while this one is verified "
+                   "(pays off when the verifier runs on other cores or another host)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                         "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -255,7 +258,7 @@ def make_client(args: argparse.Namespace, with_drafter: bool = True) -> SpecDecC
         ngram_stop_if_unknown=args.ngram_stop_if_unknown,
         lookup_min_ngram=args.lookup_min_ngram, lookup_max_ngram=args.lookup_max_ngram,
         draft_min_prob=args.draft_min_prob, tree_width=args.tree_width, lookup=args.lookup,
-        lookup_tokens=args.lookup_tokens)
+        lookup_tokens=args.lookup_tokens, overlap=args.overlap)
     return SpecDecClient(args.verifier_url, args.drafter, args.tokenizer, args.dtype,
                          args.device, timeout_s=args.timeout_s, options=options,
                          simulated_rtt_ms=args.simulated_rtt_ms, api_key=args.api_key,

@@ -149,6 +149,7 @@ class HFDrafter:
         self.committed: list[int] = []
         self.cached: list[int] = []
         self.cache: DynamicCache | EncoderDecoderCache | None = None
+        self.last_logits = torch.empty(0)  # [vocab] after the last cached token
 
     def warm_up(self) -> None:
         """A throwaway draft, so the first real block does not pay for kernel warm-up."""
@@ -163,11 +164,14 @@ class HFDrafter:
     @torch.inference_mode()
     def _forward(self, ids: list[int]) -> torch.Tensor:
         """Feed ids into the cache; the last position's logits aligned to the target vocab."""
+        if not ids:  # nothing new: the last position's logits are those of the last forward
+            return self.last_logits
         inputs = torch.tensor([ids], device=self.device)  # [1, n]
         out = self.model(input_ids=inputs, cache=self.cache, use_cache=True,
                          logits_to_keep=1)
         self.cached.extend(ids)
-        return align_vocab(out.logits[0, -1].float().cpu(), self.vocab_size)  # [vocab]
+        self.last_logits = align_vocab(out.logits[0, -1].float().cpu(), self.vocab_size)
+        return self.last_logits  # [vocab]
 
     def propose_tree(self, k: int) -> Draft:
         """The argmax chain with runner-up leaves (see ``tree_width``); stops where the top
@@ -222,6 +226,24 @@ class HFDrafter:
     def observe_top_k(self, context: list[int], top_ids: list[int]) -> None:
         pass  # a model drafter has its own distribution
 
+    def speculate(self, assumed: list[int], k: int, config: SamplingConfig,
+                  generator: torch.Generator) -> tuple[int, Draft] | None:
+        """While a block is in flight: the draft for the block after it, *if* the verifier
+        accepts ``assumed`` (the block's drafts on its first chain) and then outputs ``guess``,
+        the drafter's own best next token. Returns (guess, draft). The cache keeps what this
+        computed; :meth:`commit` crops it back to what was really committed."""
+        saved = self.committed
+        try:
+            self.committed = [*saved, *assumed]
+            if len(self.cached) > len(self.committed) or (
+                    self.cached != self.committed[:len(self.cached)]):
+                return None  # not on the committed path (cannot happen after propose)
+            guess = int(greedy_tokens(self._forward(self.committed[len(self.cached):])).item())
+            self.committed.append(guess)
+            return guess, self.propose(k, config, generator)
+        finally:
+            self.committed = saved
+
     def commit(self, tokens: list[int]) -> None:
         self.committed.extend(tokens)
         keep = min(common_prefix(self.cached, self.committed), len(self.committed) - 1)
@@ -251,8 +273,11 @@ class HFSeq2SeqDrafter(HFDrafter):
 
     @torch.inference_mode()
     def _forward(self, ids: list[int]) -> torch.Tensor:
+        if not ids:
+            return self.last_logits
         out = self.model(encoder_outputs=self.encoded,
                          decoder_input_ids=torch.tensor([ids], device=self.device),
                          cache=self.cache, use_cache=True)
         self.cached.extend(ids)
-        return align_vocab(out.logits[0, -1].float().cpu(), self.vocab_size)  # [vocab]
+        self.last_logits = align_vocab(out.logits[0, -1].float().cpu(), self.vocab_size)
+        return self.last_logits  # [vocab]

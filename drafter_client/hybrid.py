@@ -63,6 +63,14 @@ class HybridDrafter:
         tree.add_path(looked)
         return tree.draft()
 
+    def speculate(self, assumed: list[int], k: int, config: SamplingConfig,
+                  generator: torch.Generator) -> tuple[int, Draft] | None:
+        """The model's draft for the next block (see :meth:`HFDrafter.speculate`); none after a
+        lookup-only block - a lookup draft costs nothing to make when its block comes."""
+        if self._looked and self.trust >= self.trust_threshold:
+            return None
+        return self.model.speculate(assumed, k, config, generator)
+
     def commit(self, tokens: list[int]) -> None:
         if self._looked:
             kept = common_prefix(self._looked, tokens) / len(self._looked)

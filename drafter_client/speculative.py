@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -70,10 +71,58 @@ class GenerationSettings:
     draft_length: DraftLength | int = 4  # k per block, fixed or adaptive
     seed: int = 0
     encoder_ids: list[int] | None = None  # an encoder-decoder target's source
+    # Draft block n + 1 while block n is verified, assuming block n's drafts all pass and the
+    # bonus token is the drafter's own choice; used when that holds (drafter_client/hybrid.py,
+    # HFDrafter.speculate). Exact: the draft ahead uses its own randomness.
+    overlap: bool = False
 
     def draft_schedule(self) -> DraftLength:
         return (FixedLength(self.draft_length) if isinstance(self.draft_length, int)
                 else self.draft_length)
+
+
+def first_chain(draft: Draft) -> list[int]:
+    """The drafts a block outputs when every test passes first time: a chain's all, a tree's
+    first child at every level."""
+    if draft.parents is None:
+        return list(draft.ids)
+    chain, here = [], -1
+    for node, parent in enumerate(draft.parents):
+        if parent == here:
+            chain.append(draft.ids[node])
+            here = node
+    return chain
+
+
+@dataclass
+class InFlight:
+    """Drafting the next block while this one is verified (``GenerationSettings.overlap``)."""
+
+    pool: ThreadPoolExecutor
+    drafter: Drafter
+    k: int
+    config: SamplingConfig
+    generator: torch.Generator
+    ahead: tuple[list[int], Draft] | None = None  # (tokens it assumes this block outputs, draft)
+    drafting_s: float = 0.0
+
+    def work(self, draft: Draft) -> None:
+        speculate = getattr(self.drafter, "speculate", None)
+        if speculate is None:
+            return
+        t0 = time.perf_counter()
+        assumed = first_chain(draft)
+        made = speculate(assumed, self.k, self.config, self.generator)
+        if made is not None:
+            guess, next_draft = made
+            self.ahead = ([*assumed, guess], next_draft)
+        self.drafting_s = time.perf_counter() - t0
+
+    def take(self, tokens: list[int]) -> Draft | None:
+        """The draft made ahead, if the block output what it assumed."""
+        if self.ahead is not None and self.ahead[0] == tokens:
+            return self.ahead[1]
+        return None
 
 
 @dataclass(frozen=True)
@@ -88,6 +137,7 @@ class BlockOutcome:
     depth: int = -1  # a tree's longest path (its k for the draft-length schedule); -1: a chain
     parents: list[int] | None = None  # a tree's parents (see Draft.parents)
     accepted_path: list[int] | None = None  # a tree's accepted nodes
+    drafted_ahead: bool = False  # the draft was made while the previous block was in flight
 
     @property
     def proposed(self) -> int:
@@ -226,13 +276,17 @@ def _check_verdict(reply: VerifyResponse, draft: Draft, draft_logprobs: torch.Te
 
 def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
                       config: SamplingConfig, generator: torch.Generator,
-                      info: InfoResponse, max_depth: int | None = None) -> BlockOutcome:
+                      info: InfoResponse, max_depth: int | None = None,
+                      drafted: Draft | None = None,
+                      in_flight: InFlight | None = None) -> BlockOutcome:
     """One block of Algorithm 1 after ``session.committed``; commits nothing itself.
     ``max_depth``: the most tokens a draft may put on one path (default k; a drafter may offer
-    more than k where drafting is free, e.g. a prompt-lookup match)."""
+    more than k where drafting is free, e.g. a prompt-lookup match). ``drafted``: a draft made
+    ahead (while the previous block was in flight). ``in_flight``: work to do while the verify
+    call is on the wire (it runs on a worker thread meanwhile)."""
     # 1. Draft k tokens x_1..x_k with their q_i (a drafter may stop early), or a token tree.
     t0 = time.perf_counter()
-    draft = drafter.propose(k, config, generator).limited(
+    draft = (drafted if drafted is not None else drafter.propose(k, config, generator)).limited(
         k if max_depth is None else max_depth,
         min(info.max_draft_tokens, info.max_context - session.position))
     k = len(draft.ids)
@@ -250,7 +304,12 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
         log_uniforms=log_uniforms.tolist(), final_uniform=float(uniforms[k]),
         return_top_ids=drafter.top_k_filler, tree_parents=draft.parents,
     )
-    reply = session.verify(req)
+    if in_flight is None:
+        reply = session.verify(req)
+    else:
+        call = in_flight.pool.submit(session.verify, req)
+        in_flight.work(draft)
+        reply = call.result()
     t2 = time.perf_counter()
     _check_reply(reply, req, config.greedy, info)
     accepted = _check_verdict(reply, draft, draft_logprobs, log_uniforms, config)
@@ -283,7 +342,8 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
                         drafting_s=t1 - t0, round_trip_s=t2 - t1,
                         verifier_s=reply.forward_ms / 1e3,
                         depth=-1 if draft.parents is None else draft.depth,
-                        parents=draft.parents, accepted_path=reply.accepted_path)
+                        parents=draft.parents, accepted_path=reply.accepted_path,
+                        drafted_ahead=drafted is not None)
 
 
 def speculative_generate(
@@ -315,6 +375,9 @@ def speculative_generate(
                                 recorder.finish(len(generated), session.reopens),
                                 finish_reason=reason)
 
+    pool = (ThreadPoolExecutor(1, thread_name_prefix="specdec-verify")
+            if settings.overlap and hasattr(drafter, "speculate") else None)
+    ahead: Draft | None = None
     try:
         session.open()
         recorder.prefilled()
@@ -325,10 +388,18 @@ def speculative_generate(
             max_depth = max(0, min(settings.max_new_tokens - generated - 1,
                                    info.max_context - session.position))
             k = min(schedule.next_k(), max_depth)
+            in_flight = None
+            if pool is not None and k > 0:
+                # The draft ahead draws from its own generator, seeded from ours every block
+                # whatever happens, so a seed gives the same output however the timing falls.
+                seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+                in_flight = InFlight(pool, drafter, k, config,
+                                     torch.Generator().manual_seed(seed))
             outcome = speculative_block(session, drafter, k, config, generator, info,
-                                        max_depth)
+                                        max_depth, drafted=ahead, in_flight=in_flight)
             session.commit(outcome.tokens)
             drafter.commit(outcome.tokens)
+            ahead = in_flight.take(outcome.tokens) if in_flight is not None else None
             recorder.block(outcome.draft_ids, outcome.num_accepted, outcome.drafting_s,
                            outcome.round_trip_s, outcome.verifier_s)
             schedule.update(outcome.proposed, outcome.num_accepted, outcome.drafting_s,
@@ -342,5 +413,7 @@ def speculative_generate(
         exc.partial = result(error=True)
         raise
     finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
         session.close()
     return result()

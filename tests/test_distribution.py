@@ -207,6 +207,9 @@ TREES = {
     "hybrid+tree,T=1,top-p=0.8": (DrafterOptions(tree_width=2, lookup=True),
                                   CONFIGS["T=1,top-p=0.8"]),
     "hybrid,T=1": (DrafterOptions(lookup=True), CONFIGS["T=1"]),
+    "overlap,T=1": (DrafterOptions(overlap=True), CONFIGS["T=1"]),
+    "overlap+tree3,T=0.7,top-k=5": (DrafterOptions(overlap=True, tree_width=3),
+                                    CONFIGS["T=0.7,top-k=5"]),
 }
 
 

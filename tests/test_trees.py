@@ -140,3 +140,39 @@ def test_verifier_rejects_malformed_trees(tiny_models, gpt2_server) -> None:  # 
         r = http.post(f"/v1/sessions/{sid}/verify", json={**base, "tree_parents": [-1, -1]})
         assert r.status_code == 200, r.text
         assert r.json()["position"] == 4 + len(r.json()["accepted_path"])
+
+
+@pytest.mark.parametrize("options", [
+    DrafterOptions(overlap=True),
+    DrafterOptions(overlap=True, tree_width=2),
+    DrafterOptions(overlap=True, lookup=True, tree_width=2),
+    DrafterOptions(overlap=True, draft_min_prob=0.5),
+], ids=["chain", "tree", "hybrid-tree", "min-prob"])
+def test_overlapped_drafting_keeps_greedy_output(options, tiny_models, llama_server):  # type: ignore[no-untyped-def]
+    """Drafting block n + 1 while block n is in flight changes nothing in the output; the
+    drafts made ahead are used when block n went as assumed."""
+    client = SpecDecClient(llama_server.url, str(tiny_models["llama-drafter"]), dtype="float32",
+                           device="cpu", options=options)
+    ahead = 0
+
+    def count(outcome):  # type: ignore[no-untyped-def]
+        nonlocal ahead
+        ahead += outcome.drafted_ahead
+
+    for prompt in PROMPTS:
+        ids = client.encode(prompt)
+        for k in (1, 4):
+            result = client.generate(ids, num_draft_tokens=k, max_new_tokens=24, on_block=count)
+            assert result.token_ids == _expected(tiny_models["llama-target"], client, ids, 24)
+    assert ahead > 0, "no draft made ahead was ever used"
+
+
+def test_overlapped_drafting_is_reproducible_when_sampling(tiny_models, llama_server):  # type: ignore[no-untyped-def]
+    """The draft ahead has its own seeded randomness: a seed gives one output, with or without
+    the overlap's timing, and the same one twice."""
+    client = SpecDecClient(llama_server.url, str(tiny_models["llama-drafter"]), dtype="float32",
+                           device="cpu", options=DrafterOptions(overlap=True))
+    ids = client.encode(PROMPTS[0])
+    runs = [client.generate(ids, num_draft_tokens=3, max_new_tokens=20, temperature=1.0,
+                            seed=7).token_ids for _ in range(2)]
+    assert runs[0] == runs[1]
