@@ -242,14 +242,17 @@ class SpecDecClient:
                  top_p: float = 1.0, seed: int = 0, chat: bool = False,
                  on_tokens: Callable[[list[int]], None] | None = None,
                  on_block: Callable[[BlockOutcome], bool | None] | None = None,
-                 overlap: bool | None = None) -> GenerationResult:
+                 overlap: bool | None = None, reproducible: bool = False
+                 ) -> GenerationResult:
         """Speculative generation; exactly the target's distribution for these settings.
 
         ``num_draft_tokens``: k, or ``"auto"`` (cost model) or ``"heuristic"`` (grow/shrink).
         ``on_tokens`` gets each block's new ids; ``on_block`` each :class:`BlockOutcome`
         (drafts, how many were accepted, the new ids) and ends the generation by returning True
         (finish_reason "stop"). ``overlap``: draft the next block while this one is verified
-        (default: the client's ``DrafterOptions.overlap``)."""
+        (default: the client's ``DrafterOptions.overlap``). ``reproducible``: sampled output
+        identical to ``baseline(..., reproducible=True)`` with the same seed, whatever the
+        drafter, k or timing (Gumbel-max with noise shared by drafter and target)."""
         if self.drafter is None:
             raise SpecDecError("this client has no drafter; use baseline() or pass drafter=")
         try:
@@ -259,7 +262,8 @@ class SpecDecClient:
         try:
             prompt_ids, encoder_ids = self.inputs(prompt, chat)
             settings = GenerationSettings(
-                SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+                SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                               coupling_seed=seed if reproducible else None),
                 max_new_tokens, draft_length, seed, encoder_ids,
                 overlap=self.options.overlap if overlap is None else overlap)
             result = speculative_generate(self.verifier, self.drafter, prompt_ids, settings,
@@ -275,7 +279,8 @@ class SpecDecClient:
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                  chat: bool = False, num_beams: int = 1, length_penalty: float = 1.0,
                  early_stopping: bool | str = False,
-                 no_repeat_ngram_size: int = 0) -> GenerationResult:
+                 no_repeat_ngram_size: int = 0, reproducible: bool = False
+                 ) -> GenerationResult:
         """Target-only generation on the verifier (``/v1/generate``), same sampling settings;
         with ``num_beams`` > 1 (greedy only) beam search as transformers' ``generate`` does it,
         with ``length_penalty``, ``early_stopping`` (True, False or "never") and
@@ -286,7 +291,8 @@ class SpecDecClient:
         try:
             reply = self.verifier.generate(GenerateRequest(
                 prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, seed=seed,
-                sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+                sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                        coupling_seed=seed if reproducible else None),
                 num_beams=num_beams, length_penalty=length_penalty,
                 early_stopping=early_stopping,  # type: ignore[arg-type]
                 no_repeat_ngram_size=no_repeat_ngram_size, encoder_ids=encoder_ids,

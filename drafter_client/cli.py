@@ -45,6 +45,10 @@ def _sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables top-p")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reproducible", action="store_true",
+                   help="sampled output identical to the target alone's with the same --seed, "
+                   "whatever the drafter, -k or timing (Gumbel-max with noise shared by drafter "
+                   "and target; costs some acceptance)")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -209,6 +213,7 @@ def _flag_problem(exc: ValidationError) -> str:
     """The first error of a wire model built from flags, naming the flag."""
     err = exc.errors()[0]
     flag = "--" + str(err["loc"][0]).replace("_", "-")
+    flag = {"--coupling-seed": "--seed"}.get(flag, flag)
     return f"{flag}: {err['msg']} (got {err.get('input')!r})"
 
 
@@ -216,7 +221,8 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
     """One line naming the first bad flag, or None."""
     if "temperature" in args:
         try:
-            SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+            SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           coupling_seed=args.seed if args.reproducible else None)
         except ValidationError as exc:
             return _flag_problem(exc)
         if args.max_new_tokens < 1:
@@ -314,7 +320,8 @@ def run(argv: list[str] | None = None) -> int:
             return EXIT_ERROR
         return run_console(client, args)
     sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "chat": args.chat}
+                "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "chat": args.chat,
+                "reproducible": args.reproducible}
     prompt = _read_prompt(args)
     try:
         if args.command == "generate":

@@ -53,6 +53,7 @@ class ChatSettings:
     top_p: float = 1.0
     max_tokens: int = 128
     seed: int = 0
+    reproducible: bool = False
     compare: bool = False
     system: str | None = None
 
@@ -197,7 +198,8 @@ class Console:
         ids = self.prompt_ids(text)
         stream = ColorStream(self)
         sampling: dict[str, Any] = {"max_new_tokens": s.max_tokens, "temperature": s.temperature,
-                    "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed + self.turn}
+                    "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed + self.turn,
+                    "reproducible": s.reproducible}
         try:
             result = self.client.generate(ids, num_draft_tokens=s.k, on_block=stream,
                                           **sampling)
@@ -265,7 +267,8 @@ class ColorStream:
 def run_console(client: SpecDecClient, args: argparse.Namespace) -> int:
     settings = ChatSettings(k=str(args.num_draft_tokens), temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, max_tokens=args.max_new_tokens,
-                            seed=args.seed, compare=args.compare, system=args.system)
+                            seed=args.seed, reproducible=args.reproducible,
+                            compare=args.compare, system=args.system)
     try:
         make_draft_length(settings.k, client.info.max_draft_tokens)
     except ValueError as exc:

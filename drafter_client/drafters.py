@@ -11,6 +11,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 from shared.kv_cache import crop_cache
 from shared.sampling import (
     SamplingConfig,
+    choose_tokens,
     draw_uniforms,
     greedy_tokens,
     process_logits,
@@ -173,7 +174,14 @@ class HFDrafter:
         self.last_logits = align_vocab(out.logits[0, -1].float().cpu(), self.vocab_size)
         return self.last_logits  # [vocab]
 
-    def propose_tree(self, k: int) -> Draft:
+    def _choose(self, logits: torch.Tensor, config: SamplingConfig, ahead: int) -> int:
+        """The drafter's deterministic choice for the token ``ahead`` places after the
+        committed sequence: its argmax, or under coupled sampling its Gumbel-max choice with the
+        noise the target uses at that position."""
+        position = len(self.committed) + ahead
+        return int(choose_tokens(logits[None], config, [position])[0].item())
+
+    def propose_tree(self, k: int, config: SamplingConfig = SamplingConfig()) -> Draft:
         """The argmax chain with runner-up leaves (see ``tree_width``); stops where the top
         probability falls below ``min_prob``, leaving that position's candidates as leaves."""
         tree = TreeBuilder()
@@ -183,7 +191,8 @@ class HFDrafter:
         parent = -1
         for i in range(k):
             top = torch.topk(torch.softmax(logits, -1), self.tree_width)
-            best = int(top.indices[0])
+            best = (self._choose(logits, config, i) if config.deterministic
+                    else int(top.indices[0]))
             node = tree.add(parent, best)
             for prob, token in zip(top.values[1:].tolist(), top.indices[1:].tolist(),
                                    strict=True):
@@ -198,17 +207,17 @@ class HFDrafter:
 
     def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
         if self.tree_width > 1:
-            return self.propose_tree(k)
+            return self.propose_tree(k, config)
         if k == 0:
-            return Draft([], None if config.greedy else torch.empty(0), None)
+            return Draft([], None if config.deterministic else torch.empty(0), None)
         logits = self._forward(self.committed[len(self.cached):])  # [vocab]
         ids: list[int] = []
         logprobs, rows = [], []
         for i in range(k):
             if self.min_prob and torch.softmax(logits, -1).max() < self.min_prob:
                 break  # not confident: let the target decide
-            if config.greedy:
-                token = int(greedy_tokens(logits).item())
+            if config.deterministic:
+                token = self._choose(logits, config, i)
             else:
                 lp = process_logits(logits, config)  # [vocab]
                 token = sample_from_probs(lp.exp(), float(draw_uniforms(generator, 1)[0]))
@@ -217,7 +226,7 @@ class HFDrafter:
             ids.append(token)
             if i < k - 1:
                 logits = self._forward([token])
-        if config.greedy:
+        if config.deterministic:
             return Draft(ids, None, None)
         if not ids:
             return Draft([], torch.empty(0), torch.empty(0, self.vocab_size))
@@ -238,7 +247,9 @@ class HFDrafter:
             if len(self.cached) > len(self.committed) or (
                     self.cached != self.committed[:len(self.cached)]):
                 return None  # not on the committed path (cannot happen after propose)
-            guess = int(greedy_tokens(self._forward(self.committed[len(self.cached):])).item())
+            logits = self._forward(self.committed[len(self.cached):])
+            guess = (self._choose(logits, config, 0) if config.deterministic
+                     else int(greedy_tokens(logits).item()))
             self.committed.append(guess)
             return guess, self.propose(k, config, generator)
         finally:

@@ -56,7 +56,7 @@ class HybridDrafter:
             self.lookup_blocks += 1
             return Draft(looked, None, None)
         draft = self.model.propose(k, config, generator)
-        if not looked or not (config.greedy or draft.parents is not None):
+        if not looked or not (config.deterministic or draft.parents is not None):
             return draft
         tree = TreeBuilder()
         tree.add_draft(draft)

@@ -255,15 +255,16 @@ def _check_verdict(reply: VerifyResponse, draft: Draft, draft_logprobs: torch.Te
     """Our own copy of the acceptance rule must agree with the verifier's verdict."""
     if draft.parents is not None:
         path, _ = accept_tree(
-            draft.parents, draft.ids, None if config.greedy else log_uniforms.tolist(),
-            None if config.greedy else decode_logprobs(reply.target_logprobs or []).tolist(),
-            reply.target_argmax if config.greedy else None)
+            draft.parents, draft.ids, None if config.deterministic else log_uniforms.tolist(),
+            None if config.deterministic
+            else decode_logprobs(reply.target_logprobs or []).tolist(),
+            reply.target_argmax if config.deterministic else None)
         if path != reply.accepted_path:
             raise SpecDecError(f"verifier accepted the path {reply.accepted_path} where the "
                                f"acceptance rule gives {path}: protocol mismatch")
         return len(path)
     ids = torch.tensor(draft.ids, dtype=torch.long)  # [k]
-    if config.greedy:
+    if config.deterministic:
         accepted = accept_greedy(ids, torch.tensor(reply.target_argmax or [], dtype=torch.long))
     else:
         accepted = accept_drafts(decode_logprobs(reply.target_logprobs or []), draft_logprobs,
@@ -295,7 +296,7 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
     #    log(1 - u) with u in [0, 1) is the log of a uniform on (0, 1], never -inf.
     uniforms = draw_uniforms(generator, k + 1)  # [k + 1]
     log_uniforms = torch.log1p(-uniforms[:k])  # [k]
-    draft_logprobs = None if config.greedy else draft.logprobs  # None: one-hot draft
+    draft_logprobs = None if config.deterministic else draft.logprobs  # None: one-hot draft
     # 3. One round trip: the verifier scores [last token, x_1..x_k] in one forward and finds
     #    the first rejection with our uniforms.
     req = VerifyRequest(
@@ -311,7 +312,7 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
         in_flight.work(draft)
         reply = call.result()
     t2 = time.perf_counter()
-    _check_reply(reply, req, config.greedy, info)
+    _check_reply(reply, req, config.deterministic, info)
     accepted = _check_verdict(reply, draft, draft_logprobs, log_uniforms, config)
     # 4. The recovered or bonus token: drawn by the verifier when it could, else here from
     #    norm(max(0, p_j - q_j)) with p_j from the reply and our own q_j.

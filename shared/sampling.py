@@ -39,10 +39,23 @@ class SamplingConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    # Reproducible sampling: every position's token is the Gumbel-max choice under noise drawn
+    # from (coupling_seed, position), shared by drafter and target (see ``coupled_tokens``).
+    coupling_seed: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def coupled(self) -> bool:
+        return not self.greedy and self.coupling_seed is not None
+
+    @property
+    def deterministic(self) -> bool:
+        """The target's token at a position is a function of its logits (greedy, or coupled
+        sampling): drafts are one-hot and accepted while they equal it."""
+        return self.greedy or self.coupled
 
 
 def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
@@ -79,6 +92,48 @@ def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """[..., vocab] -> [...] argmax ids (the lowest id wins a tie)."""
     return torch.argmax(logits, dim=-1)
+
+
+_MASK64 = 2**64 - 1
+
+
+def _mix64(value: int) -> int:
+    """SplitMix64's finaliser: nearby (seed, position) pairs get unrelated generator seeds."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def gumbel_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """[vocab] float64 Gumbel(0, 1) noise for one position of one seeded sequence. Drawn on the
+    CPU from a generator seeded by (seed, position), so every device and process gets the same
+    noise; the verifier and the drafter share it without sending it."""
+    generator = torch.Generator().manual_seed(_mix64(_mix64(seed) ^ position) >> 1)
+    uniforms = torch.rand(vocab, generator=generator, dtype=torch.float64)
+    return -torch.log(-torch.log(uniforms.clamp_min(2.0**-60)))
+
+
+def coupled_tokens(logits: torch.Tensor, config: SamplingConfig,
+                   positions: list[int]) -> torch.Tensor:
+    """Gumbel-max sampling with shared noise: ``[n, vocab]`` logits -> ``[n]`` ids,
+    argmax(log p + g_position) - an exact draw from the processed p. A drafter that uses the same
+    noise proposes the target's own choice whenever its distribution is close: the coupling of
+    Daliri et al. 2024 ("Coupling without communication and drafter-invariant speculative
+    decoding"), so the output does not depend on the drafter, k or timing."""
+    if config.coupling_seed is None:
+        raise ValueError("coupled sampling needs a coupling_seed")
+    logprobs = process_logits(logits, config).double()  # [n, vocab]
+    noise = torch.stack([gumbel_noise(config.coupling_seed, p, logits.shape[-1])
+                         for p in positions]).to(logprobs.device)  # [n, vocab]
+    return torch.argmax(logprobs + noise, dim=-1)
+
+
+def choose_tokens(logits: torch.Tensor, config: SamplingConfig,
+                  positions: list[int]) -> torch.Tensor:
+    """The target's token at each row in a deterministic mode (greedy or coupled)."""
+    return (greedy_tokens(logits) if config.greedy
+            else coupled_tokens(logits, config, positions))
 
 
 def draw_uniforms(generator: torch.Generator, count: int) -> torch.Tensor:
@@ -167,11 +222,12 @@ def verify_block(
     log_uniforms: torch.Tensor,  # [k]
     final_uniform: float,
     config: SamplingConfig,
+    position: int = 0,  # the sequence index of row 0's token (coupled sampling)
 ) -> BlockVerdict:
     """The verifier's half of a speculative step: find the first rejection, draw what it can."""
     k = draft_ids.shape[0]
-    if config.greedy:
-        argmax = greedy_tokens(target_logits)  # [k + 1]
+    if config.deterministic:
+        argmax = choose_tokens(target_logits, config, list(range(position, position + k + 1)))
         accepted = accept_greedy(draft_ids, argmax)
         return BlockVerdict(accepted, None, argmax, int(argmax[accepted].item()), None)
 
@@ -279,7 +335,7 @@ def accept_tree(
 class TreeVerdict:
     path: list[int]  # accepted nodes, root's child first
     target_logprobs: torch.Tensor | None  # [N] log p_parent(node); None in greedy mode
-    target_argmax: torch.Tensor | None  # [N + 1]; greedy mode only
+    target_argmax: torch.Tensor | None  # [N + 1]; greedy (and coupled) mode only
     next_token: int  # the recovered / bonus token
 
 
@@ -290,11 +346,13 @@ def verify_tree(
     log_uniforms: list[float],  # [N]
     final_uniform: float,
     config: SamplingConfig,
+    position: int = 0,  # the sequence index of row 0's token (coupled sampling)
 ) -> TreeVerdict:
     """The verifier's half for a tree of one-hot drafts: the longest accepted path and the next
     token, drawn with the client's ``final_uniform``."""
-    if config.greedy:
-        argmax = greedy_tokens(target_logits)  # [N + 1]
+    if config.deterministic:
+        rows = [position, *(position + d for d in tree_depths(parents))]
+        argmax = choose_tokens(target_logits, config, rows)  # [N + 1]
         path, _ = accept_tree(parents, draft_ids, None, target_argmax=argmax.tolist())
         stop = path[-1] + 1 if path else 0
         return TreeVerdict(path, None, argmax, int(argmax[stop].item()))

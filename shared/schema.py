@@ -39,9 +39,14 @@ class SamplingParams(_Strict):
     top_k: int = Field(0, ge=0, le=INT32_MAX, description="0 disables top-k")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False,
                          description="1.0 disables top-p; the best token is always kept")
+    coupling_seed: int | None = Field(
+        None, ge=0, le=2**63 - 1, description="reproducible sampling: each position's token is "
+        "the Gumbel-max choice under noise from (this seed, position), the same for the drafter "
+        "and the target, so the output equals the target alone's with this seed whatever the "
+        "drafter, k or timing; null: the client's uniforms decide")
 
     def to_config(self) -> SamplingConfig:
-        return SamplingConfig(self.temperature, self.top_k, self.top_p)
+        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.coupling_seed)
 
 
 # Bounds on what a verifier answers: a client checks them before using a reply (relations to

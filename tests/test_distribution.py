@@ -260,3 +260,34 @@ def test_negative_control_naive_tree_rule(verifier: InProcessVerifier,
                                      client.info.eos_token_ids)
     p_value, tv = chi_square_p(sample_pairs(client, params, CONTROL_RUNS, k=2), exact)
     assert p_value < 1e-6, f"naive tree rule not caught: p = {p_value:.2e}, TV = {tv:.3f}"
+
+
+# Reproducible sampling: each position's token is the Gumbel-max choice under noise from
+# (seed, position). Over seeds it must follow the target exactly; noise that ignores the
+# position (the same noise at every step) keeps each token's marginal right but ties the two
+# tokens together - the pair test must catch that.
+@pytest.mark.parametrize("name", ["T=1", "T=1,top-p=0.8"])
+def test_reproducible_sampling_follows_the_target(name: str, client: SpecDecClient,
+                                                  tiny_models: dict[str, Path]) -> None:
+    params = CONFIGS[name]
+    exact = exact_pair_distribution(tiny_models["peaky-target"], params,
+                                     client.info.eos_token_ids)
+    counts = sample_pairs(client, {**params, "reproducible": True}, RUNS)
+    p_value, tv = chi_square_p(counts, exact)
+    assert p_value > 1e-3, f"{name}: chi-square p = {p_value:.2e}, TV = {tv:.3f}"
+    assert tv < 0.1, f"{name}: TV = {tv:.3f}"
+
+
+def test_negative_control_noise_shared_across_positions(client: SpecDecClient,
+                                                        tiny_models: dict[str, Path],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    real = sampling.gumbel_noise
+    monkeypatch.setattr(sampling, "gumbel_noise",
+                        lambda seed, position, vocab: real(seed, 0, vocab))
+    params = CONFIGS["T=1"]
+    exact = exact_pair_distribution(tiny_models["peaky-target"], params,
+                                     client.info.eos_token_ids)
+    # A subtler error than the others (TV about 0.09): it takes the full RUNS draws.
+    counts = sample_pairs(client, {**params, "reproducible": True}, RUNS)
+    p_value, tv = chi_square_p(counts, exact)
+    assert p_value < 1e-6, f"position-blind noise not caught: p = {p_value:.2e}, TV = {tv:.3f}"

@@ -198,7 +198,7 @@ class VerifyJob:
                      logits: torch.Tensor) -> VerifyResponse:
         parents = req.tree_parents or []
         verdict = verify_tree(logits, req.draft_ids, parents, req.log_uniforms,
-                              req.final_uniform, session.config)
+                              req.final_uniform, session.config, req.position)
         # The slot holds the root at position - 1 and node i at position + i; the accepted path
         # moves to position, position + 1, ... where a chain would have put it.
         start = session.position
@@ -223,7 +223,7 @@ class VerifyJob:
         verdict = verify_block(
             logits, torch.tensor(req.draft_ids, dtype=torch.long), draft_lp,
             torch.tensor(req.log_uniforms, dtype=torch.float64), req.final_uniform,
-            session.config,
+            session.config, req.position,
         )
         # The slot holds position + k tokens now; the session keeps last token + accepted.
         session.position += verdict.num_accepted + 1
