@@ -172,10 +172,11 @@ class SpecDecClient:
 
             try:
                 self._new_drafter = new_drafter
-                drafter = self._new_drafter()
+                made = new_drafter()
             except ValueError as exc:
                 raise SpecDecError(f"drafter {spec}: {exc}") from exc
-            drafter.warm_up()
+            made.warm_up()  # type: ignore[attr-defined]  # HFDrafter or HybridDrafter
+            drafter = made
         self.drafter: Drafter | None = drafter
 
     def fork(self) -> SpecDecClient:

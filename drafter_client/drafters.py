@@ -181,7 +181,7 @@ class HFDrafter:
         position = len(self.committed) + ahead
         return int(choose_tokens(logits[None], config, [position])[0].item())
 
-    def propose_tree(self, k: int, config: SamplingConfig = SamplingConfig()) -> Draft:
+    def propose_tree(self, k: int, config: SamplingConfig) -> Draft:
         """The argmax chain with runner-up leaves (see ``tree_width``); stops where the top
         probability falls below ``min_prob``, leaving that position's candidates as leaves."""
         tree = TreeBuilder()

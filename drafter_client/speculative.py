@@ -336,9 +336,9 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
     # 6. NASD filler: the target's top ids at every position it scored on the kept path.
     if reply.top_ids is not None:
         kept = [draft.ids[node] for node in path]
-        rows = [0, *(node + 1 for node in path)]  # row 0 follows the root, row i + 1 node i
-        for i, row in enumerate(rows):
-            drafter.observe_top_k([*session.committed, *kept[:i]], reply.top_ids[row])
+        scored = [0, *(node + 1 for node in path)]  # row 0 follows the root, row i + 1 node i
+        for i, at in enumerate(scored):
+            drafter.observe_top_k([*session.committed, *kept[:i]], reply.top_ids[at])
     return BlockOutcome(draft.ids, accepted, tokens, eos_at is not None,
                         drafting_s=t1 - t0, round_trip_s=t2 - t1,
                         verifier_s=reply.forward_ms / 1e3,

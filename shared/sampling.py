@@ -357,8 +357,8 @@ def verify_tree(
         stop = path[-1] + 1 if path else 0
         return TreeVerdict(path, None, argmax, int(argmax[stop].item()))
     logprobs = process_logits(target_logits, config)  # [N + 1, vocab]
-    rows = torch.tensor([p + 1 for p in parents], dtype=torch.long)  # [N] each node's parent row
-    node_lp = logprobs[rows, torch.tensor(draft_ids, dtype=torch.long)].double()  # [N]
+    parent_rows = torch.tensor([p + 1 for p in parents], dtype=torch.long)  # [N]
+    node_lp = logprobs[parent_rows, torch.tensor(draft_ids, dtype=torch.long)].double()  # [N]
     path, rejected = accept_tree(parents, draft_ids, log_uniforms, node_lp.tolist())
     probs = logprobs[path[-1] + 1 if path else 0].double().exp()  # [vocab]
     if rejected:

@@ -202,6 +202,7 @@ class VerifyJob:
         # The slot holds the root at position - 1 and node i at position + i; the accepted path
         # moves to position, position + 1, ... where a chain would have put it.
         start = session.position
+        assert isinstance(self.ctx.pool, KVPool)  # trees are refused for encoder-decoder targets
         self.ctx.pool.compact(session.slot, [start + node for node in verdict.path],
                               list(range(start, start + len(verdict.path))))
         session.position += len(verdict.path) + 1
