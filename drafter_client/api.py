@@ -66,6 +66,12 @@ class DrafterOptions:
     overlap: bool = False  # model drafter: draft the next block while this one is verified
 
 
+# The CLI's defaults (``specdec generate`` without -k / drafting flags), chosen by
+# ``python -m scripts.bench client`` (docs/benchmarks.md).
+DEFAULT_K = "auto"
+DEFAULT_OPTIONS = DrafterOptions(lookup=True)
+
+
 def build_model_free(name: str, options: DrafterOptions) -> Drafter:
     if name == "ngram":
         return NGramDrafter(NGramOptions(options.ngram_n, options.ngram_kind,
@@ -138,6 +144,7 @@ class SpecDecClient:
         self._check_tokenizer()
         # How to build one more drafter of the same kind (fork): None for a ready Drafter.
         self._new_drafter: Callable[[], Drafter] | None = None
+        self._model_drafter: tuple[Any, str, bool] | None = None  # (model, spec, seq2seq)
         if isinstance(drafter, str) and drafter in MODEL_FREE_DRAFTERS:
             name = drafter
             self._new_drafter = lambda: build_model_free(name, options)
@@ -159,25 +166,44 @@ class SpecDecClient:
             if seq2seq and options.tree_width > 1:
                 raise SpecDecError("token trees are verified for decoder-only targets only: "
                                    "use tree_width 1 with an encoder-decoder pair")
-            spec, vocab = drafter, self.info.vocab_size
-            kind = HFSeq2SeqDrafter if seq2seq else HFDrafter
-            def new_drafter() -> Drafter:
-                made = kind(model, vocab, name=spec, min_prob=options.draft_min_prob,
-                            tree_width=options.tree_width)
-                if options.lookup and not seq2seq:
-                    return HybridDrafter(made, PromptLookupDrafter(
-                        options.lookup_min_ngram, options.lookup_max_ngram),
-                        options.lookup_tokens)
-                return made
-
-            try:
-                self._new_drafter = new_drafter
-                made = new_drafter()
-            except ValueError as exc:
-                raise SpecDecError(f"drafter {spec}: {exc}") from exc
-            made.warm_up()  # type: ignore[attr-defined]  # HFDrafter or HybridDrafter
-            drafter = made
+            self._model_drafter = (model, drafter, seq2seq)
+            drafter = self._build_model_drafter(options)
+            drafter.warm_up()  # type: ignore[attr-defined]  # HFDrafter or HybridDrafter
         self.drafter: Drafter | None = drafter
+
+    def _build_model_drafter(self, options: DrafterOptions) -> Drafter:
+        """A drafter on the loaded drafter model with these options (its weights shared)."""
+        assert self._model_drafter is not None
+        model, spec, seq2seq = self._model_drafter
+        vocab = self.info.vocab_size
+        kind = HFSeq2SeqDrafter if seq2seq else HFDrafter
+
+        def new_drafter() -> Drafter:
+            made = kind(model, vocab, name=spec, min_prob=options.draft_min_prob,
+                        tree_width=options.tree_width)
+            if options.lookup and not seq2seq:
+                return HybridDrafter(made, PromptLookupDrafter(
+                    options.lookup_min_ngram, options.lookup_max_ngram), options.lookup_tokens)
+            return made
+
+        try:
+            made = new_drafter()
+        except ValueError as exc:
+            raise SpecDecError(f"drafter {spec}: {exc}") from exc
+        self._new_drafter = new_drafter
+        return made
+
+    def with_options(self, options: DrafterOptions) -> SpecDecClient:
+        """A client like this one (same verifier connection, tokenizer and drafter model, its
+        weights shared) drafting with other options; model drafters only."""
+        if self._model_drafter is None:
+            raise SpecDecError("with_options() needs a model drafter given by name")
+        twin = copy.copy(self)
+        if isinstance(self.verifier, HttpVerifier):
+            twin.verifier = self.verifier.clone()
+        twin.options = options
+        twin.drafter = twin._build_model_drafter(options)
+        return twin
 
     def fork(self) -> SpecDecClient:
         """A client for one more concurrent generation: the same verifier, tokenizer and drafter

@@ -6,10 +6,20 @@ import argparse
 import sys
 from typing import Any
 
-from scripts.bench import attack, batching, gateway, gpu, network, profile, report, suite
+from scripts.bench import (
+    attack,
+    batching,
+    client,
+    gateway,
+    gpu,
+    network,
+    profile,
+    report,
+    suite,
+)
 
-COMMANDS = {"suite": suite, "batching": batching, "network": network, "profile": profile,
-            "attack": attack, "gateway": gateway, "gpu": gpu, "report": report}
+COMMANDS = {"suite": suite, "client": client, "batching": batching, "network": network,
+            "profile": profile, "attack": attack, "gateway": gateway, "gpu": gpu, "report": report}
 
 
 def build_parser() -> argparse.ArgumentParser:
