@@ -62,7 +62,7 @@ class DrafterOptions:
     draft_min_prob: float = 0.0  # model drafter: stop a block below this top probability
     tree_width: int = 1  # model drafter: > 1 drafts a token tree (runner-ups as leaves)
     lookup: bool = False  # model drafter: hybrid with prompt lookup (drafter_client/hybrid.py)
-    lookup_tokens: int = 8  # hybrid: longest lookup draft
+    lookup_tokens: int = 0  # hybrid: longest lookup draft; 0: the block's k
     overlap: bool = False  # model drafter: draft the next block while this one is verified
 
 

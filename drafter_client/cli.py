@@ -88,8 +88,8 @@ def _drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=False,
                    help="model drafter: hybrid with prompt lookup - a match in the context "
                    "drafts for free, the model drafts where there is none")
-    p.add_argument("--lookup-tokens", type=int, default=8, metavar="N",
-                   help="hybrid: the longest prompt-lookup draft")
+    p.add_argument("--lookup-tokens", type=int, default=0, metavar="N",
+                   help="hybrid: the longest prompt-lookup draft (0: the block's k)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
                    help="model drafter: draft the next block while this one is verified "
                    "(pays off when the verifier runs on other cores or another host)")
@@ -239,8 +239,8 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
     if "tree_width" in args:
         if args.tree_width < 1:
             return f"--tree-width must be at least 1 (got {args.tree_width})"
-        if args.lookup_tokens < 1:
-            return f"--lookup-tokens must be at least 1 (got {args.lookup_tokens})"
+        if args.lookup_tokens < 0:
+            return f"--lookup-tokens must be at least 0 (got {args.lookup_tokens})"
     if args.command == "serve":
         for flag in ("max_concurrency", "port"):
             if getattr(args, flag) < 1:

@@ -67,6 +67,11 @@ class CostModelLength:
         self.passed = [0.0] * max_k  # ... and accepted it
         self.draft_s_per_token: float | None = None
         self._rtt = [0.0] * 5  # decayed sums: n, k, k^2, rtt, k * rtt
+        # Decayed (weight, weighted rtt sum) per k seen: a verify's cost is not a line in k on
+        # every machine (CPU matmul kernels switch at some widths), so a k that was measured
+        # is judged by its own times; the line fills in for the others.
+        self._rtt_at: dict[int, list[float]] = {}
+        self.min_samples = 2.0  # decayed weight before a k's own mean replaces the line
 
     def acceptance(self) -> list[float]:
         """c_i per position, shrunk towards the pooled rate where a position has little data."""
@@ -77,6 +82,12 @@ class CostModelLength:
                 for p, r in zip(self.passed, self.reached, strict=True)]
 
     def rtt(self, k: int) -> float:
+        seen = self._rtt_at.get(k)
+        if seen is not None and seen[0] >= self.min_samples:
+            return seen[1] / seen[0]
+        return self.rtt_line(k)
+
+    def rtt_line(self, k: int) -> float:
         n, sk, skk, sr, skr = self._rtt
         if n == 0:
             return 0.0
@@ -112,6 +123,12 @@ class CostModelLength:
             per_token = drafting_s / proposed
             self.draft_s_per_token = per_token if self.draft_s_per_token is None else (
                 d * self.draft_s_per_token + (1 - d) * per_token)
+        for entry in self._rtt_at.values():
+            entry[0] *= d
+            entry[1] *= d
+        entry = self._rtt_at.setdefault(proposed, [0.0, 0.0])
+        entry[0] += 1.0
+        entry[1] += rtt_s
         k = float(proposed)
         self._rtt = [d * v for v in self._rtt]
         for i, v in enumerate((1.0, k, k * k, rtt_s, k * rtt_s)):

@@ -5,7 +5,8 @@ summarise this text) it is right for long runs; the model drafter is right more 
 text but costs a drafter forward per token. Per block:
 
 * the lookup has a match and has been *trusted* (its recent drafts mostly committed): the lookup
-  draft alone, up to ``lookup_tokens`` long - the model is not run;
+  draft alone, up to ``lookup_tokens`` long (0: the block's k, so ``-k auto`` sizes it by what
+  a verify of that length costs) - the model is not run;
 * otherwise the model drafts; in greedy mode, and whenever the model drafts one-hot trees, a
   lookup match rides along as a second branch of a token tree (verifying it costs next to
   nothing), which is also how an untrusted lookup earns trust back. Under sampling a model chain
@@ -28,7 +29,7 @@ class HybridDrafter:
     top_k_filler = 0
 
     def __init__(self, model: HFDrafter, lookup: PromptLookupDrafter | None = None,
-                 lookup_tokens: int = 8, trust_threshold: float = 0.5,
+                 lookup_tokens: int = 0, trust_threshold: float = 0.5,
                  decay: float = 0.7) -> None:
         self.model = model
         self.lookup = lookup or PromptLookupDrafter(1, 3)

@@ -130,3 +130,29 @@ def test_gpu_bench_smoke_run_on_cpu(tmp_path: Path) -> None:
     assert payload["drafter"]["c"] > 0
     assert json.loads((tmp_path / "gpu.json").read_text())["served_calls"] == \
         payload["served_calls"]
+
+
+def test_client_bench_runs_every_section_on_tiny_models(tiny_models: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    """The per-client benchmark's pipeline: greedy (every system equal to the target), sampling,
+    and the pinned two-host section with and without overlap."""
+    payload = bench([
+        "client", "--target", str(tiny_models["gpt2-target"]), "--drafter",
+        str(tiny_models["gpt2-drafter"]), "--dtype", "float32", "--threads", "1",
+        "--max-new-tokens", "10", "--two-host-max-new-tokens", "6", "--prompts-per-workload",
+        "1", "--workloads", "code", "english", "--rtts", "0", "20",
+        "--systems", "hf", "hf assisted k=2", "hf lookup k=4", "specdec alone",
+        "specdec model k=2 tree=2", "specdec default", "specdec ngram k=auto",
+        "--sampling-systems", "hf", "specdec default", "specdec default reproducible",
+        "--out", str(tmp_path / "client.json")])
+    runs = payload["runs"]
+    greedy = [r for r in runs if r["section"] == "greedy"]
+    assert len(greedy) == 2 * 7 and all(r["matches_target"] for r in greedy)
+    assert {r["section"] for r in runs} == {"greedy", "sampling", "two-host"}
+    assert {(r["rtt_ms"], r["system"]) for r in runs if r["section"] == "two-host"} == {
+        (rtt, s) for rtt in (0.0, 20.0)
+        for s in ("hf", "specdec default", "specdec default overlap")}
+    rows = payload["rows"]
+    assert all(r["all"] > 0 for r in rows)
+    assert [r["all"] for r in rows if r["system"] == "hf"] == [1.0] * 4  # its own baseline
+    assert json.loads((tmp_path / "client.json").read_text())["rows"] == rows

@@ -140,3 +140,18 @@ def test_make_draft_length() -> None:
         make_draft_length("9", 8)
     with pytest.raises(ValueError, match="'auto'"):
         make_draft_length("often", 8)
+
+
+def test_cost_model_judges_measured_draft_lengths_by_their_own_times() -> None:
+    """A verify's cost is not a line in k everywhere (CPU matmul kernels switch at some
+    widths): a k that was measured is judged by its own round trips, so a cheap k = 2 beats a
+    k = 4 whose measured cost is far above what a line through the others would say."""
+    rtt = {1: 0.25, 2: 0.26, 3: 0.27, 4: 0.50, 5: 0.51, 6: 0.53, 7: 0.67, 8: 0.69}
+    policy = CostModelLength(max_k=8)
+    for _ in range(200):  # every position accepted with probability 0.7 (expected counts)
+        k = policy.next_k()
+        policy.update(k, int(0.7 * k), 0.0, rtt[k])
+        for probe in (2, 4):  # and both candidates measured now and then
+            policy.update(probe, int(0.7 * probe), 0.0, rtt[probe])
+    assert policy.rtt(4) == pytest.approx(0.50) and policy.rtt(2) == pytest.approx(0.26)
+    assert policy.next_k() <= 3

@@ -21,14 +21,24 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
     if req.num_beams > 1:
         return await beam_generate(ctx, scheduler, req, eos_token_ids, owner)
     generator = torch.Generator().manual_seed(req.seed)
-    created = await scheduler.submit(CreateSessionJob(
+    fused = req.encoder_ids is None  # decoder-only: the prefill draws the first token
+    create = CreateSessionJob(
         ctx, CreateSessionRequest(prompt_ids=req.prompt_ids, sampling=req.sampling,
-                                  encoder_ids=req.encoder_ids), owner))
+                                  encoder_ids=req.encoder_ids), owner,
+        first_uniform=float(draw_uniforms(generator, 1)[0]) if fused else None)
+    created = await scheduler.submit(create)
     session_id, position, last = created.session_id, created.position, req.prompt_ids[-1]
     tokens: list[int] = []
     forward_ms = 0.0
     try:
         steps = min(req.max_new_tokens, ctx.validator.max_context - len(req.prompt_ids) + 1)
+        if fused and steps:
+            assert create.first_token is not None
+            last = create.first_token
+            tokens.append(last)
+            steps -= 1
+            if req.stop_at_eos and last in eos_token_ids:
+                steps = 0
         for _ in range(steps):
             reply = await scheduler.submit(VerifyJob(ctx, session_id, VerifyRequest(
                 position=position, last_token=last,

@@ -74,6 +74,11 @@ class CreateSessionJob:
     reserved: bool = False  # admitted against the key's session quota
     replay: Session | None = None  # a retried create of a session that exists unchanged
     started: float = field(default_factory=time.perf_counter)
+    # Target-only decoding (/v1/generate): prefill the whole prompt and draw the first token
+    # from its last row with this uniform, as generate() does, instead of leaving the last
+    # prompt token to the first step (one forward fewer per generation).
+    first_uniform: float | None = None
+    first_token: int | None = None
 
     kind = "create"
 
@@ -106,6 +111,9 @@ class CreateSessionJob:
         except VerifierError:
             self.abort()
             raise
+        if self.first_uniform is not None:
+            ids = self.req.prompt_ids
+            return ForwardItem(self.slot, 0, ids, keep_logits=True, keep_from=len(ids) - 1)
         return ForwardItem(self.slot, 0, self.req.prompt_ids[:-1], keep_logits=False,
                            encoder_ids=self.req.encoder_ids)
 
@@ -114,9 +122,17 @@ class CreateSessionJob:
             return CreateSessionResponse(session_id=self.replay.id,
                                          position=self.replay.position, prefill_ms=0.0)
         assert self.slot is not None
-        session = Session(slot=self.slot, position=len(self.req.prompt_ids),
-                          config=self.req.sampling.to_config(), id=self.session_id,
-                          owner=self.owner, create_digest=self.digest)
+        position = len(self.req.prompt_ids)
+        config = self.req.sampling.to_config()
+        if self.first_uniform is not None:  # the prompt's last row: the first token
+            assert logits is not None  # [1, vocab]
+            verdict = verify_block(logits, torch.empty(0, dtype=torch.long), None,
+                                   torch.empty(0, dtype=torch.float64), self.first_uniform,
+                                   config, position)
+            self.first_token = verdict.next_token
+            position += 1  # the cache holds the prompt; the first token is committed
+        session = Session(slot=self.slot, position=position, config=config,
+                          id=self.session_id, owner=self.owner, create_digest=self.digest)
         self.ctx.sessions.add(session)
         self.reserved = False
         self.ctx.counters.prefill_tokens += self.num_tokens

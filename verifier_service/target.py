@@ -103,6 +103,7 @@ class ForwardItem:
     keep_logits: bool
     encoder_ids: list[int] | None = None  # encoder-decoder targets: a new session's source
     tree_parents: list[int] | None = None  # token_ids[1:] form a tree below token_ids[0]
+    keep_from: int = 0  # with keep_logits: the rows of token_ids[keep_from:] only
 
 
 class TargetRunner:
@@ -209,7 +210,7 @@ class TargetRunner:
                 positions.append(item.start)
                 positions.extend(item.start + d for d in tree_depths(item.tree_parents))
             if item.keep_logits:
-                keep.extend(range(offset, offset + len(item.token_ids)))
+                keep.extend(range(offset + item.keep_from, offset + len(item.token_ids)))
         out = self.model(
             input_ids=torch.tensor([ids], device=self.device),  # [1, N]
             position_ids=torch.tensor([positions], device=self.device),  # [1, N]
@@ -222,8 +223,9 @@ class TargetRunner:
         cursor = 0
         for item in items:
             if item.keep_logits:
-                rows.append(logits[cursor:cursor + len(item.token_ids)])
-                cursor += len(item.token_ids)
+                kept = len(item.token_ids) - item.keep_from
+                rows.append(logits[cursor:cursor + kept])
+                cursor += kept
             else:
                 rows.append(None)
         return rows
