@@ -17,7 +17,7 @@ import orjson
 import torch
 from pydantic import ValidationError
 
-from drafter_client.api import DrafterOptions, SpecDecClient
+from drafter_client.api import DEFAULT_K, DEFAULT_OPTIONS, DrafterOptions, SpecDecClient
 from drafter_client.draft_length import make_draft_length
 from drafter_client.speculative import GenerationResult
 from drafter_client.transport import SpecDecError
@@ -65,8 +65,9 @@ def _drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True,
                    help="a model (short name, local folder, .gguf file, hub id), or one of "
                    "ngram, prompt-lookup, bigram")
-    p.add_argument("-k", "--num-draft-tokens", default="4",
-                   help="drafts per block: an integer, 'auto' (cost model) or 'heuristic' "
+    p.add_argument("-k", "--num-draft-tokens", default=DEFAULT_K,
+                   help="drafts per block: an integer, 'auto' (default: a cost model of "
+                   "measured acceptance, drafting time and round trip per k) or 'heuristic' "
                    "(grow by 2 after a fully accepted block, shrink by 1 otherwise)")
     p.add_argument("--ngram-n", type=int, default=3, help="ngram: the order n")
     p.add_argument("--ngram-kind", choices=["simple", "multi"], default="multi",
@@ -85,9 +86,11 @@ def _drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-width", type=int, default=1, metavar="W",
                    help="model drafter: draft a token tree - the drafter's best chain and, at "
                    "each position, up to W-1 runner-up tokens as leaves (1: a chain)")
-    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=False,
-                   help="model drafter: hybrid with prompt lookup - a match in the context "
-                   "drafts for free, the model drafts where there is none")
+    p.add_argument("--lookup", action=argparse.BooleanOptionalAction,
+                   default=DEFAULT_OPTIONS.lookup,
+                   help="model drafter: hybrid with prompt lookup - a trusted match in the "
+                   "context drafts for free, the model drafts where there is none (default: "
+                   "on; --no-lookup: the model alone)")
     p.add_argument("--lookup-tokens", type=int, default=0, metavar="N",
                    help="hybrid: the longest prompt-lookup draft (0: the block's k)")
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,

@@ -59,7 +59,7 @@ class CostModelLength:
 
     name = "auto"
 
-    def __init__(self, max_k: int = 16, start: int = 4, decay: float = 0.95,
+    def __init__(self, max_k: int = 16, start: int = 2, decay: float = 0.95,
                  prior_acceptance: float = 0.6, prior_weight: float = 2.0) -> None:
         self.max_k, self.k, self.decay = max_k, start, decay
         self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
@@ -108,7 +108,10 @@ class CostModelLength:
     def next_k(self) -> int:
         if self._rtt[0] == 0:
             return self.k  # nothing measured yet
-        self.k = max(range(1, self.max_k + 1), key=self.expected_rate)
+        # Climb: at most one past the longest draft measured, so a cost that is not a line
+        # is found step by step rather than extrapolated.
+        longest = max((k for k, (w, _) in self._rtt_at.items() if w > 0.05), default=self.k)
+        self.k = max(range(1, min(self.max_k, longest + 1) + 1), key=self.expected_rate)
         return self.k
 
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float) -> None:

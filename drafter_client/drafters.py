@@ -47,6 +47,18 @@ class Draft:
         return Draft([self.ids[n] for n in keep], None, None,
                      [index[self.parents[n]] if self.parents[n] >= 0 else -1 for n in keep])
 
+    def first_chain(self) -> list[int]:
+        """What a block outputs when every first test passes: a chain's drafts, a tree's first
+        child at every level."""
+        if self.parents is None:
+            return list(self.ids)
+        chain, here = [], -1
+        for node, parent in enumerate(self.parents):
+            if parent == here:
+                chain.append(self.ids[node])
+                here = node
+        return chain
+
     @property
     def depth(self) -> int:
         """Tokens on the longest root-to-leaf path (k for a chain)."""

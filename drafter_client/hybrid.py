@@ -2,18 +2,17 @@
 
 A prompt-lookup match drafts for free (no forward), and on input-grounded work (edit this code,
 summarise this text) it is right for long runs; the model drafter is right more often on fresh
-text but costs a drafter forward per token. Per block:
+text but costs a drafter forward per token. Every block the lookup proposes (free), and:
 
-* the lookup has a match and has been *trusted* (its recent drafts mostly committed): the lookup
-  draft alone, up to ``lookup_tokens`` long (0: the block's k, so ``-k auto`` sizes it by what
-  a verify of that length costs) - the model is not run;
-* otherwise the model drafts; in greedy mode, and whenever the model drafts one-hot trees, a
-  lookup match rides along as a second branch of a token tree (verifying it costs next to
-  nothing), which is also how an untrusted lookup earns trust back. Under sampling a model chain
-  carries its q, and a tree's drafts must be one-hot, so there the lookup only drafts when
-  trusted.
+* the lookup has a match and is *trusted* - the share of its recent proposals that the target
+  went on to output is at least the model's recent share (less ``margin``) and at least
+  ``min_trust`` - so the lookup draft goes alone, up to ``lookup_tokens`` long (0: the block's
+  k, so ``-k auto`` sizes it by what a verify of that length costs), and the model is not run;
+* otherwise the model drafts. With a model tree (``tree_width`` > 1, greedy) a lookup match
+  also rides along as one more branch of the tree.
 
-Trust is a running mean of the fraction of each lookup draft that was committed.
+Proposals that were not sent are scored too (against what was committed), so an untrusted
+lookup earns trust back without costing a verify slot.
 """
 
 from __future__ import annotations
@@ -29,17 +28,21 @@ class HybridDrafter:
     top_k_filler = 0
 
     def __init__(self, model: HFDrafter, lookup: PromptLookupDrafter | None = None,
-                 lookup_tokens: int = 0, trust_threshold: float = 0.5,
+                 lookup_tokens: int = 0, min_trust: float = 0.3, margin: float = 0.1,
                  decay: float = 0.7) -> None:
         self.model = model
         self.lookup = lookup or PromptLookupDrafter(1, 3)
-        self.lookup_tokens, self.trust_threshold, self.decay = (lookup_tokens, trust_threshold,
-                                                                decay)
+        self.lookup_tokens, self.min_trust, self.margin, self.decay = (
+            lookup_tokens, min_trust, margin, decay)
         self.name = f"{model.name}+lookup"
-        self.trust = trust_threshold  # start trusting, so the first match is tried alone
-        self._looked: list[int] = []  # the lookup draft of the block in flight
-        self._committed_before = 0
         self.lookup_blocks = 0  # blocks drafted by the lookup alone (for metrics and tests)
+        self.reset_scores()
+
+    def reset_scores(self) -> None:
+        self.lookup_score = 0.5  # running share of each proposal the target output
+        self.model_score = 0.5
+        self._looked: list[int] = []  # this block's lookup proposal (sent or not)
+        self._modelled: list[int] = []  # this block's model chain, when the model drafted
 
     def warm_up(self) -> None:
         self.model.warm_up()
@@ -47,38 +50,49 @@ class HybridDrafter:
     def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
         self.model.reset(prompt_ids, encoder_ids)
         self.lookup.reset(prompt_ids, encoder_ids)
-        self.trust, self._looked = self.trust_threshold, []
+        self.reset_scores()
+
+    def trusted(self) -> bool:
+        return (bool(self._looked) and self.lookup_score >= self.min_trust
+                and self.lookup_score >= self.model_score - self.margin)
 
     def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
-        looked = (self.lookup.propose(max(k, self.lookup_tokens), config, generator).ids
-                  if k > 0 else [])
-        self._looked = looked
-        if looked and self.trust >= self.trust_threshold:
+        self._looked = (self.lookup.propose(max(k, self.lookup_tokens), config, generator).ids
+                        if k > 0 else [])
+        self._modelled = []
+        if self.trusted():
             self.lookup_blocks += 1
-            return Draft(looked, None, None)
+            return Draft(self._looked, None, None)
         draft = self.model.propose(k, config, generator)
-        if not looked or not (config.deterministic or draft.parents is not None):
+        self._modelled = draft.first_chain()
+        if not self._looked or draft.parents is None:
             return draft
-        tree = TreeBuilder()
+        tree = TreeBuilder()  # a model tree: the lookup rides along as one more branch
         tree.add_draft(draft)
-        tree.add_path(looked)
+        tree.add_path(self._looked)
         return tree.draft()
 
     def speculate(self, assumed: list[int], k: int, config: SamplingConfig,
                   generator: torch.Generator) -> tuple[int, Draft] | None:
         """The model's draft for the next block (see :meth:`HFDrafter.speculate`); none after a
         lookup-only block - a lookup draft costs nothing to make when its block comes."""
-        if self._looked and self.trust >= self.trust_threshold:
+        if not self._modelled:
             return None
         return self.model.speculate(assumed, k, config, generator)
 
+    def _score(self, score: float, proposal: list[int], tokens: list[int]) -> float:
+        kept = common_prefix(proposal, tokens) / len(proposal)
+        return self.decay * score + (1 - self.decay) * kept
+
     def commit(self, tokens: list[int]) -> None:
         if self._looked:
-            kept = common_prefix(self._looked, tokens) / len(self._looked)
-            self.trust = self.decay * self.trust + (1 - self.decay) * kept
-            self._looked = []
+            self.lookup_score = self._score(self.lookup_score, self._looked, tokens)
+        if self._modelled:
+            self.model_score = self._score(self.model_score, self._modelled, tokens)
+        self._looked, self._modelled = [], []
         self.model.commit(tokens)
         self.lookup.commit(tokens)
 
     def observe_top_k(self, context: list[int], top_ids: list[int]) -> None:
         pass
+

@@ -81,19 +81,6 @@ class GenerationSettings:
                 else self.draft_length)
 
 
-def first_chain(draft: Draft) -> list[int]:
-    """The drafts a block outputs when every test passes first time: a chain's all, a tree's
-    first child at every level."""
-    if draft.parents is None:
-        return list(draft.ids)
-    chain, here = [], -1
-    for node, parent in enumerate(draft.parents):
-        if parent == here:
-            chain.append(draft.ids[node])
-            here = node
-    return chain
-
-
 @dataclass
 class InFlight:
     """Drafting the next block while this one is verified (``GenerationSettings.overlap``)."""
@@ -111,7 +98,7 @@ class InFlight:
         if speculate is None:
             return
         t0 = time.perf_counter()
-        assumed = first_chain(draft)
+        assumed = draft.first_chain()  # what the block outputs if every first test passes
         made = speculate(assumed, self.k, self.config, self.generator)
         if made is not None:
             guess, next_draft = made

@@ -140,7 +140,8 @@ def test_client_bench_runs_every_section_on_tiny_models(tiny_models: dict[str, P
         "client", "--target", str(tiny_models["gpt2-target"]), "--drafter",
         str(tiny_models["gpt2-drafter"]), "--dtype", "float32", "--threads", "1",
         "--max-new-tokens", "10", "--two-host-max-new-tokens", "6", "--prompts-per-workload",
-        "1", "--workloads", "code", "english", "--rtts", "0", "20",
+        "1", "--workloads", "code", "english", "--rtts", "0", "20", "--two-host-workloads",
+        "english",
         "--systems", "hf", "hf assisted k=2", "hf lookup k=4", "specdec alone",
         "specdec model k=2 tree=2", "specdec default", "specdec ngram k=auto",
         "--sampling-systems", "hf", "specdec default", "specdec default reproducible",
@@ -155,4 +156,5 @@ def test_client_bench_runs_every_section_on_tiny_models(tiny_models: dict[str, P
     rows = payload["rows"]
     assert all(r["all"] > 0 for r in rows)
     assert [r["all"] for r in rows if r["system"] == "hf"] == [1.0] * 4  # its own baseline
+    assert {r["workload"] for r in runs if r["section"] == "two-host"} == {"english"}
     assert json.loads((tmp_path / "client.json").read_text())["rows"] == rows

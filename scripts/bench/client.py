@@ -249,6 +249,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--rtts", type=float, nargs="+", default=[0.0, 20.0, 100.0])
     parser.add_argument("--two-host-max-new-tokens", type=int, default=64)
+    parser.add_argument("--two-host-workloads", nargs="+", default=["code", "english"],
+                        help="the two-host section's workloads (their first prompt each)")
+    parser.add_argument("--sampling-prompts-per-workload", type=int, default=1)
 
 
 def _verifier(args: argparse.Namespace, threads: int, cpus: str | None) -> VerifierProcess:
@@ -275,8 +278,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 records += run_section("greedy", runner, parse(args.systems), prompts,
                                        Sampling())
             if "sampling" in args.sections:
+                few = [p for w in args.workloads for p in [q for q in prompts
+                       if q.workload == w][:args.sampling_prompts_per_workload]]
                 records += run_section("sampling", runner, parse(args.sampling_systems),
-                                       prompts, Sampling(args.temperature, args.top_p, 1))
+                                       few, Sampling(args.temperature, args.top_p, 1))
             del runner
     if "two-host" in args.sections:
         cpus = sorted(os.sched_getaffinity(0))
@@ -286,7 +291,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(1)
         max_new, args.max_new_tokens = args.max_new_tokens, args.two_host_max_new_tokens
         systems = parse(args.two_host_systems)
-        first = [next(p for p in prompts if p.workload == w) for w in args.workloads]
+        work = workloads(1)
+        first = [work[w][0] for w in args.two_host_workloads]
         with _verifier(args, 1, str(cpus[1])) as process:
             runner = Runner(process.url, args, systems)
             warm = runner.encode(Prompt("warm", "warm", "def f(x):", chat=False))
