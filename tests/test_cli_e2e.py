@@ -83,3 +83,28 @@ def test_unreachable_verifier_is_one_clear_line(tiny_models):  # type: ignore[no
                   "--retry-budget-s", "1")
     assert out.returncode == 2
     assert "cannot reach the verifier" in out.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--tree-width", "0"], "--tree-width"),
+    (["--lookup-tokens", "-1"], "--lookup-tokens"),
+    (["--reproducible", "--seed", "-3", "--temperature", "1"], "--seed"),
+])
+def test_bad_drafting_flags_are_one_clear_line(flags, named, verifier_url, tiny_models):  # type: ignore[no-untyped-def]
+    out = run_cli("generate", "--verifier-url", verifier_url, "--drafter",
+                  str(tiny_models["gpt2-drafter"]), "--prompt", "the cat", *flags)
+    assert out.returncode == 2
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("specdec: error: ") and named in line
+
+
+def test_generate_with_tree_overlap_and_reproducible_flags(verifier_url, tiny_models):  # type: ignore[no-untyped-def]
+    """The drafting flags the docs show run end to end; --reproducible sampling equals the
+    target alone's with the same seed."""
+    common = ["--verifier-url", verifier_url, "--prompt", "the cat sat on", "--max-new-tokens",
+              "16", "--temperature", "1", "--seed", "5", "--reproducible", "--json"]
+    spec = run_cli("generate", *common, "--drafter", str(tiny_models["gpt2-drafter"]),
+                   "--tree-width", "2", "--overlap", "--no-lookup", "-k", "3")
+    alone = run_cli("baseline", *common, "--tokenizer", str(tiny_models["gpt2-target"]))
+    assert spec.returncode == 0 and alone.returncode == 0, spec.stderr + alone.stderr
+    assert orjson.loads(spec.stdout)["token_ids"] == orjson.loads(alone.stdout)["token_ids"]

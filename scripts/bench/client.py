@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import os
 import statistics
 import time
@@ -133,12 +134,13 @@ class Runner:
         for client in (self.base, *self.clients.values()):
             client.verifier.simulated_rtt_s = rtt_ms / 1e3
 
-    def run(self, s: System, ids: list[int], sampling: Sampling) -> dict[str, Any]:
-        max_new = self.args.max_new_tokens
+    def run(self, s: System, ids: list[int], sampling: Sampling,
+            max_new: int | None = None) -> dict[str, Any]:
+        max_new = max_new or self.args.max_new_tokens
         kw = {"temperature": sampling.temperature, "top_p": sampling.top_p,
               "seed": sampling.seed}
         if s.kind == "hf":
-            return self._hf(s, ids, sampling)
+            return self._hf(s, ids, sampling, max_new)
         if s.method == "alone":
             result = self.base.baseline(ids, max_new_tokens=max_new,
                                         reproducible=s.reproducible, **kw)  # type: ignore[arg-type]
@@ -152,10 +154,11 @@ class Runner:
                 "verify_calls": m.verify_calls}
 
     @torch.inference_mode()
-    def _hf(self, s: System, ids: list[int], sampling: Sampling) -> dict[str, Any]:
+    def _hf(self, s: System, ids: list[int], sampling: Sampling,
+            max_new: int) -> dict[str, Any]:
         input_ids = torch.tensor([ids])
         eos = self.base.info.eos_token_ids
-        kwargs: dict[str, Any] = {"max_new_tokens": self.args.max_new_tokens,
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new,
                                   "attention_mask": torch.ones_like(input_ids),
                                   "pad_token_id": eos[0], "eos_token_id": eos}
         if sampling.temperature > 0:
@@ -255,7 +258,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _verifier(args: argparse.Namespace, threads: int, cpus: str | None) -> VerifierProcess:
-    process = VerifierProcess(["--model", args.target, "--dtype", args.dtype], threads=threads)
+    # A small KV pool: one client at a time needs little, and this process holds two models.
+    process = VerifierProcess(["--model", args.target, "--dtype", args.dtype,
+                               "--kv-budget-tokens", "8192", "--max-context", "4096"],
+                              threads=threads)
     if cpus is not None:
         process.cmd = ["taskset", "-c", cpus, *process.cmd]
     return process
@@ -273,7 +279,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             runner = Runner(process.url, args, every)
             warm = runner.encode(Prompt("warm", "warm", "def f(x):", chat=False))
             for s in {s.text: s for s in every}.values():
-                runner.run(s, warm, Sampling())
+                runner.run(s, warm, Sampling(), max_new=8)
             if "greedy" in args.sections:
                 records += run_section("greedy", runner, parse(args.systems), prompts,
                                        Sampling())
@@ -283,6 +289,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 records += run_section("sampling", runner, parse(args.sampling_systems),
                                        few, Sampling(args.temperature, args.top_p, 1))
             del runner
+        gc.collect()  # the next section loads its own models
     if "two-host" in args.sections:
         cpus = sorted(os.sched_getaffinity(0))
         if len(cpus) < 2:
@@ -297,7 +304,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             runner = Runner(process.url, args, systems)
             warm = runner.encode(Prompt("warm", "warm", "def f(x):", chat=False))
             for s in systems:
-                runner.run(s, warm, Sampling())
+                runner.run(s, warm, Sampling(), max_new=8)
             for rtt in args.rtts:
                 records += run_section("two-host", runner, systems, first, Sampling(), rtt)
         args.max_new_tokens = max_new
