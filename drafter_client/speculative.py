@@ -24,12 +24,10 @@ import torch
 from drafter_client.draft_length import DraftLength, FixedLength
 from drafter_client.drafters import Draft, Drafter
 from drafter_client.metrics import GenerationMetrics, MetricsRecorder
+from drafter_client.reply_checks import check_reply, check_verdict
 from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
 from shared.sampling import (
     SamplingConfig,
-    accept_drafts,
-    accept_greedy,
-    accept_tree,
     draw_uniforms,
     recover_token,
 )
@@ -39,7 +37,6 @@ from shared.schema import (
     SamplingParams,
     VerifyRequest,
     VerifyResponse,
-    decode_logprobs,
 )
 
 MAX_REOPENS_PER_BLOCK = 3
@@ -189,79 +186,6 @@ class VerifierSession:
             self.session_id = None
 
 
-def _tree_problem(reply: VerifyResponse, req: VerifyRequest) -> str | None:
-    parents, path = req.tree_parents or [], reply.accepted_path
-    if path is None:
-        return "accepted_path is missing for a tree"
-    if len(path) != reply.num_accepted:
-        return f"accepted_path has {len(path)} nodes for num_accepted {reply.num_accepted}"
-    here = -1
-    for node in path:
-        if node >= len(parents) or parents[node] != here:
-            return f"accepted_path {path} is not a path down the tree"
-        here = node
-    return None
-
-
-def _check_reply(reply: VerifyResponse, req: VerifyRequest, greedy: bool,
-                 info: InfoResponse) -> None:
-    """Everything the loop reads from a reply, checked against what it asked: a verifier (or
-    anything at its URL) that answers nonsense is one clear error, never an IndexError."""
-    k, vocab = len(req.draft_ids), info.vocab_size
-    problem = None
-    if req.tree_parents is not None and (problem := _tree_problem(reply, req)) is not None:
-        pass
-    elif reply.num_accepted > k:
-        problem = f"num_accepted {reply.num_accepted} for {k} drafts"
-    elif greedy and (reply.target_argmax is None or len(reply.target_argmax) < k + 1):
-        problem = f"target_argmax needs {k + 1} ids in greedy mode"
-    elif greedy and any(t >= vocab for t in reply.target_argmax or []):
-        problem = f"target_argmax holds ids outside [0, {vocab})"
-    elif not greedy and (reply.target_logprobs is None or len(reply.target_logprobs) != k):
-        problem = f"target_logprobs needs {k} entries when sampling"
-    elif not greedy and any(v is not None and not v <= 0.0 for v in reply.target_logprobs or []):
-        problem = "target_logprobs holds a value above 0 or NaN"
-    elif reply.next_token is not None and reply.next_token >= vocab:
-        problem = f"next_token {reply.next_token} is outside [0, {vocab})"
-    elif reply.next_token is None and reply.row is None:
-        problem = "neither next_token nor the target row"
-    elif req.tree_parents is not None and reply.next_token is None:
-        problem = "no next_token for a tree"
-    elif reply.position != req.position + reply.num_accepted + 1:
-        problem = (f"position {reply.position} after accepting {reply.num_accepted} at "
-                   f"{req.position}")
-    elif req.return_top_ids and (reply.top_ids is None or len(reply.top_ids) < k + 1
-                                 or any(t >= vocab for ids in reply.top_ids for t in ids)):
-        problem = "top_ids does not hold one row of ids per scored position"
-    if problem is not None:
-        raise SpecDecError(f"the verifier sent an invalid reply: {problem}")
-
-
-def _check_verdict(reply: VerifyResponse, draft: Draft, draft_logprobs: torch.Tensor | None,
-                   log_uniforms: torch.Tensor, config: SamplingConfig) -> int:
-    """Our own copy of the acceptance rule must agree with the verifier's verdict."""
-    if draft.parents is not None:
-        path, _ = accept_tree(
-            draft.parents, draft.ids, None if config.deterministic else log_uniforms.tolist(),
-            None if config.deterministic
-            else decode_logprobs(reply.target_logprobs or []).tolist(),
-            reply.target_argmax if config.deterministic else None)
-        if path != reply.accepted_path:
-            raise SpecDecError(f"verifier accepted the path {reply.accepted_path} where the "
-                               f"acceptance rule gives {path}: protocol mismatch")
-        return len(path)
-    ids = torch.tensor(draft.ids, dtype=torch.long)  # [k]
-    if config.deterministic:
-        accepted = accept_greedy(ids, torch.tensor(reply.target_argmax or [], dtype=torch.long))
-    else:
-        accepted = accept_drafts(decode_logprobs(reply.target_logprobs or []), draft_logprobs,
-                                 log_uniforms)
-    if accepted != reply.num_accepted:
-        raise SpecDecError(f"verifier accepted {reply.num_accepted} drafts where the acceptance "
-                           f"rule gives {accepted}: protocol mismatch")
-    return accepted
-
-
 def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
                       config: SamplingConfig, generator: torch.Generator,
                       info: InfoResponse, max_depth: int | None = None,
@@ -299,8 +223,8 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
         in_flight.work(draft)
         reply = call.result()
     t2 = time.perf_counter()
-    _check_reply(reply, req, config.deterministic, info)
-    accepted = _check_verdict(reply, draft, draft_logprobs, log_uniforms, config)
+    check_reply(reply, req, config.deterministic, info)
+    accepted = check_verdict(reply, draft, draft_logprobs, log_uniforms, config)
     # 4. The recovered or bonus token: drawn by the verifier when it could, else here from
     #    norm(max(0, p_j - q_j)) with p_j from the reply and our own q_j.
     if reply.next_token is not None:

@@ -24,6 +24,7 @@ import httpx
 import pytest
 import torch
 
+import drafter_client.reply_checks as reply_checks
 import drafter_client.speculative as speculative
 import shared.sampling as sampling
 from drafter_client import SpecDecClient
@@ -253,7 +254,7 @@ def test_negative_control_naive_tree_rule(verifier: InProcessVerifier,
                                           tiny_models: dict[str, Path],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sampling, "accept_tree", naive_accept_tree)
-    monkeypatch.setattr(speculative, "accept_tree", naive_accept_tree)
+    monkeypatch.setattr(reply_checks, "accept_tree", naive_accept_tree)
     options, params = TREES["tree3,T=1"]
     client = tree_client(verifier, options, tiny_models)
     exact = exact_pair_distribution(tiny_models["peaky-target"], params,

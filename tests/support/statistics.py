@@ -18,7 +18,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-import drafter_client.speculative as speculative
+import drafter_client.reply_checks as reply_checks
 import shared.sampling as sampling
 from drafter_client import SpecDecClient
 from shared.models import load_causal_lm
@@ -69,7 +69,7 @@ def accept_everything(monkeypatch: Any) -> None:
         return len(log_uniforms)
 
     monkeypatch.setattr(sampling, "accept_drafts", accept_all)
-    monkeypatch.setattr(speculative, "accept_drafts", accept_all)
+    monkeypatch.setattr(reply_checks, "accept_drafts", accept_all)
 
 
 def sample_pairs(client: SpecDecClient, params: dict[str, float], runs: int,
