@@ -198,9 +198,7 @@ class SpecDecClient:
         weights shared) drafting with other options; model drafters only."""
         if self._model_drafter is None:
             raise SpecDecError("with_options() needs a model drafter given by name")
-        twin = copy.copy(self)
-        if isinstance(self.verifier, HttpVerifier):
-            twin.verifier = self.verifier.clone()
+        twin = self._twin()
         twin.options = options
         twin.drafter = twin._build_model_drafter(options)
         return twin
@@ -213,10 +211,15 @@ class SpecDecClient:
         if self.drafter is not None and self._new_drafter is None:
             raise SpecDecError("fork() needs a drafter given by name (a ready Drafter object "
                                "cannot be copied)")
+        twin = self._twin()
+        twin.drafter = self._new_drafter() if self._new_drafter is not None else None
+        return twin
+
+    def _twin(self) -> SpecDecClient:
+        """A shallow copy with its own verifier counters (over HTTP: on the same pool)."""
         twin = copy.copy(self)
         if isinstance(self.verifier, HttpVerifier):
             twin.verifier = self.verifier.clone()
-        twin.drafter = self._new_drafter() if self._new_drafter is not None else None
         return twin
 
     def _check_tokenizer(self) -> None:

@@ -35,7 +35,6 @@ class HybridDrafter:
         self.lookup_tokens, self.min_trust, self.margin, self.decay = (
             lookup_tokens, min_trust, margin, decay)
         self.name = f"{model.name}+lookup"
-        self.lookup_blocks = 0  # blocks drafted by the lookup alone (for metrics and tests)
         self.reset_scores()
 
     def reset_scores(self) -> None:
@@ -61,7 +60,6 @@ class HybridDrafter:
                         if k > 0 else [])
         self._modelled = []
         if self.trusted():
-            self.lookup_blocks += 1
             return Draft(self._looked, None, None)
         draft = self.model.propose(k, config, generator)
         self._modelled = draft.first_chain()

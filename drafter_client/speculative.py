@@ -118,15 +118,10 @@ class BlockOutcome:
     drafting_s: float
     round_trip_s: float
     verifier_s: float  # time inside the verifier (queue + forward), part of the round trip
-    depth: int = -1  # a tree's longest path (its k for the draft-length schedule); -1: a chain
+    depth: int = 0  # draft positions tested: k for a chain, the longest path for a tree
     parents: list[int] | None = None  # a tree's parents (see Draft.parents)
     accepted_path: list[int] | None = None  # a tree's accepted nodes
     drafted_ahead: bool = False  # the draft was made while the previous block was in flight
-
-    @property
-    def proposed(self) -> int:
-        """Draft positions tested (k for a chain, the depth for a tree)."""
-        return len(self.draft_ids) if self.depth < 0 else self.depth
 
 
 def _session_lost(exc: VerifierHTTPError) -> bool:
@@ -253,7 +248,7 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
     return BlockOutcome(draft.ids, accepted, tokens, eos_at is not None,
                         drafting_s=t1 - t0, round_trip_s=t2 - t1,
                         verifier_s=reply.forward_ms / 1e3,
-                        depth=-1 if draft.parents is None else draft.depth,
+                        depth=draft.depth,
                         parents=draft.parents, accepted_path=reply.accepted_path,
                         drafted_ahead=drafted is not None)
 
@@ -314,7 +309,7 @@ def speculative_generate(
             ahead = in_flight.take(outcome.tokens) if in_flight is not None else None
             recorder.block(outcome.draft_ids, outcome.num_accepted, outcome.drafting_s,
                            outcome.round_trip_s, outcome.verifier_s)
-            schedule.update(outcome.proposed, outcome.num_accepted, outcome.drafting_s,
+            schedule.update(outcome.depth, outcome.num_accepted, outcome.drafting_s,
                             outcome.round_trip_s)
             if on_block is not None and on_block(outcome):
                 stopped = True

@@ -28,7 +28,6 @@ import dataclasses
 import gc
 import os
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +37,9 @@ from drafter_client import SpecDecClient
 from drafter_client.api import DEFAULT_K, DEFAULT_OPTIONS, MODEL_FREE_DRAFTERS, DrafterOptions
 from scripts.bench.common import (
     add_base_arguments,
+    assistant_defaults,
     fetch_offline_models,
+    hf_generate,
     machine_record,
     markdown_table,
     write_json,
@@ -125,6 +126,7 @@ class Runner:
         dtype = pick_dtype(args.dtype, torch.device("cpu"))
         self.hf_target = load_causal_lm(args.target, dtype, torch.device("cpu"))
         self.hf_drafter = load_causal_lm(args.drafter, dtype, torch.device("cpu"))
+        self.hf_defaults = assistant_defaults(self.hf_drafter)
 
     def encode(self, prompt: Prompt) -> list[int]:
         chat = prompt.chat and getattr(self.base.tokenizer, "chat_template", None) is not None
@@ -153,33 +155,14 @@ class Runner:
                 "mean_acceptance_length": m.to_dict().get("mean_acceptance_length"),
                 "verify_calls": m.verify_calls}
 
-    @torch.inference_mode()
     def _hf(self, s: System, ids: list[int], sampling: Sampling,
             max_new: int) -> dict[str, Any]:
-        input_ids = torch.tensor([ids])
-        eos = self.base.info.eos_token_ids
-        kwargs: dict[str, Any] = {"max_new_tokens": max_new,
-                                  "attention_mask": torch.ones_like(input_ids),
-                                  "pad_token_id": eos[0], "eos_token_id": eos}
-        if sampling.temperature > 0:
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=0,
-                          top_p=sampling.top_p)
-            torch.manual_seed(sampling.seed)
-        else:
-            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-        config = self.hf_drafter.generation_config
-        if s.method == "assisted":
-            kwargs["assistant_model"] = self.hf_drafter
-            if s.k is not None:  # constant k
-                config.num_assistant_tokens = int(s.k)
-                config.num_assistant_tokens_schedule = "constant"
-                config.assistant_confidence_threshold = 0.0
-        elif s.method == "lookup":
-            kwargs["prompt_lookup_num_tokens"] = int(s.k or 10)
-        started = time.perf_counter()
-        out = self.hf_target.generate(input_ids, **kwargs)
-        wall = time.perf_counter() - started
-        return {"tokens": out[0, len(ids):].tolist(), "wall_s": wall}
+        tokens, wall = hf_generate(
+            self.hf_target, ids, max_new, self.base.info.eos_token_ids, method=s.method,
+            k=int(s.k) if s.k is not None else None, drafter=self.hf_drafter,
+            defaults=self.hf_defaults, temperature=sampling.temperature, top_p=sampling.top_p,
+            seed=sampling.seed)
+        return {"tokens": tokens, "wall_s": wall}
 
 
 def pick_prompts(args: argparse.Namespace) -> list[Prompt]:

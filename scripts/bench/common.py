@@ -132,3 +132,45 @@ def plain_step_ms(model: Any, context: list[int], new: int, repeats: int, warm: 
         cache.crop(-new)  # drop the step again
 
     return median_ms(step, repeats, device, warm)
+
+
+ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule",
+                  "assistant_confidence_threshold")
+
+
+def assistant_defaults(drafter: Any) -> dict[str, Any]:
+    """The assistant-model settings of a drafter's generation config, as loaded."""
+    return {key: getattr(drafter.generation_config, key, None) for key in ASSISTANT_KEYS}
+
+
+@torch.inference_mode()
+def hf_generate(target: Any, ids: list[int], max_new: int, eos: list[int], *,
+                method: str = "alone", k: int | None = None, drafter: Any = None,
+                defaults: dict[str, Any] | None = None, temperature: float = 0.0,
+                top_p: float = 1.0, seed: int = 0) -> tuple[list[int], float]:
+    """transformers' own ``generate()``: the target ``alone``, ``assisted`` by ``drafter``
+    (its default schedule - ``defaults`` restored first - or a constant ``k``), or prompt
+    ``lookup`` (k tokens, default 10). Returns (generated ids, wall seconds)."""
+    input_ids = torch.tensor([ids], device=target.device)
+    kwargs: dict[str, Any] = {"max_new_tokens": max_new,
+                              "attention_mask": torch.ones_like(input_ids),
+                              "pad_token_id": eos[0], "eos_token_id": eos}
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=top_p)
+        torch.manual_seed(seed)
+    else:
+        kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
+    if method == "assisted":
+        config = drafter.generation_config
+        kwargs["assistant_model"] = drafter
+        for key, value in (defaults or {}).items():  # undo the last run's changes
+            setattr(config, key, value)
+        if k is not None:  # a constant draft length, like specdec's fixed k
+            config.num_assistant_tokens = k
+            config.num_assistant_tokens_schedule = "constant"
+            config.assistant_confidence_threshold = 0.0
+    elif method == "lookup":
+        kwargs["prompt_lookup_num_tokens"] = k or 10
+    started = time.perf_counter()
+    out = target.generate(input_ids, **kwargs)
+    return out[0, len(ids):].tolist(), time.perf_counter() - started

@@ -34,7 +34,6 @@ import gzip
 import importlib.util
 import json
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,9 @@ from drafter_client.api import MODEL_FREE_DRAFTERS, DrafterOptions
 from scripts.bench.common import (
     PROMPT_DIR,
     add_base_arguments,
+    assistant_defaults,
     fetch_offline_models,
+    hf_generate,
     load_prompts,
     machine_record,
     verifier,
@@ -135,10 +136,7 @@ class Systems:
             torch_dtype = pick_dtype(dtype, device)
             self.hf_target = load_causal_lm(target, torch_dtype, device)
             self.hf_drafter = load_causal_lm(drafter, torch_dtype, device)
-            self.hf_assistant_defaults = {
-                key: getattr(self.hf_drafter.generation_config, key, None)
-                for key in ("num_assistant_tokens", "num_assistant_tokens_schedule",
-                            "assistant_confidence_threshold")}
+            self.hf_assistant_defaults = assistant_defaults(self.hf_drafter)
 
     def encode(self, prompt: Prompt) -> list[int]:
         chat = prompt.chat and getattr(self.tokenizer, "chat_template", None) is not None
@@ -170,34 +168,12 @@ class Systems:
 
     def _run_hf(self, system: str, k: int | str | None, ids: list[int], max_new: int,
                 sampling: Sampling) -> Run:
-        model = self.hf_target
-        input_ids = torch.tensor([ids], device=model.device)
-        kwargs: dict[str, Any] = {
-            "max_new_tokens": max_new, "attention_mask": torch.ones_like(input_ids),
-            "pad_token_id": self.base_client.info.eos_token_ids[0],
-            "eos_token_id": self.base_client.info.eos_token_ids,
-        }
-        if sampling.temperature > 0:
-            kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=0, top_p=1.0)
-            torch.manual_seed(sampling.seed)
-        else:
-            kwargs.update(do_sample=False, temperature=None, top_k=None, top_p=None)
-        gen_config = self.hf_drafter.generation_config
-        if system == "HF assisted":
-            kwargs["assistant_model"] = self.hf_drafter
-            for key, value in self.hf_assistant_defaults.items():  # undo the last run's changes
-                setattr(gen_config, key, value)
-            if isinstance(k, int):  # a constant draft length, like specdec's fixed k
-                gen_config.num_assistant_tokens = k
-                gen_config.num_assistant_tokens_schedule = "constant"
-                gen_config.assistant_confidence_threshold = 0.0
-        elif system == "HF prompt lookup":
-            kwargs["prompt_lookup_num_tokens"] = int(k) if isinstance(k, int) else 10
-        started = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(input_ids, **kwargs)
-        wall = time.perf_counter() - started
-        tokens = out[0, len(ids):].tolist()
+        method = {"HF assisted": "assisted", "HF prompt lookup": "lookup"}.get(system, "alone")
+        tokens, wall = hf_generate(
+            self.hf_target, ids, max_new, self.base_client.info.eos_token_ids, method=method,
+            k=k if isinstance(k, int) else None, drafter=self.hf_drafter,
+            defaults=self.hf_assistant_defaults, temperature=sampling.temperature,
+            seed=sampling.seed)
         return Run(tokens, wall, {"new_tokens": len(tokens),
                                   "tokens_per_s": round(len(tokens) / wall, 3)})
 
