@@ -215,6 +215,13 @@ class BlockVerdict:
     row: torch.Tensor | None  # [vocab] probs at the rejected position, for the client's residual
 
 
+def chosen_verdict(draft_ids: torch.Tensor, target_argmax: torch.Tensor) -> BlockVerdict:
+    """A deterministic mode's verdict from the target's choice at every row.
+    draft_ids: [k]; target_argmax: [k + 1]."""
+    accepted = accept_greedy(draft_ids, target_argmax)
+    return BlockVerdict(accepted, None, target_argmax, int(target_argmax[accepted].item()), None)
+
+
 def verify_block(
     target_logits: torch.Tensor,  # [k + 1, vocab] raw logits over [last token, x_1 .. x_k]
     draft_ids: torch.Tensor,  # [k]
@@ -228,8 +235,7 @@ def verify_block(
     k = draft_ids.shape[0]
     if config.deterministic:
         argmax = choose_tokens(target_logits, config, list(range(position, position + k + 1)))
-        accepted = accept_greedy(draft_ids, argmax)
-        return BlockVerdict(accepted, None, argmax, int(argmax[accepted].item()), None)
+        return chosen_verdict(draft_ids, argmax)
 
     logprobs = process_logits(target_logits, config)  # [k + 1, vocab]
     target_lp = logprobs[torch.arange(k), draft_ids]  # [k] log p_i(x_i)
@@ -339,6 +345,14 @@ class TreeVerdict:
     next_token: int  # the recovered / bonus token
 
 
+def chosen_tree_verdict(parents: list[int], draft_ids: list[int],
+                        target_argmax: torch.Tensor) -> TreeVerdict:
+    """A deterministic mode's tree verdict: follow the target's choice ([N + 1], one per row)."""
+    path, _ = accept_tree(parents, draft_ids, None, target_argmax=target_argmax.tolist())
+    stop = path[-1] + 1 if path else 0
+    return TreeVerdict(path, None, target_argmax, int(target_argmax[stop].item()))
+
+
 def verify_tree(
     target_logits: torch.Tensor,  # [N + 1, vocab]: row 0 after the root, row i + 1 after node i
     draft_ids: list[int],  # [N]
@@ -352,10 +366,7 @@ def verify_tree(
     token, drawn with the client's ``final_uniform``."""
     if config.deterministic:
         rows = [position, *(position + d for d in tree_depths(parents))]
-        argmax = choose_tokens(target_logits, config, rows)  # [N + 1]
-        path, _ = accept_tree(parents, draft_ids, None, target_argmax=argmax.tolist())
-        stop = path[-1] + 1 if path else 0
-        return TreeVerdict(path, None, argmax, int(argmax[stop].item()))
+        return chosen_tree_verdict(parents, draft_ids, choose_tokens(target_logits, config, rows))
     logprobs = process_logits(target_logits, config)  # [N + 1, vocab]
     parent_rows = torch.tensor([p + 1 for p in parents], dtype=torch.long)  # [N]
     node_lp = logprobs[parent_rows, torch.tensor(draft_ids, dtype=torch.long)].double()  # [N]

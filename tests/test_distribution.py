@@ -27,6 +27,7 @@ import torch
 import drafter_client.reply_checks as reply_checks
 import drafter_client.speculative as speculative
 import shared.sampling as sampling
+import verifier_service.acceptance as acceptance
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
 from shared.models import load_causal_lm
@@ -146,12 +147,18 @@ def test_model_free_drafters_follow_the_target(name: str, verifier: InProcessVer
     assert tv < 0.1, f"{name}: TV = {tv:.3f}"
 
 
+@pytest.mark.parametrize("path", ["device", "host"])
 def test_negative_control_fresh_resample_for_one_hot_drafts(
         verifier: InProcessVerifier, tiny_models: dict[str, Path], repeat_prompt: list[int],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, path: str) -> None:
     """The known NASD bug: after a rejected one-hot draft d, drawing a fresh token from p outputs
-    d with probability p(d)(2 - p(d)) instead of p(d). The same test must catch it."""
-    monkeypatch.setattr(sampling, "residual_without_token", lambda probs, token: probs)
+    d with probability p(d)(2 - p(d)) instead of p(d). The same test must catch it, in the
+    verifier's batched device acceptance and in its host path."""
+    monkeypatch.setattr(verifier.runner, "acceptance", path)
+    if path == "host":
+        monkeypatch.setattr(sampling, "residual_without_token", lambda probs, token: probs)
+    else:
+        monkeypatch.setattr(acceptance, "remove_rejected", lambda weights, tokens: weights)
     client = model_free_client(verifier, "ngram-simple", tiny_models)
     params = CONFIGS["T=1"]
     exact = exact_pair_distribution(tiny_models["peaky-target"], params,

@@ -51,7 +51,10 @@ class FakeJob:
         self.events.append(f"prepare busy={sorted(busy)}")
         return ForwardItem(0, 0, self.tokens, keep_logits=True)
 
-    def finish(self, logits: torch.Tensor | None) -> Any:
+    def accept_task(self) -> None:
+        return None
+
+    def finish(self, logits: torch.Tensor | None, decision: Any = None) -> Any:
         assert logits is not None
         return logits[:, 0].tolist()
 

@@ -175,7 +175,10 @@ class BeamForwardJob:
         return ForwardItem(self.slot, self.start, self.tokens, self.keep_logits,
                            self.encoder_ids)
 
-    def finish(self, logits: torch.Tensor | None) -> torch.Tensor | None:
+    def accept_task(self) -> None:
+        return None  # beam search reads the whole row on the host
+
+    def finish(self, logits: torch.Tensor | None, decision: Any = None) -> torch.Tensor | None:
         return None if logits is None else logits[-1]  # [vocab]
 
     def abort(self) -> None:

@@ -15,7 +15,14 @@ from typing import Any
 
 import torch
 
-from shared.sampling import verify_block, verify_tree
+from shared.sampling import (
+    BlockVerdict,
+    TreeVerdict,
+    chosen_tree_verdict,
+    chosen_verdict,
+    verify_block,
+    verify_tree,
+)
 from shared.schema import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -24,6 +31,7 @@ from shared.schema import (
     VerifyResponse,
     encode_logprobs,
 )
+from verifier_service.acceptance import AcceptTask, Decision
 from verifier_service.errors import VerifierError
 from verifier_service.kv_pool import KVPool
 from verifier_service.seq2seq import Seq2SeqPool
@@ -117,7 +125,16 @@ class CreateSessionJob:
         return ForwardItem(self.slot, 0, self.req.prompt_ids[:-1], keep_logits=False,
                            encoder_ids=self.req.encoder_ids)
 
-    def finish(self, logits: torch.Tensor | None) -> CreateSessionResponse:
+    def accept_task(self) -> AcceptTask | None:
+        """The first token of target-only decoding, drawn on the device (not for coupled
+        sampling, whose noise is drawn on the host)."""
+        config = self.req.sampling.to_config()
+        if self.replay is not None or self.first_uniform is None or config.coupled:
+            return None
+        return AcceptTask([], None, [], self.first_uniform, config)
+
+    def finish(self, logits: torch.Tensor | None,
+               decision: Decision | None = None) -> CreateSessionResponse:
         if self.replay is not None:
             return CreateSessionResponse(session_id=self.replay.id,
                                          position=self.replay.position, prefill_ms=0.0)
@@ -125,10 +142,16 @@ class CreateSessionJob:
         position = len(self.req.prompt_ids)
         config = self.req.sampling.to_config()
         if self.first_uniform is not None:  # the prompt's last row: the first token
-            assert logits is not None  # [1, vocab]
-            verdict = verify_block(logits, torch.empty(0, dtype=torch.long), None,
-                                   torch.empty(0, dtype=torch.float64), self.first_uniform,
-                                   config, position)
+            no_drafts = torch.empty(0, dtype=torch.long)
+            if decision is not None:
+                verdict = (chosen_verdict(no_drafts, decision.argmax)
+                           if decision.argmax is not None else decision.verdict)
+            else:
+                assert logits is not None  # [1, vocab]
+                verdict = verify_block(logits, no_drafts, None,
+                                       torch.empty(0, dtype=torch.float64), self.first_uniform,
+                                       config, position)
+            assert verdict is not None
             self.first_token = verdict.next_token
             position += 1  # the cache holds the prompt; the first token is committed
         session = Session(slot=self.slot, position=position, config=config,
@@ -185,16 +208,35 @@ class VerifyJob:
                            [self.req.last_token, *self.req.draft_ids], keep_logits=True,
                            tree_parents=self.req.tree_parents)
 
-    def finish(self, logits: torch.Tensor | None) -> VerifyResponse:
+    def accept_task(self) -> AcceptTask | None:
+        """Chains in greedy or plain sampling mode, and greedy trees, are decided on the
+        device; coupled sampling and sampled trees take the host path."""
+        session, req = self.session, self.req
+        if self.replay is not None or session is None or session.config.coupled:
+            return None
+        if req.tree_parents is not None and not session.config.greedy:
+            return None
+        return AcceptTask(req.draft_ids, req.draft_logprobs, req.log_uniforms,
+                          req.final_uniform, session.config, req.return_top_ids)
+
+    def finish(self, logits: torch.Tensor | None,
+               decision: Decision | None = None) -> VerifyResponse:
         if self.replay is not None:
             self.ctx.counters.replayed_calls += 1
             return self.replay
         session, req = self.session, self.req
-        assert session is not None and logits is not None  # [k + 1, vocab]
-        if req.tree_parents is not None:
-            reply = self._finish_tree(session, req, logits)
+        assert session is not None
+        if decision is not None:
+            top_ids = decision.top_ids
         else:
-            reply = self._finish_chain(session, req, logits)
+            assert logits is not None  # [k + 1, vocab]
+            top_ids = self._top_ids(logits)
+        if req.tree_parents is not None:
+            reply = self._finish_tree(session, req, self._tree_verdict(logits, decision),
+                                      top_ids)
+        else:
+            reply = self._finish_chain(session, req, self._chain_verdict(logits, decision),
+                                       top_ids)
         session.last_verify_position, session.last_verify_digest = req.position, self.digest
         session.last_reply = reply
         return reply
@@ -210,11 +252,36 @@ class VerifyJob:
         n = self.req.return_top_ids
         return torch.topk(logits, min(n, logits.shape[-1])).indices.tolist() if n else None
 
-    def _finish_tree(self, session: Session, req: VerifyRequest,
-                     logits: torch.Tensor) -> VerifyResponse:
-        parents = req.tree_parents or []
-        verdict = verify_tree(logits, req.draft_ids, parents, req.log_uniforms,
-                              req.final_uniform, session.config, req.position)
+    def _tree_verdict(self, logits: torch.Tensor | None,
+                      decision: Decision | None) -> TreeVerdict:
+        req, session = self.req, self.session
+        assert session is not None and req.tree_parents is not None
+        if decision is not None:
+            assert decision.argmax is not None  # only greedy trees are decided on the device
+            return chosen_tree_verdict(req.tree_parents, req.draft_ids, decision.argmax)
+        assert logits is not None
+        return verify_tree(logits, req.draft_ids, req.tree_parents, req.log_uniforms,
+                           req.final_uniform, session.config, req.position)
+
+    def _chain_verdict(self, logits: torch.Tensor | None,
+                       decision: Decision | None) -> BlockVerdict:
+        req, session = self.req, self.session
+        assert session is not None
+        draft_ids = torch.tensor(req.draft_ids, dtype=torch.long)
+        if decision is not None:
+            if decision.argmax is not None:
+                return chosen_verdict(draft_ids, decision.argmax)
+            assert decision.verdict is not None
+            return decision.verdict
+        assert logits is not None
+        draft_lp = (torch.tensor(req.draft_logprobs, dtype=torch.float64)
+                    if req.draft_logprobs is not None else None)
+        return verify_block(logits, draft_ids, draft_lp,
+                            torch.tensor(req.log_uniforms, dtype=torch.float64),
+                            req.final_uniform, session.config, req.position)
+
+    def _finish_tree(self, session: Session, req: VerifyRequest, verdict: TreeVerdict,
+                     top_ids: list[list[int]] | None) -> VerifyResponse:
         # The slot holds the root at position - 1 and node i at position + i; the accepted path
         # moves to position, position + 1, ... where a chain would have put it.
         start = session.position
@@ -231,17 +298,10 @@ class VerifyJob:
                            if verdict.target_argmax is not None else None),
             next_token=verdict.next_token, row=None, position=session.position,
             forward_ms=1e3 * (time.perf_counter() - self.started),
-            top_ids=self._top_ids(logits), accepted_path=verdict.path)
+            top_ids=top_ids, accepted_path=verdict.path)
 
-    def _finish_chain(self, session: Session, req: VerifyRequest,
-                      logits: torch.Tensor) -> VerifyResponse:
-        draft_lp = (torch.tensor(req.draft_logprobs, dtype=torch.float64)
-                    if req.draft_logprobs is not None else None)
-        verdict = verify_block(
-            logits, torch.tensor(req.draft_ids, dtype=torch.long), draft_lp,
-            torch.tensor(req.log_uniforms, dtype=torch.float64), req.final_uniform,
-            session.config, req.position,
-        )
+    def _finish_chain(self, session: Session, req: VerifyRequest, verdict: BlockVerdict,
+                      top_ids: list[list[int]] | None) -> VerifyResponse:
         # The slot holds position + k tokens now; the session keeps last token + accepted.
         session.position += verdict.num_accepted + 1
         self._count(len(req.draft_ids), verdict.num_accepted)
@@ -255,7 +315,7 @@ class VerifyJob:
             row=EncodedRow.encode(verdict.row) if verdict.row is not None else None,
             position=session.position,
             forward_ms=1e3 * (time.perf_counter() - self.started),
-            top_ids=self._top_ids(logits),
+            top_ids=top_ids,
         )
 
     def abort(self) -> None:

@@ -21,8 +21,9 @@ from typing import Any, Protocol
 
 import torch
 
+from verifier_service.acceptance import AcceptTask, Decision, decide
 from verifier_service.errors import VerifierError
-from verifier_service.target import ForwardItem, TargetRunner
+from verifier_service.target import ForwardItem, TargetRunner, host_rows
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,13 @@ class Job(Protocol):
         """Validate and claim resources (model thread); None when nothing needs a forward.
         ``busy``: sessions with a job in this batch, which must not be evicted."""
 
-    def finish(self, logits: torch.Tensor | None) -> Any:
-        """Turn the job's logits rows into its answer (model thread)."""
+    def accept_task(self) -> AcceptTask | None:
+        """After ``prepare``: what the batched device acceptance should decide for this job, or
+        None to get its logits rows on the host instead."""
+
+    def finish(self, logits: torch.Tensor | None, decision: Decision | None = None) -> Any:
+        """Turn the job's logits rows ([n, vocab] float32, on the host) or the device's
+        decision into its answer (model thread)."""
 
     def abort(self) -> None:
         """Undo ``prepare`` after a failed forward."""
@@ -183,6 +189,8 @@ class Scheduler:
 
 
 class Forward(Protocol):
+    acceptance: str  # "device": jobs with an accept task are decided by acceptance.decide
+
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
         """One forward over every item's new tokens; a logits row block per item that asked."""
 
@@ -214,17 +222,39 @@ def run_jobs(runner: Forward, jobs: list[Job]) -> list[tuple[bool | None, Any]]:
     items = [item for _, item in prepared if item is not None and needs_forward(item)]
     try:
         rows = iter(runner.forward(items) if items else [])
+        scored = [(i, next(rows) if item is not None and needs_forward(item) else None)
+                  for i, item in prepared]
+        decisions = (decide_jobs(jobs, scored) if getattr(runner, "acceptance", "host")
+                     == "device" else {})
     except Exception as exc:  # the forward failed: every prepared job fails with it
         log.exception("batched forward failed")
         for i, _ in prepared:
             jobs[i].abort()
             outcomes[i] = (False, exc)
         return [o for o in outcomes if o is not None]
-    for i, item in prepared:
-        logits = next(rows) if item is not None and needs_forward(item) else None
+    for i, logits in scored:
+        decision = decisions.get(i)
         try:
-            outcomes[i] = (True, jobs[i].finish(logits))
+            if decision is not None:
+                outcomes[i] = (True, jobs[i].finish(None, decision))
+            else:
+                outcomes[i] = (True, jobs[i].finish(
+                    None if logits is None else host_rows(logits)))
         except Exception as exc:  # noqa: BLE001 - reported to that job's caller only
             jobs[i].abort()
             outcomes[i] = (False, exc)
     return [o for o in outcomes if o is not None]
+
+
+def decide_jobs(jobs: list[Job], scored: list[tuple[int, torch.Tensor | None]]
+                ) -> dict[int, Decision]:
+    """The device acceptance for every job of the batch that has a task, in one step."""
+    picked: list[tuple[int, torch.Tensor, AcceptTask]] = []
+    for i, logits in scored:
+        task = jobs[i].accept_task() if logits is not None else None
+        if task is not None and logits is not None:
+            picked.append((i, logits, task))
+    if not picked:
+        return {}
+    decided = decide([rows for _, rows, _ in picked], [task for _, _, task in picked])
+    return {i: decision for (i, _, _), decision in zip(picked, decided, strict=True)}

@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     batch_wait_ms: float = Field(10.0, ge=0, description="how long a batch may wait for "
                                  "sessions active in the last second that are not in it yet")
     max_queue: int = Field(256, ge=1, description="queued jobs; beyond it 429 + Retry-After")
+    acceptance: Literal["device", "host"] = Field(
+        "device", description="device: decide every verify block of a batch in one vectorised "
+        "step next to the logits; host: copy each block's rows to the host (the reference)")
     max_new_tokens: int = Field(1024, ge=1, description="cap for /v1/generate")
     max_prompt_tokens: int = Field(0, ge=0, description="longest prompt; 0: max_context - 1")
     replica_name: str = Field("", description="sent as X-Verifier-Replica; default host:port")

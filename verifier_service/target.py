@@ -106,6 +106,11 @@ class ForwardItem:
     keep_from: int = 0  # with keep_logits: the rows of token_ids[keep_from:] only
 
 
+def host_rows(rows: torch.Tensor) -> torch.Tensor:
+    """A forward's logits rows as the host path reads them: [n, vocab] float32 on the CPU."""
+    return rows.float().cpu()
+
+
 class TargetRunner:
     """Holds the target model and a pool of KV slots; one ``forward`` serves many sessions."""
 
@@ -127,6 +132,9 @@ class TargetRunner:
         num_slots = max(kv_budget_tokens // self.max_context, 1)
         self.is_encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
         self.lockstep: Lockstep | None = None  # tensor parallel: rank 0 leads the others
+        # "device": verify jobs are decided batched next to the logits (acceptance.py); "host":
+        # each job's rows are copied to the host and decided alone (the reference path).
+        self.acceptance = "device"
         self.decoder_start_token_id: int | None = None
         self.pool: KVPool | Seq2SeqPool
         if self.is_encoder_decoder:  # per-session caches (verifier_service/seq2seq.py)
@@ -167,9 +175,11 @@ class TargetRunner:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> TargetRunner:
-        return cls.load(settings.model, settings.dtype, settings.device, settings.max_context,
-                        settings.kv_budget_tokens, settings.device_map, settings.offload_folder,
-                        settings.tp_plan)
+        runner = cls.load(settings.model, settings.dtype, settings.device, settings.max_context,
+                          settings.kv_budget_tokens, settings.device_map,
+                          settings.offload_folder, settings.tp_plan)
+        runner.acceptance = settings.acceptance
+        return runner
 
     def warm_up(self) -> None:
         """One small forward, so the first client does not pay for kernel selection and
@@ -185,8 +195,9 @@ class TargetRunner:
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
-        """One forward pass over the new tokens of every item; [n, vocab] float32 logits for
-        the items that asked for them. Under tensor parallelism every rank runs it."""
+        """One forward pass over the new tokens of every item; [n, vocab] logits rows for the
+        items that asked for them, left on the model's device in its dtype (``host_rows`` makes
+        a float32 host copy). Under tensor parallelism every rank runs it."""
         if self.lockstep is not None:
             self.lockstep.announce("forward", items)
         return self.local_forward(items)
@@ -218,7 +229,7 @@ class TargetRunner:
             logits_to_keep=torch.tensor(keep or [0], device=self.device),
             ragged_batch=RaggedBatch(self.pool, segments),
         )
-        logits = out.logits[0].float().cpu()  # [len(keep), vocab]
+        logits = out.logits[0]  # [len(keep), vocab], on the model's device, in its dtype
         rows: list[torch.Tensor | None] = []
         cursor = 0
         for item in items:

@@ -20,6 +20,7 @@ from transformers import (
 
 import drafter_client.reply_checks as reply_checks
 import shared.sampling as sampling
+import verifier_service.acceptance as acceptance
 from drafter_client import SpecDecClient
 from shared.models import load_causal_lm
 
@@ -69,6 +70,8 @@ def accept_everything(monkeypatch: Any) -> None:
         return len(log_uniforms)
 
     monkeypatch.setattr(sampling, "accept_drafts", accept_all)
+    monkeypatch.setattr(acceptance, "ratio_test",
+                        lambda target_lp, draft_lp, log_u: torch.ones_like(log_u, dtype=torch.bool))
     monkeypatch.setattr(reply_checks, "accept_drafts", accept_all)
 
 

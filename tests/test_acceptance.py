@@ -1,0 +1,113 @@
+"""The batched device acceptance (verifier_service/acceptance.py) gives the host path's results
+bit for bit: the same accepted counts, next tokens, log p_i(x_i) and rows, for every mix of
+greedy and sampled jobs, one-hot and model drafts, top-k / top-p, in one batch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from shared.sampling import SamplingConfig, process_logits, verify_block
+from verifier_service.acceptance import AcceptTask, decide, process_rows
+
+VOCAB = 50
+
+CONFIGS = [
+    SamplingConfig(),  # greedy
+    SamplingConfig(temperature=1.0),
+    SamplingConfig(temperature=0.7, top_k=5),
+    SamplingConfig(temperature=1.3, top_p=0.8),
+    SamplingConfig(temperature=0.5, top_k=12, top_p=0.9),
+    SamplingConfig(temperature=1e-3),  # nearly greedy, but sampled
+    SamplingConfig(temperature=1.0, top_k=1),
+    SamplingConfig(temperature=2.0, top_p=0.05),
+]
+
+
+def random_task(rng: random.Random, gen: torch.Generator,
+                config: SamplingConfig) -> tuple[torch.Tensor, AcceptTask]:
+    """A job's logits and a draft that the target accepts part of the time: drafts are drawn
+    from the target's own processed distribution (so acceptances happen), one-hot or not."""
+    k = rng.choice([0, 1, 2, 4, 7])
+    logits = torch.randn(k + 1, VOCAB, generator=gen) * rng.choice([0.5, 2.0, 6.0])
+    if rng.random() < 0.3:  # exact ties at the top
+        logits[:, 3] = logits[:, 7] = logits.max() + 1.0
+    if config.greedy:
+        best = logits.argmax(-1)
+        drafts = [int(best[i]) if rng.random() < 0.7 else rng.randrange(VOCAB) for i in range(k)]
+        return logits, AcceptTask(drafts, None, [], rng.random(), config, rng.choice([0, 3]))
+    probs = process_logits(logits, config).exp()  # [k + 1, vocab]
+    drafts = [int(torch.multinomial(probs[i].double(), 1, generator=gen)) if rng.random() < 0.8
+              else rng.randrange(VOCAB) for i in range(k)]
+    one_hot = rng.random() < 0.5
+    draft_lp = None if one_hot else [math_log(rng.uniform(0.05, 1.0)) for _ in range(k)]
+    log_u = [math_log(rng.random() or 1e-12) for _ in range(k)]
+    return logits, AcceptTask(drafts, draft_lp, log_u, rng.random(), config, rng.choice([0, 2]))
+
+
+def math_log(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float64).log())
+
+
+def host_verdict(logits: torch.Tensor, task: AcceptTask):  # type: ignore[no-untyped-def]
+    return verify_block(
+        logits, torch.tensor(task.draft_ids, dtype=torch.long),
+        torch.tensor(task.draft_logprobs, dtype=torch.float64)
+        if task.draft_logprobs is not None else None,
+        torch.tensor(task.log_uniforms, dtype=torch.float64), task.final_uniform, task.config)
+
+
+def test_process_rows_is_process_logits_bit_for_bit() -> None:
+    gen = torch.Generator().manual_seed(0)
+    sampled = [c for c in CONFIGS if not c.greedy]
+    blocks = [torch.randn(3, VOCAB, generator=gen) * 4 for _ in sampled]
+    mixed = process_rows(torch.cat(blocks), [c for c in sampled for _ in range(3)])
+    alone = torch.cat([process_logits(b, c) for b, c in zip(blocks, sampled, strict=True)])
+    assert torch.equal(mixed, alone)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_decisions_equal_the_host_path(seed: int) -> None:
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    configs = CONFIGS * 4  # every config, several times, in a random order
+    rng.shuffle(configs)
+    jobs = [random_task(rng, gen, config) for config in configs]
+    decisions = decide([logits for logits, _ in jobs], [task for _, task in jobs])
+    outcomes = set()
+    for (logits, task), decision in zip(jobs, decisions, strict=True):
+        host = host_verdict(logits, task)
+        if task.config.greedy:
+            assert decision.argmax is not None and torch.equal(decision.argmax, host.target_argmax)
+            outcomes.add("greedy")
+        else:
+            device = decision.verdict
+            assert device is not None
+            assert device.num_accepted == host.num_accepted
+            assert device.next_token == host.next_token
+            assert host.target_logprobs is not None and device.target_logprobs is not None
+            assert torch.equal(device.target_logprobs, host.target_logprobs)
+            assert (device.row is None) == (host.row is None)
+            if host.row is not None:
+                assert device.row is not None and torch.equal(device.row, host.row)
+            k = len(task.draft_ids)
+            outcomes.add("all accepted" if host.num_accepted == k else
+                         "row" if host.row is not None else "recovered")
+        if task.top_ids:
+            expected = torch.topk(logits, task.top_ids).indices.tolist()
+            assert decision.top_ids == expected
+    assert outcomes == {"greedy", "all accepted", "row", "recovered"}  # every branch ran
+
+
+def test_certain_one_hot_draft_rejected_by_rounding_falls_back_to_p() -> None:
+    """p(x) = 1 and log u = 0 (u = 1 is impossible, but the test is '<'): rejected, and the
+    residual is empty; both paths draw from p itself."""
+    logits = torch.full((2, VOCAB), -1e4)
+    logits[0, 9] = logits[1, 4] = 0.0  # rows 0 and 1 are certain of 9 and 4
+    task = AcceptTask([9], None, [0.0], 0.5, SamplingConfig(temperature=1.0))
+    [decision] = decide([logits], [task])
+    host = host_verdict(logits, task)
+    assert decision.verdict is not None
+    assert host.num_accepted == decision.verdict.num_accepted == 0
+    assert host.next_token == decision.verdict.next_token == 9

@@ -1,0 +1,205 @@
+"""Acceptance on the model's device, batched: every job of a forward in one vectorised step.
+
+The host path (``shared.sampling.verify_block``, one job at a time) copies each job's k + 1
+logits rows to the host in float32 - 600 KB per row for a 151,936-token vocabulary - and walks
+them with per-job Python. Here the rows stay where the forward left them; what comes back is a
+handful of numbers per job, in one copy:
+
+* greedy jobs (chains, trees, the first token of ``/v1/generate``): the argmax of every row;
+* sampled chain jobs: the processed log p_i(x_i) of every draft, the number accepted and the
+  recovered / bonus token, drawn with the client's own uniform; plus, for a sampled *model* draft
+  that was rejected, the one target row the client needs for its residual.
+
+Everything is the host path's arithmetic in the same order (float64 shift and temperature,
+float32 top-k / top-p / log-softmax, float64 ratio test and inverse-CDF draw), so on one device
+the results are the host path's bit for bit (``tests/test_acceptance.py`` holds them to it); the
+host path stays as the reference and for what this one does not cover: coupled (reproducible)
+sampling and sampled token trees. Terms as in ``shared.sampling``: *accepted* drafts passed the
+ratio test, the *recovered* token comes from the residual, the *bonus* token when all passed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.sampling import NEG_INF, BlockVerdict, SamplingConfig
+
+
+@dataclass(frozen=True)
+class AcceptTask:
+    """What one job needs decided from its logits rows ([k + 1, vocab])."""
+
+    draft_ids: list[int]  # [k]
+    draft_logprobs: list[float] | None  # [k] log q_i(x_i); None for one-hot drafts
+    log_uniforms: list[float]  # [k]
+    final_uniform: float
+    config: SamplingConfig  # greedy or plain sampling (never coupled)
+    top_ids: int = 0  # also the top-n ids of every row
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The device's answer for one task: ``argmax`` ([k + 1]) in greedy mode, else ``verdict``."""
+
+    argmax: torch.Tensor | None
+    verdict: BlockVerdict | None
+    top_ids: list[list[int]] | None
+
+
+def process_rows(logits: torch.Tensor, configs: list[SamplingConfig]) -> torch.Tensor:
+    """``shared.sampling.process_logits`` with one config per row (none greedy).
+
+    logits: [R, vocab]; configs: [R]. Returns [R, vocab] float32 log-probs, -inf off support.
+    Which steps run is decided on the host from the configs, so nothing waits on the device."""
+    device, vocab = logits.device, logits.shape[-1]
+    raw = logits.double()  # [R, vocab]
+    shifted = raw - raw.max(dim=-1, keepdim=True).values
+    temperature = torch.tensor([c.temperature for c in configs], dtype=torch.float64)
+    scores = (shifted / temperature.to(device)[:, None]).float()  # [R, vocab]
+    top_k = [c.top_k if 0 < c.top_k < vocab else 0 for c in configs]  # 0: no top-k
+    if any(top_k):
+        best = torch.topk(scores, max(top_k), dim=-1).values  # [R, widest], descending
+        kth = torch.tensor([max(k, 1) - 1 for k in top_k]).to(device)  # [R]
+        kth_best = best.gather(-1, kth[:, None])  # [R, 1]
+        limited = torch.tensor([k > 0 for k in top_k]).to(device)  # [R]
+        kth_best = torch.where(limited[:, None], kth_best, NEG_INF)
+        scores = scores.masked_fill(scores < kth_best, NEG_INF)
+    if any(c.top_p < 1.0 for c in configs):
+        top_p = torch.tensor([c.top_p for c in configs], dtype=torch.float64).to(device)
+        nucleus = top_p < 1.0  # [R]
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)  # [R, vocab]
+        sorted_probs = torch.softmax(sorted_scores.double(), dim=-1)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = (mass_before >= top_p[:, None]) & nucleus[:, None]
+        drop_sorted[:, 0] = False  # the best token always stays
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, NEG_INF)
+    return torch.log_softmax(scores, dim=-1)
+
+
+def ratio_test(target_logprobs: torch.Tensor, draft_logprobs: torch.Tensor,
+               log_uniforms: torch.Tensor) -> torch.Tensor:
+    """[D] booleans: log u_i < log p_i(x_i) - log q_i(x_i) (log q = 0 for one-hot drafts)."""
+    return log_uniforms < target_logprobs.double() - draft_logprobs
+
+
+def remove_rejected(weights: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The residual of a rejected one-hot draft: p with the draft's token removed, renormalised
+    (``residual_without_token`` row by row). weights: [n, vocab] float64; tokens: [n]."""
+    n = torch.arange(weights.shape[0], device=weights.device)
+    residual = weights.clone()
+    residual[n, tokens] = (weights[n, tokens] - 1.0).clamp_min(0.0)
+    total = residual.sum(dim=-1, keepdim=True)  # [n, 1]
+    certain = ~(total > 0.0)  # only rounding rejected a draft of probability 1: p itself
+    fallback = weights / weights.sum(dim=-1, keepdim=True)
+    return torch.where(certain, fallback, residual / total)
+
+
+def sample_rows(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """``shared.sampling.sample_from_probs`` row by row: [n, vocab] weights, [n] float64 uniforms
+    -> [n] ids (inverse CDF; zero-weight ids are never returned)."""
+    weights = weights.double().clamp_min(0.0)
+    cdf = torch.cumsum(weights, dim=-1)  # [n, vocab]
+    x = uniforms * cdf[:, -1]  # [n]
+    index = torch.searchsorted(cdf, x[:, None], right=True)[:, 0]  # first id with cdf > x
+    vocab = weights.shape[-1]
+    last_supported = vocab - 1 - torch.argmax((weights > 0).flip(-1).int(), dim=-1)
+    return torch.where(index >= vocab, last_supported, index)
+
+
+def decide(rows: list[torch.Tensor], tasks: list[AcceptTask]) -> list[Decision]:
+    """rows[j]: task j's logits rows on the model's device ([k_j + 1, vocab]); one decision each.
+    Greedy and sampled tasks are batched separately; one copy to the host per kind."""
+    decisions: list[Decision | None] = [None] * len(tasks)
+    greedy = [j for j, task in enumerate(tasks) if task.config.greedy]
+    sampled = [j for j, task in enumerate(tasks) if not task.config.greedy]
+    if greedy:
+        stacked = torch.cat([rows[j] for j in greedy])  # [R, vocab]
+        argmax = torch.argmax(stacked, dim=-1).cpu()  # [R]; the lowest id wins a tie
+        cursor = 0
+        for j in greedy:
+            n = rows[j].shape[0]
+            decisions[j] = Decision(argmax[cursor:cursor + n], None, None)
+            cursor += n
+    if sampled:
+        for j, verdict in zip(sampled, _decide_sampled([rows[j] for j in sampled],
+                                                       [tasks[j] for j in sampled]), strict=True):
+            decisions[j] = Decision(None, verdict, None)
+    top = [j for j, task in enumerate(tasks) if task.top_ids]
+    for j in top:  # few callers ask; one topk each
+        n = min(tasks[j].top_ids, rows[j].shape[-1])
+        ids = torch.topk(rows[j].float(), n).indices.tolist()  # [k + 1][n]
+        done = decisions[j]
+        assert done is not None
+        decisions[j] = Decision(done.argmax, done.verdict, ids)
+    return [d for d in decisions if d is not None]
+
+
+def _decide_sampled(rows: list[torch.Tensor], tasks: list[AcceptTask]) -> list[BlockVerdict]:
+    device = rows[0].device
+    lengths = [len(task.draft_ids) for task in tasks]  # k_j
+    counts = [k + 1 for k in lengths]
+    stacked = torch.cat(rows).float()  # [R, vocab], R = sum of k_j + 1
+
+    configs = [t.config for t, n in zip(tasks, counts, strict=True) for _ in range(n)]
+    logprobs = process_rows(stacked, configs)  # [R, vocab]
+
+    # 1. The ratio test of every draft, all jobs at once: accept x_i while
+    #    log u_i < log p_i(x_i) - log q_i(x_i) (log q = 0 for one-hot drafts).
+    first_row = torch.tensor([0, *counts[:-1]]).cumsum(0)  # [J] each job's row 0
+    k_max = max(lengths)
+    job_of: list[int] = []
+    step_of: list[int] = []
+    for j, k in enumerate(lengths):
+        job_of.extend([j] * k)
+        step_of.extend(range(k))
+    draft_ids = torch.tensor([x for t in tasks for x in t.draft_ids], dtype=torch.long)
+    draft_lp = torch.tensor([lp for t in tasks
+                             for lp in (t.draft_logprobs or [0.0] * len(t.draft_ids))],
+                            dtype=torch.float64)
+    log_u = torch.tensor([u for t in tasks for u in t.log_uniforms], dtype=torch.float64)
+    row_of_draft = first_row[torch.tensor(job_of, dtype=torch.long)] + torch.tensor(
+        step_of, dtype=torch.long)  # [D]
+    target_lp = logprobs[row_of_draft.to(device), draft_ids.to(device)]  # [D] float32
+    passed = ratio_test(target_lp, draft_lp.to(device), log_u.to(device))  # [D]
+    grid = torch.zeros(len(tasks), k_max + 1, dtype=torch.bool, device=device)  # [J, k_max + 1]
+    grid[torch.tensor(job_of, dtype=torch.long).to(device),
+         torch.tensor(step_of, dtype=torch.long).to(device)] = passed
+    accepted = torch.argmax((~grid).int(), dim=-1)  # [J] the first failed (or padded) step
+
+    # 2. The next token from the stopping row: the bonus from p_{k+1}, the recovered token from
+    #    p without a rejected one-hot draft; a rejected model draft's residual needs q_j, which
+    #    only the client has, so its row goes back instead.
+    stop_probs = logprobs[first_row.to(device) + accepted].exp()  # [J, vocab] float32
+    weights = stop_probs.double()
+    k_of = torch.tensor(lengths, device=device)
+    one_hot = torch.tensor([t.draft_logprobs is None for t in tasks], device=device)
+    lookup = torch.cat([draft_ids, torch.zeros(1, dtype=torch.long)]).to(device)
+    drafted_at = first_row.to(device) - torch.arange(len(tasks), device=device) + accepted
+    if any(t.draft_logprobs is None and t.draft_ids for t in tasks):  # residuals may be needed
+        rejected_one_hot = one_hot & (accepted < k_of)  # [J]
+        residual = remove_rejected(weights, lookup[drafted_at])
+        weights = torch.where(rejected_one_hot[:, None], residual, weights)
+    uniforms = torch.tensor([t.final_uniform for t in tasks], dtype=torch.float64, device=device)
+    next_token = sample_rows(weights, uniforms)  # [J]
+
+    # 3. One copy back: accepted, next token and every log p_i(x_i) (float64 holds them exactly).
+    packed = torch.cat([accepted.double(), next_token.double(), target_lp.double()]).cpu()
+    jobs = len(tasks)
+    accepted_host = packed[:jobs].long().tolist()
+    next_host = packed[jobs:2 * jobs].long().tolist()
+    lp_host = packed[2 * jobs:].float()
+    row_jobs = [j for j, (t, k) in enumerate(zip(tasks, lengths, strict=True))
+                if t.draft_logprobs is not None and accepted_host[j] < k]
+    row_host = dict(zip(row_jobs, stop_probs[row_jobs].cpu(), strict=True)) if row_jobs else {}
+    verdicts, cursor = [], 0
+    for j, k in enumerate(lengths):
+        lp = lp_host[cursor:cursor + k]
+        cursor += k
+        if j in row_host:
+            verdicts.append(BlockVerdict(accepted_host[j], lp, None, None, row_host[j]))
+        else:
+            verdicts.append(BlockVerdict(accepted_host[j], lp, None, next_host[j], None))
+    return verdicts
