@@ -68,13 +68,17 @@ def test_process_rows_is_process_logits_bit_for_bit() -> None:
     assert torch.equal(mixed, alone)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_device_decisions_equal_the_host_path(seed: int) -> None:
+@pytest.mark.parametrize("together", [1, 5, None])
+@pytest.mark.parametrize("seed", range(4))
+def test_device_decisions_equal_the_host_path(seed: int, together: int | None) -> None:
+    """Decided one job at a time (the CPU default), in groups, and all at once (an
+    accelerator's default): the same answers as the host path."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     configs = CONFIGS * 4  # every config, several times, in a random order
     rng.shuffle(configs)
     jobs = [random_task(rng, gen, config) for config in configs]
-    decisions = decide([logits for logits, _ in jobs], [task for _, task in jobs])
+    decisions = decide([logits for logits, _ in jobs], [task for _, task in jobs],
+                       together=together or len(jobs))
     outcomes = set()
     for (logits, task), decision in zip(jobs, decisions, strict=True):
         host = host_verdict(logits, task)

@@ -142,9 +142,11 @@ def test_kv_pool_allocates_and_refuses_a_double_release() -> None:
         pool.release(a)
 
 
-def test_ragged_attention_equals_causal_attention_per_sequence() -> None:
+@pytest.mark.parametrize("padded", [False, True])
+def test_ragged_attention_equals_causal_attention_per_sequence(padded: bool) -> None:
     """Two sessions in one flattened batch, one with 3 cached tokens and 2 new, one with 0
-    cached and 4 new: each output equals plain causal SDPA over that session's full sequence."""
+    cached and 4 new: each output equals plain causal SDPA over that session's full sequence,
+    attended one by one or padded into one call."""
     torch.manual_seed(0)
     heads, kv_heads, dim = 4, 2, 8
     config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -160,7 +162,8 @@ def test_ragged_attention_equals_causal_attention_per_sequence() -> None:
     key = torch.cat([full_k[0][:, 3:], full_k[1]], dim=1)[None]  # [1, kv_heads, 6, dim]
     value = torch.cat([full_v[0][:, 3:], full_v[1]], dim=1)[None]
     out, _ = ragged_attention(SimpleNamespace(layer_idx=0), query, key, value, None,
-                              ragged_batch=RaggedBatch(pool, segments))  # [1, 6, heads, dim]
+                              ragged_batch=RaggedBatch.plan(pool, segments, torch.device("cpu"),
+                                                            padded))  # [1, 6, heads, dim]
     for i, rows in ((0, slice(0, 2)), (1, slice(2, 6))):
         expected = F.scaled_dot_product_attention(full_q[i][None], full_k[i][None],
                                                   full_v[i][None], is_causal=True,

@@ -3,8 +3,16 @@
 Every session owns one slot: per layer a contiguous [kv_heads, slot_tokens, head_dim] region of
 one preallocated tensor. A batched forward flattens the new tokens of all sessions into one
 sequence ([1, num_tokens], each token with its own position id); the projections and MLPs run once
-for all of them, and attention runs per session over a *view* of its slot, so no session's cache
-is copied. Rolling back a rejected draft is moving the session's length; nothing is erased.
+for all of them, and every layer writes all new keys and values into their slots in one indexed
+copy. Attention then runs in one of two ways (``--attention``):
+
+* ``per-session``: one SDPA call per session over a *view* of its slot (nothing is copied);
+* ``padded``: the short segments (verify blocks, decode steps) in ONE call per layer - queries
+  padded to the longest block, keys and values gathered from the slots' first E positions, a
+  [B, 1, L, E] mask - and only long prefills one by one. One kernel launch instead of B, and
+  the shapes depend on (B, L, E) alone, which is what a GPU wants.
+
+Rolling back a rejected draft is moving the session's length; nothing is erased.
 
 The attention function is registered with transformers' AttentionInterface under the name
 ``specdec_ragged``; transformers skips its own mask building for such custom functions, and passes
@@ -54,10 +62,69 @@ class Segment:
         return cls(slot, start, offset, length, visible)
 
 
+# Segments up to this many new tokens (verify blocks, decode steps) attend together in one padded
+# call per layer; longer ones (prefills) attend on their own, so one long prompt does not pad
+# every short block of its batch to its length.
+PADDED_MAX_LENGTH = 64
+
+
+@dataclass(frozen=True)
+class PaddedGroup:
+    """Short segments attended in one call: queries padded to [B, L], keys and values gathered
+    from the first E positions of their slots, a [B, 1, L, E] mask saying who sees what."""
+
+    slots: torch.Tensor  # [B] slot ids
+    query_index: torch.Tensor  # [B, L] each padded query's token in the flat batch (pad: 0)
+    token_index: torch.Tensor  # [n] the group's tokens in the flat batch
+    token_rows: torch.Tensor  # [n] where each of them sits in the padded [B * L] output
+    mask: torch.Tensor  # [B, 1, L, E]
+    end: int  # E, the longest slot prefix read
+
+    @classmethod
+    def build(cls, segments: list[Segment], device: torch.device) -> PaddedGroup:
+        length = max(seg.length for seg in segments)
+        end = max(seg.start + seg.length for seg in segments)
+        mask = torch.zeros(len(segments), 1, length, end, dtype=torch.bool)
+        mask[:, :, :, 0] = True  # pad rows see one key, so they stay finite (and are dropped)
+        query_index = torch.zeros(len(segments), length, dtype=torch.long)
+        token_index, token_rows = [], []
+        for b, seg in enumerate(segments):
+            seen = seg.start + seg.length
+            mask[b, 0, :seg.length, :seen] = (seg.visible.cpu() if seg.visible is not None
+                                             else True)
+            tokens = range(seg.offset, seg.offset + seg.length)
+            query_index[b, :seg.length] = torch.tensor(tokens)
+            token_index.extend(tokens)
+            token_rows.extend(range(b * length, b * length + seg.length))
+        return cls(torch.tensor([seg.slot for seg in segments], device=device),
+                   query_index.to(device), torch.tensor(token_index, device=device),
+                   torch.tensor(token_rows, device=device), mask.to(device), end)
+
+
 @dataclass(frozen=True)
 class RaggedBatch:
+    """The flattened batch's layout, built once per forward and read by every layer."""
+
     pool: KVPool
     segments: list[Segment]
+    write_slots: torch.Tensor  # [N] each new token's slot
+    write_positions: torch.Tensor  # [N] and its position there
+    alone: list[Segment]  # attended one by one (all of them without ``padded``)
+    padded: PaddedGroup | None
+
+    @classmethod
+    def plan(cls, pool: KVPool, segments: list[Segment], device: torch.device,
+             padded: bool) -> RaggedBatch:
+        """``padded``: short segments (two or more) attend in one padded call per layer."""
+        slots = [seg.slot for seg in segments for _ in range(seg.length)]
+        positions = [seg.start + i for seg in segments for i in range(seg.length)]
+        short = [seg for seg in segments if seg.length <= PADDED_MAX_LENGTH] if padded else []
+        if len(short) < 2:
+            short = []
+        alone = [seg for seg in segments if seg not in short]
+        group = PaddedGroup.build(short, device) if short else None
+        return cls(pool, segments, torch.tensor(slots, device=device),
+                   torch.tensor(positions, device=device), alone, group)
 
 
 class SlotAllocator:
@@ -143,22 +210,40 @@ def ragged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     if ragged_batch is None:
         raise RuntimeError("the specdec_ragged attention needs a ragged_batch argument")
     layer = module.layer_idx
-    keys, values = ragged_batch.pool.keys[layer], ragged_batch.pool.values[layer]
-    outputs = []
-    for seg in ragged_batch.segments:
+    return _planned_attention(ragged_batch, ragged_batch.pool.keys[layer],
+                              ragged_batch.pool.values[layer], query, key, value, scaling)
+
+
+def _planned_attention(batch: RaggedBatch, keys: torch.Tensor, values: torch.Tensor,
+                       query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       scaling: float | None) -> tuple[torch.Tensor, None]:
+    """One write of every new K/V into the slots, then the padded group in one call and the
+    long segments one by one. Shapes as in ``ragged_attention``."""
+    device = keys.device
+    if query.device != device:  # a model over several devices: this layer's slots are here
+        query, key, value = query.to(device), key.to(device), value.to(device)
+    slots, positions = batch.write_slots.to(device), batch.write_positions.to(device)
+    keys[slots, :, positions] = key[0].transpose(0, 1)  # [N, kv_heads, head_dim]
+    values[slots, :, positions] = value[0].transpose(0, 1)
+    heads, num_tokens, head_dim = query.shape[1:]
+    out = query.new_empty(num_tokens, heads, head_dim)  # [N, heads, head_dim]
+    for seg in batch.alone:
         new = slice(seg.offset, seg.offset + seg.length)
         end = seg.start + seg.length
-        keys[seg.slot, :, seg.start:end] = key[0, :, new]  # write the new K/V into the slot
-        values[seg.slot, :, seg.start:end] = value[0, :, new]
-        mask = seg.visible
-        if mask is not None and mask.device != query.device:  # a model over several devices
-            mask = mask.to(query.device)
-        out = F.scaled_dot_product_attention(
+        mask = seg.visible.to(device) if seg.visible is not None else None
+        out[new] = F.scaled_dot_product_attention(
             query[:, :, new], keys[seg.slot, :, :end][None], values[seg.slot, :, :end][None],
-            attn_mask=mask, scale=scaling, enable_gqa=True,
-        )  # [1, heads, length, head_dim]
-        outputs.append(out)
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+            attn_mask=mask, scale=scaling, enable_gqa=True)[0].transpose(0, 1)
+    group = batch.padded
+    if group is not None:
+        q = query[0][:, group.query_index.to(device)].transpose(0, 1)  # [B, heads, L, head_dim]
+        slot_ids = group.slots.to(device)
+        o = F.scaled_dot_product_attention(
+            q, keys[slot_ids, :, :group.end], values[slot_ids, :, :group.end],  # [B, kv, E, d]
+            attn_mask=group.mask.to(device), scale=scaling, enable_gqa=True)  # [B, heads, L, d]
+        flat = o.transpose(1, 2).reshape(-1, heads, head_dim)  # [B * L, heads, head_dim]
+        out[group.token_index.to(device)] = flat[group.token_rows.to(device)]
+    return out[None], None
 
 
 AttentionInterface.register(ATTENTION_NAME, ragged_attention)

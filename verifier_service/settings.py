@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     acceptance: Literal["device", "host"] = Field(
         "device", description="device: decide every verify block of a batch in one vectorised "
         "step next to the logits; host: copy each block's rows to the host (the reference)")
+    attention: Literal["auto", "padded", "per-session"] = Field(
+        "auto", description="padded: a batch's short blocks attend in one call per layer; "
+        "per-session: one call per session; auto: padded on CUDA, per-session on CPU")
     max_new_tokens: int = Field(1024, ge=1, description="cap for /v1/generate")
     max_prompt_tokens: int = Field(0, ge=0, description="longest prompt; 0: max_context - 1")
     replica_name: str = Field("", description="sent as X-Verifier-Replica; default host:port")

@@ -135,6 +135,9 @@ class TargetRunner:
         # "device": verify jobs are decided batched next to the logits (acceptance.py); "host":
         # each job's rows are copied to the host and decided alone (the reference path).
         self.acceptance = "device"
+        # "padded": short segments attend in one call per layer; "per-session": one call each
+        # (kv_pool.py). The default is the faster one measured on each kind of device.
+        self.attention = "padded" if self.device.type == "cuda" else "per-session"
         self.decoder_start_token_id: int | None = None
         self.pool: KVPool | Seq2SeqPool
         if self.is_encoder_decoder:  # per-session caches (verifier_service/seq2seq.py)
@@ -179,6 +182,8 @@ class TargetRunner:
                           settings.kv_budget_tokens, settings.device_map,
                           settings.offload_folder, settings.tp_plan)
         runner.acceptance = settings.acceptance
+        if settings.attention != "auto":
+            runner.attention = settings.attention
         return runner
 
     def warm_up(self) -> None:
@@ -227,7 +232,8 @@ class TargetRunner:
             position_ids=torch.tensor([positions], device=self.device),  # [1, N]
             use_cache=False,
             logits_to_keep=torch.tensor(keep or [0], device=self.device),
-            ragged_batch=RaggedBatch(self.pool, segments),
+            ragged_batch=RaggedBatch.plan(self.pool, segments, self.device,
+                                          padded=self.attention == "padded"),
         )
         logits = out.logits[0]  # [len(keep), vocab], on the model's device, in its dtype
         rows: list[torch.Tensor | None] = []

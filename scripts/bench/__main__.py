@@ -9,6 +9,7 @@ from typing import Any
 from scripts.bench import (
     attack,
     batching,
+    calls,
     client,
     gateway,
     gpu,
@@ -18,7 +19,8 @@ from scripts.bench import (
     suite,
 )
 
-COMMANDS = {"suite": suite, "client": client, "batching": batching, "network": network,
+COMMANDS = {"suite": suite, "client": client, "batching": batching, "calls": calls,
+            "network": network,
             "profile": profile, "attack": attack, "gateway": gateway, "gpu": gpu, "report": report}
 
 

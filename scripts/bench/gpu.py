@@ -47,11 +47,12 @@ from scripts.bench.common import (
     write_json,
 )
 from shared.models import load_causal_lm, load_tokenizer, pick_dtype
-from shared.sampling import SamplingConfig
+from shared.sampling import SamplingConfig, verify_block
 from shared.schema import CreateSessionRequest, GenerateRequest, VerifyRequest
 from tests.support.process import VerifierProcess
 from tests.support.tiny_models import build_tokenizer
-from verifier_service.target import ForwardItem, TargetRunner
+from verifier_service.acceptance import AcceptTask, decide
+from verifier_service.target import ForwardItem, TargetRunner, host_rows
 
 # Qwen2.5-Coder-1.5B / 0.5B (their config.json), and a tiny one for smoke runs.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -80,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 4, 8, 16])
     parser.add_argument("--calls", type=int, default=30, help="verify calls per k")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    parser.add_argument("--batches", type=int, nargs="+", default=[8, 64],
+                        help="verify blocks per batched forward in the engine section")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--out", default="bench_results/gpu.json")
@@ -126,6 +129,52 @@ def raw_forwards(target: str, args: argparse.Namespace, device: torch.device,
     runner.pool.release(slot)
     model.set_attn_implementation("sdpa")  # back to transformers' own, for generate() below
     return rows, one_token, model
+
+
+@torch.inference_mode()
+def batched_engine(model: Any, target: str, args: argparse.Namespace,
+                   device: torch.device) -> list[dict[str, Any]]:
+    """One batched forward of B verify blocks (k = 4, 5 tokens each, 512-token contexts) with
+    each attention layout, and the acceptance of its logits on the host (each job's rows
+    copied, decided alone) vs on the device (one batched step), greedy and sampled."""
+    vocab = int(model.config.vocab_size)
+    most = max(args.batches)
+    runner = TargetRunner(model, load_tokenizer(target), target, max_context=CONTEXT + 64,
+                          kv_budget_tokens=(CONTEXT + 64) * most)
+    context = [(i * 7919) % vocab for i in range(CONTEXT)]
+    slots = [runner.pool.allocate() for _ in range(most)]
+    for slot in slots:
+        runner.forward([ForwardItem(slot, 0, context, False)])  # type: ignore[arg-type]
+    rows = []
+    for batch in args.batches:
+        items = [ForwardItem(slot, CONTEXT, context[b:b + 5], True)  # type: ignore[arg-type]
+                 for b, slot in enumerate(slots[:batch])]
+        row: dict[str, Any] = {"batch": batch}
+        for mode in ("per-session", "padded"):
+            runner.attention = mode
+            row[f"{mode}_ms"] = round(median_ms(lambda items=items: runner.forward(items),
+                                                REPEATS // 2, device, warm=2), 2)
+        logits = [r for r in runner.forward(items) if r is not None]
+        for name, config in (("greedy", SamplingConfig()),
+                             ("sampled", SamplingConfig(temperature=0.7, top_p=0.95))):
+            tasks = [AcceptTask(item.token_ids[1:], None, [-0.7] * 4, 0.5, config)
+                     for item in items]
+
+            def on_host(tasks: list[AcceptTask] = tasks,
+                        logits: list[torch.Tensor] = logits) -> None:
+                for rows_of, task in zip(logits, tasks, strict=True):
+                    verify_block(host_rows(rows_of), torch.tensor(task.draft_ids), None,
+                                 torch.tensor(task.log_uniforms, dtype=torch.float64),
+                                 task.final_uniform, task.config)
+
+            row[f"host_{name}_ms"] = round(median_ms(on_host, 5, device, warm=1), 2)
+            row[f"device_{name}_ms"] = round(median_ms(
+                lambda tasks=tasks, logits=logits: decide(logits, tasks), 5, device, warm=1), 2)
+        print(row, flush=True)
+        rows.append(row)
+    for slot in slots:
+        runner.pool.release(slot)  # type: ignore[arg-type]
+    return rows
 
 
 def served_calls(url: str, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
@@ -214,6 +263,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     raw, one_token_ms, model = raw_forwards(target, args, device, dtype)
     print(markdown_table(raw, [("new_tokens", "new tokens"), ("plain_hf_ms", "plain HF ms"),
                                ("engine_ms", "specdec engine ms")]), flush=True)
+    engine = batched_engine(model, target, args, device)
+    print(markdown_table(engine, [
+        ("batch", "blocks of 5"), ("per-session_ms", "forward, per-session attention ms"),
+        ("padded_ms", "forward, padded attention ms"), ("host_greedy_ms", "host accept greedy"),
+        ("device_greedy_ms", "device accept greedy"), ("host_sampled_ms", "host accept T=0.7"),
+        ("device_sampled_ms", "device accept T=0.7")]), flush=True)
+    model.set_attn_implementation("sdpa")
     vocab = int(model.config.vocab_size)
     base = ["--model", target, "--dtype", args.dtype, "--device", args.device,
             "--max-context", str(CONTEXT + 1024), "--kv-budget-tokens",
@@ -247,7 +303,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "gpu": torch.cuda.get_device_name(device)
                            if device.type == "cuda" else None,
                            "context": CONTEXT, "wall_s": round(time.perf_counter() - started)},
-               "raw_forward": raw, "served_calls": calls, "target_alone": alone,
+               "raw_forward": raw, "batched_engine": engine, "served_calls": calls,
+               "target_alone": alone,
                "aggregate": aggregate, "aggregate_table": table, "drafter": cost}
     write_json(args.out, payload)
     return payload
