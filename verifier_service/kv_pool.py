@@ -87,7 +87,8 @@ class PaddedGroup:
         mask = torch.zeros(len(segments), 1, length, end, dtype=torch.bool)
         mask[:, :, :, 0] = True  # pad rows see one key, so they stay finite (and are dropped)
         query_index = torch.zeros(len(segments), length, dtype=torch.long)
-        token_index, token_rows = [], []
+        token_index: list[int] = []
+        token_rows: list[int] = []
         for b, seg in enumerate(segments):
             seen = seg.start + seg.length
             mask[b, 0, :seg.length, :seen] = (seg.visible.cpu() if seg.visible is not None
