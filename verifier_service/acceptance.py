@@ -184,7 +184,10 @@ def _decide_sampled(rows: list[torch.Tensor], tasks: list[AcceptTask]) -> list[B
     # D drafts in job order; ``grid`` [J, k_max + 1] points at each job's drafts, padded with D
     # (a sentinel that always fails), so a row's first failure is its number accepted.
     k_max, drafts = max(lengths), sum(lengths)
-    first_row, first_draft, row_of_draft, grid = [], [], [], []
+    first_row: list[int] = []
+    first_draft: list[int] = []
+    row_of_draft: list[int] = []
+    grid: list[int] = []
     row = draft = 0
     for k in lengths:
         first_row.append(row)
