@@ -236,3 +236,24 @@ def test_calls_cut_off_by_shutdown_get_a_retryable_503(tiny_models: dict[str, Pa
         stalled.close()
     assert answer.startswith(b"HTTP/1.1 503"), answer[:300]
     assert b"retry-after: 1" in answer.lower() and b"shutting_down" in answer
+
+
+@pytest.mark.parametrize("parser", ["httptools", "h11"])
+def test_both_http_parsers_bound_and_time_out_request_heads(tiny_models: dict[str, Path],
+                                                            parser: str) -> None:
+    """A head over 16 KiB is refused (431 from the httptools guard, 400 from h11's own bound)
+    and a head that never ends gets 408, with either parser; a normal call is served."""
+    settings = fp32_settings(tiny_models["gpt2-target"], http_parser=parser,
+                             header_timeout_s=1.0)
+    with LiveServer(settings) as live:
+        huge = socket.create_connection(("127.0.0.1", live.port))
+        huge.sendall(b"GET /v1/info HTTP/1.1\r\nHost: x\r\n" +
+                     b"".join(b"X-Pad-%d: %s\r\n" % (i, b"a" * 1000) for i in range(20)))
+        slow = socket.create_connection(("127.0.0.1", live.port))
+        slow.sendall(b"GET /v1/info HTTP/1.1\r\nHost: x\r\n")
+        assert httpx.get(f"{live.url}/v1/info", timeout=10).status_code == 200
+        answer = read_all(huge, timeout_s=15)
+        assert answer.startswith(b"HTTP/1.1 431" if parser == "httptools" else b"HTTP/1.1 400")
+        assert read_all(slow, timeout_s=15).startswith(b"HTTP/1.1 408")
+        huge.close()
+        slow.close()

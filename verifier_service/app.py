@@ -14,13 +14,14 @@ from starlette.responses import Response
 
 from shared.http_metrics import RequestMetrics
 from shared.schema import REPLICA_HEADER
-from verifier_service.connections import GuardedH11Protocol
+from verifier_service.connections import guarded_protocol
 from verifier_service.errors import (
     VerifierError,
     http_error_handler,
     validation_error_handler,
     verifier_error_handler,
 )
+from verifier_service.fast_verify import fast_routes
 from verifier_service.guards import ApiKeyAuth, BodyLimit, ShutdownAnswer
 from verifier_service.lifespan import make_lifespan
 from verifier_service.routes import router
@@ -80,14 +81,15 @@ def create_app(settings: Settings, runner: TargetRunner | None = None) -> FastAP
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.include_router(router)
+    app.router.routes[:0] = fast_routes()  # the verify call's lean path, ahead of FastAPI's
     return app
 
 
 def server_options(settings: Settings) -> dict[str, Any]:
     """uvicorn's options for these settings (the CLI's server and the tests' use the same)."""
     return {
-        "http": GuardedH11Protocol.configured(settings.header_timeout_s,
-                                              settings.max_connections),
+        "http": guarded_protocol(settings.http_parser, settings.header_timeout_s,
+                                 settings.max_connections),
         # uvicorn's own bound (503 to every new request) only as a backstop for calls in flight
         "limit_concurrency": 4 * settings.max_connections,
         "timeout_keep_alive": settings.keep_alive_s,

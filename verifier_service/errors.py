@@ -50,13 +50,18 @@ async def validation_error_handler(request: Request, exc: Exception) -> Response
     if request.method == "POST" and "json" not in content_type:
         return error_response(415, "unsupported_media_type", "the body must be JSON sent with "
                               f"content-type: application/json (got {content_type!r})", "body")
-    errors = exc.errors()
+    return error_response(*validation_problem(exc.errors()))
+
+
+def validation_problem(errors: Any) -> tuple[int, str, str, str | None]:
+    """(status, code, message, field) for a body's validation errors: 400 when it is not JSON
+    at all, else 422 naming every bad field (``field``: the first)."""
     if any(e.get("type") == "json_invalid" for e in errors):
-        return error_response(400, "invalid_json", "the body is not valid JSON: "
-                              f"{errors[0].get('ctx', {}).get('error', 'parse error')}", "body")
+        return (400, "invalid_json", "the body is not valid JSON: "
+                f"{errors[0].get('ctx', {}).get('error', 'parse error')}", "body")
     messages = [f"{_location(e)}: {e.get('msg', 'invalid')}" for e in errors]
     field = _location(errors[0]) if errors else None
-    return error_response(422, "invalid_request", "; ".join(messages), field)
+    return 422, "invalid_request", "; ".join(messages), field
 
 
 async def http_error_handler(request: Request, exc: Exception) -> Response:

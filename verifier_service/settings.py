@@ -79,6 +79,8 @@ class Settings(BaseSettings):
                                     "its last response; else 408 and closed")
     body_timeout_s: float = Field(15.0, gt=0, description="a request body must arrive within "
                                   "this long; else 408 and closed")
+    http_parser: Literal["auto", "httptools", "h11"] = Field(
+        "auto", description="the HTTP/1.1 parser: httptools (C) where installed, else h11")
     keep_alive_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is "
                                 "closed after this long")
 
