@@ -121,13 +121,18 @@ def test_gpu_bench_smoke_run_on_cpu(tmp_path: Path) -> None:
     payload = bench([
         "gpu", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--ks", "0", "2",
         "--calls", "2", "--clients", "1", "2", "--max-new-tokens", "4", "--blocks", "1", "5",
-        "--out", str(tmp_path / "gpu.json")])
+        "--batches", "2", "--call-sessions", "2", "--call-seconds", "1",
+        "--client-processes", "1", "--out", str(tmp_path / "gpu.json")])
     assert [r["new_tokens"] for r in payload["raw_forward"]] == [1, 5]
     assert [r["k"] for r in payload["served_calls"]] == [0, 2]
     assert all(r["round_trip_ms"] >= r["inside_server_ms"] > 0 for r in payload["served_calls"])
     assert payload["target_alone"]["served_tok_s"] > 0
     assert all(row["equal"] for row in payload["aggregate_table"])
     assert payload["drafter"]["c"] > 0
+    [engine] = payload["batched_engine"]
+    assert engine["batch"] == 2 and engine["padded_ms"] > 0 and engine["device_sampled_ms"] > 0
+    [http] = payload["http_layer"]
+    assert http["sessions"] == 2 and http["calls"] > 0 and http["server_cpu_us_per_call"] > 0
     assert json.loads((tmp_path / "gpu.json").read_text())["served_calls"] == \
         payload["served_calls"]
 
@@ -158,3 +163,14 @@ def test_client_bench_runs_every_section_on_tiny_models(tiny_models: dict[str, P
     assert [r["all"] for r in rows if r["system"] == "hf"] == [1.0] * 4  # its own baseline
     assert {r["workload"] for r in runs if r["section"] == "two-host"} == {"english"}
     assert json.loads((tmp_path / "client.json").read_text())["rows"] == rows
+
+
+def test_calls_bench_counts_calls_and_server_cpu(tmp_path: Path) -> None:
+    """The HTTP-layer benchmark on its tiny target: clients in a separate process make calls,
+    the verifier's CPU per call and the batch sizes come back."""
+    payload = bench(["calls", "--sessions", "1", "3", "--seconds", "1", "--client-processes",
+                     "1", "--out", str(tmp_path / "calls.json")])
+    assert [r["sessions"] for r in payload["rows"]] == [1, 3]
+    assert all(r["calls"] > 0 and r["server_cpu_us_per_call"] > 0 for r in payload["rows"])
+    assert payload["rows"][0]["mean_batch"] == 1.0
+    assert json.loads((tmp_path / "calls.json").read_text())["rows"] == payload["rows"]

@@ -291,9 +291,13 @@ def test_a_client_that_hangs_up_stops_its_generation(gateway: ThreadedServer,
 
 
 def test_the_grafana_dashboard_uses_metrics_that_exist(gateway: ThreadedServer,
-                                                       gpt2_server: LiveServer) -> None:
+                                                       gpt2_server: LiveServer,
+                                                       oai: openai.OpenAI) -> None:
     dashboard = orjson.loads((ROOT / "deploy/grafana/specdec.json").read_bytes())
-    # labelled series appear with their first value: one error answer on the verifier
+    # labelled series appear with their first value: one generation through the gateway (so
+    # drafts are accepted at some position, whatever ran before this test) and one error
+    # answer on the verifier
+    oai.completions.create(model=MODEL, prompt="the dog ran to", temperature=0, max_tokens=16)
     httpx.post(gpt2_server.url + "/v1/sessions/none/verify", json={"position": 1,
                                                                    "last_token": 0,
                                                                    "final_uniform": 0.5})

@@ -178,7 +178,7 @@ def test_connections_beyond_the_bound_close_the_longest_waiting(
             sock.close()
     closed = [a for a in answers if a.startswith(b"HTTP/1.1 408")]
     assert len(closed) >= 3 and all(b"request_timeout" in a for a in closed)
-    assert answers[0].startswith(b"HTTP/1.1 408")  # the oldest went first
+    assert answers[0].startswith(b"HTTP/1.1 408"), [a[:12] for a in answers]  # the oldest first
 
 
 # -- 6. settings that do not fit the model ------------------------------------------------------

@@ -21,6 +21,7 @@ head that has not completed and answers 431 beyond the same bound.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import orjson
@@ -78,7 +79,7 @@ class HeadGuard:
 
     def _arm(self) -> None:
         self._disarm()
-        self._waiting_since = self.loop.time()
+        self._waiting_since = time.monotonic()  # not loop.time(): uvloop's is per iteration
         self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timeout)
 
     def _disarm(self) -> None:

@@ -10,7 +10,11 @@ ones, then prints tables and writes one JSON:
 3. target alone: ``/v1/generate`` tok/s next to transformers' ``generate()``;
 4. aggregate tok/s at 1 / 8 / 32 / 64 / 128 concurrent n-gram clients, batching on and off, with
    the mean batch size and whether every client's output is the same both ways;
-5. the drafter's cost ratio c = one drafted token / one target forward of one token.
+5. the drafter's cost ratio c = one drafted token / one target forward of one token;
+6. the engine: one batched forward of 8 / 64 verify blocks with padded vs per-session attention,
+   and their acceptance on the host vs on the device, greedy and sampled;
+7. the HTTP layer: verify calls/s and the verifier's CPU per call with a tiny target on the
+   same device, clients in separate processes (``python -m scripts.bench calls``).
 
   python -m scripts.bench gpu --device cuda                 # about 5-8 minutes on one GPU
   python -m scripts.bench gpu --shape tiny --device cpu      # a smoke run, seconds
@@ -36,6 +40,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from drafter_client.drafters import HFDrafter
 from drafter_client.transport import HttpVerifier
+from scripts.bench import calls
 from scripts.bench.batching import on_off_sweep
 from scripts.bench.common import (
     load_prompts,
@@ -81,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 4, 8, 16])
     parser.add_argument("--calls", type=int, default=30, help="verify calls per k")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    parser.add_argument("--call-sessions", type=int, nargs="+", default=[1, 8, 64],
+                        help="concurrent sessions in the HTTP-layer section")
+    parser.add_argument("--call-seconds", type=float, default=5.0)
+    parser.add_argument("--client-processes", type=int, default=4)
     parser.add_argument("--batches", type=int, nargs="+", default=[8, 64],
                         help="verify blocks per batched forward in the engine section")
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -253,6 +262,28 @@ def drafter_cost(drafter: str, device: torch.device, dtype: torch.dtype,
             "c": round(per_token / target_one_token_ms, 3)}
 
 
+def http_layer(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    """Verify calls per second with a tiny target on the same device, so the HTTP layer (not
+    the model) is what is measured; clients in ``--client-processes`` processes
+    (``python -m scripts.bench calls``)."""
+    tiny = calls.tiny_target(root / "calls-target")
+    calls_args = argparse.Namespace(k=4, seconds=args.call_seconds,
+                                    client_processes=args.client_processes)
+    most = max(args.call_sessions)
+    flags = ["--model", tiny, "--dtype", "float32", "--device", args.device,
+             "--max-context", "4096", "--kv-budget-tokens", str(4096 * (most + 4)),
+             "--max-sessions", str(most + 4), "--max-batch-size", str(most),
+             "--max-batch-tokens", str(most * 5 + 64), "--max-queue", str(4 * most + 16)]
+    rows = []
+    with VerifierProcess(flags, threads=args.threads or 1) as process:
+        assert process.proc is not None
+        for sessions in args.call_sessions:
+            rows.append(calls.measure(process.url, process.proc.pid, sessions, calls_args,
+                                      1024))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -301,6 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cost = drafter_cost(drafter, device, dtype, one_token_ms)
     print(f"drafter: {cost['drafter_ms_per_token']} ms per drafted token, target "
           f"{cost['target_ms_one_token']} ms per token: c = {cost['c']}")
+    http = http_layer(args, root)
     payload = {"machine": {**machine_record(_machine_args(args, target, drafter)),
                            "device": args.device,
                            "gpu": torch.cuda.get_device_name(device)
@@ -308,7 +340,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "context": CONTEXT, "wall_s": round(time.perf_counter() - started)},
                "raw_forward": raw, "batched_engine": engine, "served_calls": calls,
                "target_alone": alone,
-               "aggregate": aggregate, "aggregate_table": table, "drafter": cost}
+               "aggregate": aggregate, "aggregate_table": table, "drafter": cost,
+               "http_layer": http}
     write_json(args.out, payload)
     return payload
 
