@@ -5,9 +5,9 @@ FastAPI's route decodes the body with ``json``, validates the dict, solves the d
 re-validates the returned model against ``response_model`` and serialises it: about 0.25 ms of
 Python per call (``python -m scripts.bench calls``). This endpoint decodes with orjson and
 validates the dict (python mode, so the messages read as FastAPI's), reads the state and the
-key's owner straight from the request, and writes the reply with orjson - the same bodies, status codes and
-error shapes (``tests/test_fast_verify.py`` compares them with the FastAPI route's, which stays
-registered behind this one so the OpenAPI document still describes the call).
+key's owner straight from the request, and writes the reply with orjson - the same bodies,
+status codes and error shapes (``tests/test_fast_verify.py`` compares them with the FastAPI
+route's, which stays registered behind this one so the OpenAPI document still describes it).
 """
 
 from __future__ import annotations
