@@ -150,3 +150,26 @@ def test_sampling_block_all_accepted_draws_bonus() -> None:
     verdict = verify_block(logits, torch.tensor([0]), torch.log(torch.tensor([0.5])),
                            torch.log(torch.tensor([0.9])), 0.3, T1)
     assert (verdict.num_accepted, verdict.next_token) == (1, 1)
+
+
+def full_sort_nucleus_drop(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The textbook top-p: sort the whole row, keep while the mass before a token < top_p."""
+    probs = torch.softmax(scores.double(), dim=-1)
+    order = torch.sort(scores, dim=-1, descending=True).indices
+    ranked = probs.gather(-1, order)
+    keep_sorted = torch.cumsum(ranked, dim=-1) - ranked < top_p
+    keep_sorted[:, 0] = True
+    return ~torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+
+
+@pytest.mark.parametrize("spread", [8.0, 2.0, 0.05])  # peaked: candidates suffice; flat: sort
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.95, 0.999])
+def test_nucleus_from_candidates_equals_the_full_sort(spread: float, top_p: float) -> None:
+    """The best 1024 tokens first, the whole row only when they hold less than top_p: the same
+    tokens kept as sorting the whole 5,000-token row (distinct scores, so no tie order)."""
+    gen = torch.Generator().manual_seed(int(spread * 100 + top_p * 1000))
+    scores = torch.randn(6, 5000, generator=gen, dtype=torch.float64).float() * spread
+    config = SamplingConfig(temperature=1.0, top_p=top_p)
+    kept = process_logits(scores, config) > NEG
+    assert torch.equal(~kept, full_sort_nucleus_drop(scores, top_p))
+    assert kept.sum(-1).min() >= 1

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.sampling import NEG_INF, BlockVerdict, SamplingConfig
+from shared.sampling import NEG_INF, BlockVerdict, SamplingConfig, nucleus_drop
 
 
 @dataclass(frozen=True)
@@ -73,19 +73,16 @@ def process_rows(logits: torch.Tensor, configs: list[SamplingConfig]) -> torch.T
         limited = torch.tensor([k > 0 for k in top_k]).to(device)  # [R]
         kth_best = torch.where(limited[:, None], kth_best, NEG_INF)
         scores = scores.masked_fill(scores < kth_best, NEG_INF)
-    top_ps = {c.top_p for c in configs}
-    if min(top_ps) < 1.0:
-        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)  # [R, vocab]
-        sorted_probs = torch.softmax(sorted_scores.double(), dim=-1)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        if len(top_ps) == 1:
-            drop_sorted = mass_before >= top_ps.pop()
-        else:
-            top_p = torch.tensor([c.top_p for c in configs], dtype=torch.float64).to(device)
-            drop_sorted = (mass_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
-        drop_sorted[:, 0] = False  # the best token always stays
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        scores = scores.masked_fill(drop, NEG_INF)
+    nucleus = [r for r, c in enumerate(configs) if c.top_p < 1.0]
+    if len(nucleus) == len(configs):
+        top_p = torch.tensor([c.top_p for c in configs], dtype=torch.float64).to(device)
+        scores = scores.masked_fill(nucleus_drop(scores, top_p), NEG_INF)
+    elif nucleus:  # only these rows: each row's answer is its own (nucleus_drop)
+        rows = torch.tensor(nucleus).to(device)
+        top_p = torch.tensor([configs[r].top_p for r in nucleus], dtype=torch.float64)
+        scores = scores.clone()
+        scores[rows] = scores[rows].masked_fill(nucleus_drop(scores[rows], top_p.to(device)),
+                                                NEG_INF)
     return torch.log_softmax(scores, dim=-1)
 
 
