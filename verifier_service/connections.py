@@ -30,7 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 try:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 except ImportError:  # httptools is not installed: h11 serves
-    HttpToolsProtocol = None
+    HttpToolsProtocol = None  # type: ignore[misc,assignment]  # h11 serves
 
 MAX_HEAD_BYTES = 16 * 1024  # h11's (and uvicorn's) bound on an incomplete request head
 
