@@ -84,22 +84,25 @@ class PaddedGroup:
     def build(cls, segments: list[Segment], device: torch.device) -> PaddedGroup:
         length = max(seg.length for seg in segments)
         end = max(seg.start + seg.length for seg in segments)
-        mask = torch.zeros(len(segments), 1, length, end, dtype=torch.bool)
+        # Built where the segments' masks already are: no copy back to the host (a GPU sync).
+        mask = torch.zeros(len(segments), 1, length, end, dtype=torch.bool, device=device)
         mask[:, :, :, 0] = True  # pad rows see one key, so they stay finite (and are dropped)
         query_index = torch.zeros(len(segments), length, dtype=torch.long)
         token_index: list[int] = []
         token_rows: list[int] = []
         for b, seg in enumerate(segments):
             seen = seg.start + seg.length
-            mask[b, 0, :seg.length, :seen] = (seg.visible.cpu() if seg.visible is not None
-                                             else True)
+            if seg.visible is not None:
+                mask[b, 0, :seg.length, :seen] = seg.visible.to(device)
+            else:
+                mask[b, 0, :seg.length, :seen] = True
             tokens = range(seg.offset, seg.offset + seg.length)
             query_index[b, :seg.length] = torch.tensor(tokens)
             token_index.extend(tokens)
             token_rows.extend(range(b * length, b * length + seg.length))
         return cls(torch.tensor([seg.slot for seg in segments], device=device),
                    query_index.to(device), torch.tensor(token_index, device=device),
-                   torch.tensor(token_rows, device=device), mask.to(device), end)
+                   torch.tensor(token_rows, device=device), mask, end)
 
 
 @dataclass(frozen=True)
