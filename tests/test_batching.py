@@ -17,11 +17,17 @@ PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16, 17], [18, 
            [20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [30, 31, 32, 33], [34, 35, 36, 37, 38, 39]]
 
 
-@pytest.fixture(scope="module")
-def batching_server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
+@pytest.fixture(scope="module", params=[("per-session", "device"), ("padded", "device"),
+                                        ("per-session", "host")], ids=lambda p: "-".join(p))
+def batching_server(tiny_models: dict[str, Path],
+                    request: pytest.FixtureRequest) -> Iterator[LiveServer]:
+    """Batched with each attention layout and each acceptance path (the lone server below
+    attends per session and decides on the device)."""
+    attention, acceptance = request.param
     # a long batching window makes concurrent calls meet in one forward
     with LiveServer(fp32_settings(tiny_models["llama-target"], max_draft_tokens=8,
-                                  batch_wait_ms=50.0)) as server:
+                                  batch_wait_ms=50.0, attention=attention,
+                                  acceptance=acceptance)) as server:
         yield server
 
 
