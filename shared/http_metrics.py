@@ -37,6 +37,7 @@ class RequestMetrics:
     def __init__(self, app: Any, metrics: HttpMetrics, routes: list[tuple[str, str]]) -> None:
         self.app, self.metrics = app, metrics
         self.routes = [(re.compile(regex), template) for regex, template in routes]
+        self._children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
 
     def route_of(self, path: str) -> str:
         for regex, template in self.routes:
@@ -64,8 +65,13 @@ class RequestMetrics:
         finally:
             route = self.route_of(scope.get("path", ""))
             m = self.metrics
-            m.requests.labels(scope.get("method", ""), route, str(status)).inc()
-            m.seconds.labels(route).observe(time.perf_counter() - started)
+            key = (scope.get("method", ""), route, status)
+            children = self._children.get(key)
+            if children is None:  # labels() once per (method, route, status), not per call
+                children = self._children[key] = (m.requests.labels(key[0], route, str(status)),
+                                                  m.seconds.labels(route))
+            children[0].inc()
+            children[1].observe(time.perf_counter() - started)
             if status >= 400:
                 m.errors.labels(str(status), error_code(bytes(body))).inc()
 

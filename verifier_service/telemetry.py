@@ -36,6 +36,7 @@ class Telemetry:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._kinds: dict[str, tuple[Any, Any]] = {}
         r = self.registry
         self.http = HttpMetrics("specdec_verifier", r)
         self.job_seconds = Histogram("specdec_verifier_job_seconds", "Time a job spent in the "
@@ -59,8 +60,18 @@ class Telemetry:
         self.batch_tokens.observe(tokens)
         self.forward_seconds.observe(ended - started)
         for kind, queued_at in jobs:
-            self.queue_wait_seconds.labels(kind).observe(started - queued_at)
-            self.job_seconds.labels(kind).observe(ended - queued_at)
+            waited, took = self._by_kind(kind)
+            waited.observe(started - queued_at)
+            took.observe(ended - queued_at)
+
+    def _by_kind(self, kind: str) -> tuple[Any, Any]:
+        """The labelled histograms of a job kind, looked up once (``labels()`` costs a lock and
+        a dict lookup per call, and this runs for every job of every batch)."""
+        pair = self._kinds.get(kind)
+        if pair is None:
+            pair = self._kinds[kind] = (self.queue_wait_seconds.labels(kind),
+                                        self.job_seconds.labels(kind))
+        return pair
 
     def add_state(self, read: Callable[[], dict[str, Any] | None]) -> None:
         self.registry.register(StateCollector(read))
