@@ -12,6 +12,7 @@ the mean batch size.
   python -m scripts.bench calls                        # about a minute
   python -m scripts.bench calls --sessions 1 16 64 --seconds 10 --k 4
   python -m scripts.bench calls --target PATH --device cuda    # a real target on a GPU
+  python -m scripts.bench calls --baseline /tmp/base --rounds 2   # against another checkout
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=4, help="drafts per verify call")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured time per row")
     parser.add_argument("--threads", type=int, default=1, help="the verifier's torch threads")
+    parser.add_argument("--baseline", default="",
+                        help="also measure the verifier of another checkout (its folder, e.g. "
+                        "`git worktree add /tmp/base <commit>`), alternating with this one")
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds")
     parser.add_argument("--out", default="bench_results/calls.json")
 
 
@@ -150,15 +155,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              "--max-sessions", str(most + 4), "--max-batch-size", str(max(most, 1)),
              "--max-batch-tokens", str(most * (args.k + 1) + 64), "--max-queue",
              str(4 * most + 16), "--max-draft-tokens", str(max(args.k, 1))]
+    systems = [("this checkout", {})]
+    if args.baseline:  # another checkout's verifier code, by PYTHONPATH
+        systems.insert(0, (f"baseline {args.baseline}", {"PYTHONPATH": args.baseline}))
     rows = []
-    with VerifierProcess(flags, threads=args.threads) as verifier:
-        assert verifier.proc is not None
-        for sessions in args.sessions:
-            row = measure(verifier.url, verifier.proc.pid, sessions, args, vocab)
-            print(row, flush=True)
-            rows.append(row)
+    for repeat in range(args.rounds):
+        for name, env in systems:
+            with VerifierProcess(flags, threads=args.threads, env=env) as verifier:
+                assert verifier.proc is not None
+                for sessions in args.sessions:
+                    row = {"system": name, "round": repeat + 1,
+                           **measure(verifier.url, verifier.proc.pid, sessions, args, vocab)}
+                    print(row, flush=True)
+                    rows.append(row)
     table = markdown_table(rows, [
-        ("sessions", "sessions"), ("calls_per_s", "calls/s"),
+        ("system", "verifier"), ("round", "round"), ("sessions", "sessions"),
+        ("calls_per_s", "calls/s"),
         ("server_cpu_us_per_call", "verifier CPU us/call"),
         ("model_thread_us_per_call", "of it model thread us/call"),
         ("mean_batch", "mean batch"), ("client_cpu_share", "client CPU share")])
