@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     attention: Literal["auto", "padded", "per-session"] = Field(
         "auto", description="padded: a batch's short blocks attend in one call per layer; "
         "per-session: one call per session; auto: padded on CUDA, per-session on CPU")
+    cuda_graphs: bool = Field(False, description="short batches (blocks of up to 16 drafts) "
+                              "run in static-shape buckets replayed as CUDA graphs (on CPU: the "
+                              "same layout, eagerly); one KV slot is kept for padding")
     max_new_tokens: int = Field(1024, ge=1, description="cap for /v1/generate")
     max_prompt_tokens: int = Field(0, ge=0, description="longest prompt; 0: max_context - 1")
     replica_name: str = Field("", description="sent as X-Verifier-Replica; default host:port")

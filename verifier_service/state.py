@@ -68,4 +68,6 @@ class VerifierState:
             "acceptance_rate": round(counters.accepted_tokens / counters.drafted_tokens, 4)
             if counters.drafted_tokens else 0.0,
             "prefill_tokens": counters.prefill_tokens,
+            "static_forwards": self.runner.static.replays if self.runner.static else 0,
+            "static_fallbacks": self.runner.static.fallbacks if self.runner.static else 0,
         }

@@ -20,6 +20,7 @@ from shared.models import (
     tokenizer_fingerprint,
 )
 from shared.sampling import tree_depths
+from verifier_service.graphs import Shaped, StaticForwards
 from verifier_service.kv_pool import ATTENTION_NAME, KVPool, RaggedBatch, Segment
 from verifier_service.seq2seq import Seq2SeqPool, seq2seq_forward
 from verifier_service.settings import Settings
@@ -138,6 +139,7 @@ class TargetRunner:
         # "padded": short segments attend in one call per layer; "per-session": one call each
         # (kv_pool.py). The default is the faster one measured on each kind of device.
         self.attention = "padded" if self.device.type == "cuda" else "per-session"
+        self.static: StaticForwards | None = None  # --cuda-graphs (enable_static_forwards)
         self.decoder_start_token_id: int | None = None
         self.pool: KVPool | Seq2SeqPool
         if self.is_encoder_decoder:  # per-session caches (verifier_service/seq2seq.py)
@@ -182,9 +184,19 @@ class TargetRunner:
                           settings.kv_budget_tokens, settings.device_map,
                           settings.offload_folder, settings.tp_plan)
         runner.acceptance = settings.acceptance
+        if settings.cuda_graphs:
+            runner.enable_static_forwards(settings.max_batch_size if settings.batching else 1)
         if settings.attention != "auto":
             runner.attention = settings.attention
         return runner
+
+    def enable_static_forwards(self, max_batch: int, capture: bool | None = None) -> None:
+        """Short batches through static-shape buckets (``graphs.py``), replayed as CUDA graphs
+        when ``capture`` (default: on CUDA). One KV slot becomes the padding's scratch slot."""
+        if not isinstance(self.pool, KVPool) or self.lockstep is not None:
+            raise ModelSpecError("--cuda-graphs serves decoder-only targets on one device")
+        capture = self.device.type == "cuda" if capture is None else capture
+        self.static = StaticForwards(self.model, self.pool, self.device, capture, max_batch)
 
     def warm_up(self) -> None:
         """One small forward, so the first client does not pay for kernel selection and
@@ -215,18 +227,25 @@ class TargetRunner:
         ids: list[int] = []  # [N] new tokens of all items, flattened
         positions: list[int] = []  # [N] each token's position in its own sequence
         keep: list[int] = []  # indices into ids whose logits are wanted
+        shaped: list[Shaped] = []  # the same, for the static-shape forwards
         for item in items:
             offset = len(ids)
             segments.append(Segment.build(item.slot, item.start, offset, len(item.token_ids),
                                           self.device, item.tree_parents))
             ids.extend(item.token_ids)
             if item.tree_parents is None:
-                positions.extend(range(item.start, item.start + len(item.token_ids)))
+                at = list(range(item.start, item.start + len(item.token_ids)))
             else:  # a tree node sits at its depth below the root
-                positions.append(item.start)
-                positions.extend(item.start + d for d in tree_depths(item.tree_parents))
+                at = [item.start, *(item.start + d for d in tree_depths(item.tree_parents))]
+            positions.extend(at)
             if item.keep_logits:
                 keep.extend(range(offset + item.keep_from, offset + len(item.token_ids)))
+            shaped.append(Shaped(item.slot, item.start, item.token_ids, at, segments[-1].visible,
+                                 item.keep_from if item.keep_logits else None))
+        if self.static is not None and all(s.token_ids for s in shaped):
+            static_rows = self.static.forward(shaped)
+            if static_rows is not None:
+                return static_rows
         out = self.model(
             input_ids=torch.tensor([ids], device=self.device),  # [1, N]
             position_ids=torch.tensor([positions], device=self.device),  # [1, N]

@@ -119,6 +119,10 @@ class StateCollector:
             "sessions_expired": ("Sessions dropped after their idle TTL", m["expired_sessions"]),
             "queue_full_rejections": ("Calls answered 429 because the job queue was full",
                                       m["rejected_queue_full"]),
+            "static_forwards": ("Forwards run in a static-shape bucket (--cuda-graphs)",
+                                m["static_forwards"]),
+            "static_fallbacks": ("Forwards that fit no bucket and ran eagerly (--cuda-graphs)",
+                                 m["static_fallbacks"]),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"specdec_verifier_{name}", doc, value=value)

@@ -1,0 +1,83 @@
+"""The static-shape forwards behind ``--cuda-graphs`` (verifier_service/graphs.py), run eagerly on
+CPU: the same bucket layout a CUDA graph replays - padded segments, a scratch slot, a fixed
+attended prefix - must give the eager path's logits, keep the sessions' caches right across
+calls, leave other slots alone, and hand batches that fit no bucket to the eager path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from shared.models import load_causal_lm, load_tokenizer
+from tests.support.live_server import LiveServer, fp32_settings
+from verifier_service.target import ForwardItem, TargetRunner
+
+
+def load(path: Path) -> TargetRunner:
+    return TargetRunner(load_causal_lm(str(path), torch.float32, torch.device("cpu")),
+                        load_tokenizer(str(path)), str(path), max_context=256,
+                        kv_budget_tokens=256 * 10)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return [(seed * 31 + i * 7) % 64 for i in range(n)]
+
+
+@pytest.mark.parametrize("model", ["gpt2-target", "llama-target"])
+def test_static_buckets_equal_the_eager_forward(tiny_models: dict[str, Path], model: str) -> None:
+    eager, static = load(tiny_models[model]), load(tiny_models[model])
+    static.enable_static_forwards(max_batch=8, capture=False)
+    assert static.static is not None
+    slots = []
+    for runner in (eager, static):  # the same sessions in both: prefixes of 40, 3, 17, 240
+        taken = [runner.pool.allocate() for _ in range(4)]
+        for slot, n in zip(taken, (40, 3, 17, 240), strict=True):
+            runner.forward([ForwardItem(slot, 0, ids(n, 1 + n), False)])  # type: ignore[arg-type]
+        slots.append(taken)
+    assert static.static.replays == 2  # the 3- and 17-token prefills fit a bucket; 40 does not
+
+    def steps(s: list[int | None], base: list[int]) -> list[ForwardItem]:
+        return [
+            ForwardItem(s[0], base[0], ids(5, 1), True),  # a verify block, k = 4
+            ForwardItem(s[1], base[1], ids(1, 2), True),  # a decode step
+            ForwardItem(s[2], base[2], ids(6, 3), True, tree_parents=[-1, 0, 0, 1, -1]),
+            ForwardItem(s[3], base[3], ids(3, 4), True, keep_from=2),  # near the slot's end
+        ]  # type: ignore[arg-type]
+
+    base = [40, 3, 17, 240]
+    for _ in range(3):  # the caches written by one step are read by the next
+        want = eager.forward(steps(slots[0], base))
+        got = static.forward(steps(slots[1], base))
+        for a, b in zip(want, got, strict=True):
+            assert a is not None and b is not None and a.shape == b.shape
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)  # other SDPA shapes
+            assert torch.equal(b.argmax(-1), a.argmax(-1))
+        base = [x + n for x, n in zip(base, (5, 1, 1, 3), strict=True)]  # keep one tree token
+    assert static.static.replays == 5
+    assert set(static.static.buckets) == {(1, 3, 256), (1, 17, 256), (4, 9, 256)}
+    # 4 tokens at 252 would be padded to 5, past the 256-token slot: the eager path serves it.
+    fallbacks = static.static.fallbacks
+    static.forward([ForwardItem(slots[1][3], 252, ids(4, 5), True)])  # type: ignore[arg-type]
+    assert static.static.fallbacks == fallbacks + 1
+
+
+def test_greedy_generation_through_a_verifier_with_static_forwards(
+        tiny_models: dict[str, Path]) -> None:
+    """End to end: the same greedy tokens with and without ``--cuda-graphs`` (eager on CPU)."""
+    from drafter_client import SpecDecClient
+
+    outputs = []
+    for graphs in (False, True):
+        settings = fp32_settings(tiny_models["llama-target"], max_draft_tokens=8,
+                                 cuda_graphs=graphs, max_context=256)
+        with LiveServer(settings) as server:
+            client = SpecDecClient(server.url, str(tiny_models["llama-drafter"]),
+                                   dtype="float32", device="cpu")
+            outputs.append([client.generate(p, num_draft_tokens=k, max_new_tokens=24).token_ids
+                            for p in ("the cat sat on", "def x ( y ) :") for k in (1, 4)])
+            metrics = httpx.get(server.url + "/v1/metrics").json()
+            assert (metrics["static_forwards"] > 0) == graphs  # the buckets really served
+    assert outputs[0] == outputs[1]

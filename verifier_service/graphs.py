@@ -1,0 +1,173 @@
+"""Static-shape forwards of short batches, replayed as CUDA graphs (``--cuda-graphs``).
+
+An eager forward of a 1.5B model on a GPU is launch-bound: ~19 ms for one token where reading the
+weights takes under 1 ms (issue #13). A CUDA graph replays a captured forward with one launch,
+but only for fixed shapes and fixed buffers. Batches of short segments (verify blocks and decode
+steps) are laid out so their shapes depend on a bucket alone:
+
+* B segments (padded with segments that write into a reserved scratch slot), each padded to L
+  tokens (the pad tokens write past the session's length, where nothing is read);
+* attention over the first E positions of every slot (``kv_pool.PaddedGroup``), E a multiple of
+  ``E_STEP``;
+* logits for all B * L rows; the kept ones are picked out afterwards.
+
+Every input is copied into the bucket's static buffers, then the bucket runs: on CUDA its
+captured graph (captured the first time the bucket is used, after two warm-up runs on a side
+stream); elsewhere the same function eagerly, so CPU tests run this very layout
+(``tests/test_graphs.py``). A batch that fits no bucket (a prefill, a long block, a full slot)
+takes the eager path.
+"""
+
+from __future__ import annotations
+
+import logging
+from bisect import bisect_left
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from verifier_service.kv_pool import KVPool, PaddedGroup, RaggedBatch
+
+log = logging.getLogger(__name__)
+
+B_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # segments per batch
+L_BUCKETS = (1, 2, 3, 5, 9, 17)  # new tokens per segment: k + 1 for k in 0, 1, 2, 4, 8, 16
+E_STEP = 256  # attended slot prefix, rounded up to a multiple of this
+
+
+@dataclass(frozen=True)
+class Shaped:
+    """One segment of a batch as the static layout needs it."""
+
+    slot: int
+    start: int
+    token_ids: list[int]
+    positions: list[int]  # each token's position id
+    visible: torch.Tensor | None  # [length, start + length] or None (sees all before it)
+    keep_from: int | None  # rows kept from this index on; None: no logits wanted
+
+
+class Bucket:
+    """Static buffers for one (B, L, E), the forward over them, and its graph on CUDA."""
+
+    def __init__(self, model: Any, pool: KVPool, scratch: int, b: int, length: int, end: int,
+                 device: torch.device, capture: bool, graph_pool: Any) -> None:
+        self.model, self.b, self.length, self.end = model, b, length, end
+        n = b * length
+        self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(1, n, dtype=torch.long, device=device)
+        self.write_slots = torch.full((n,), scratch, dtype=torch.long, device=device)
+        self.write_positions = torch.arange(length, device=device).repeat(b)
+        self.slots = torch.full((b,), scratch, dtype=torch.long, device=device)
+        self.mask = torch.zeros(b, 1, length, end, dtype=torch.bool, device=device)
+        self.mask[..., 0] = True
+        self.keep = torch.arange(n, device=device)
+        flat = torch.arange(n, device=device)
+        group = PaddedGroup(self.slots, flat.view(b, length), flat, flat, self.mask, end)
+        self.batch = RaggedBatch(pool, [], self.write_slots, self.write_positions, [], group)
+        self.graph: Any = None
+        self.out: torch.Tensor | None = None
+        if capture:
+            self._capture(graph_pool)
+
+    def run(self) -> torch.Tensor:
+        """[B * L, vocab] logits of the static inputs as they are now."""
+        out = self.model(input_ids=self.ids, position_ids=self.positions, use_cache=False,
+                         logits_to_keep=self.keep, ragged_batch=self.batch)
+        return out.logits[0]  # type: ignore[no-any-return]
+
+    def _capture(self, graph_pool: Any) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: every write goes to the scratch slot
+            for _ in range(2):
+                self.run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=graph_pool):
+            self.out = self.run()
+
+    def forward(self, shaped: list[Shaped], scratch: int) -> torch.Tensor:
+        """Load the batch into the static buffers and run; [B * L, vocab] logits."""
+        b, length = self.b, self.length
+        ids = torch.zeros(b, length, dtype=torch.long)
+        positions = torch.zeros(b, length, dtype=torch.long)
+        write_slots = torch.full((b, length), scratch, dtype=torch.long)
+        write_positions = torch.arange(length).repeat(b, 1)
+        slots = torch.full((b,), scratch, dtype=torch.long)
+        for i, seg in enumerate(shaped):
+            n = len(seg.token_ids)
+            ids[i, :n] = torch.tensor(seg.token_ids)
+            positions[i, :n] = torch.tensor(seg.positions)
+            positions[i, n:] = seg.positions[-1]  # pad tokens: any position will do
+            write_slots[i] = seg.slot
+            write_positions[i] = torch.arange(seg.start, seg.start + length)  # pads past the end
+            slots[i] = seg.slot
+        self.ids.copy_(ids.view(1, -1), non_blocking=True)
+        self.positions.copy_(positions.view(1, -1), non_blocking=True)
+        self.write_slots.copy_(write_slots.view(-1), non_blocking=True)
+        self.write_positions.copy_(write_positions.view(-1), non_blocking=True)
+        self.slots.copy_(slots, non_blocking=True)
+        self.mask.zero_()
+        self.mask[..., 0] = True  # pad rows see one key, so they stay finite
+        for i, seg in enumerate(shaped):
+            n, seen = len(seg.token_ids), seg.start + len(seg.token_ids)
+            if seg.visible is not None:
+                self.mask[i, 0, :n, :seen] = seg.visible.to(self.mask.device)
+            else:
+                self.mask[i, 0, :n, :seen] = True
+        if self.graph is not None:
+            self.graph.replay()
+            assert self.out is not None
+            return self.out
+        return self.run()
+
+
+class StaticForwards:
+    """The buckets of one runner; ``forward`` answers None when a batch fits none of them."""
+
+    def __init__(self, model: Any, pool: KVPool, device: torch.device, capture: bool,
+                 max_batch: int) -> None:
+        scratch = pool.allocate()
+        if scratch is None:
+            raise RuntimeError("--cuda-graphs needs one free KV slot for padding")
+        self.model, self.pool, self.device, self.capture = model, pool, device, capture
+        self.scratch = scratch
+        self.b_buckets = tuple(b for b in B_BUCKETS if b < max_batch) + (
+            min(max_batch, B_BUCKETS[-1]),)
+        self.buckets: dict[tuple[int, int, int], Bucket] = {}
+        self.graph_pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = self.fallbacks = 0
+
+    def bucket_of(self, shaped: list[Shaped]) -> tuple[int, int, int] | None:
+        longest = max(len(s.token_ids) for s in shaped)
+        i, j = bisect_left(self.b_buckets, len(shaped)), bisect_left(L_BUCKETS, longest)
+        if i == len(self.b_buckets) or j == len(L_BUCKETS):
+            return None
+        length = L_BUCKETS[j]
+        if any(s.start + length > self.pool.slot_tokens for s in shaped):
+            return None  # the pad tokens would run past the slot
+        seen = max(s.start + len(s.token_ids) for s in shaped)
+        end = min(-(-seen // E_STEP) * E_STEP, self.pool.slot_tokens)
+        return self.b_buckets[i], length, end
+
+    def forward(self, shaped: list[Shaped]) -> list[torch.Tensor | None] | None:
+        """Each segment's kept logits rows ([n, vocab] views of the bucket's output, valid until
+        the next forward), or None when the batch fits no bucket."""
+        key = self.bucket_of(shaped) if shaped else None
+        if key is None:
+            self.fallbacks += 1
+            return None
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            log.info("building the static forward for B=%d L=%d E=%d", *key)
+            bucket = self.buckets[key] = Bucket(self.model, self.pool, self.scratch, *key,
+                                                device=self.device, capture=self.capture,
+                                                graph_pool=self.graph_pool)
+        self.replays += 1
+        logits = bucket.forward(shaped, self.scratch)  # [B * L, vocab]
+        length = key[1]
+        return [None if seg.keep_from is None else
+                logits[i * length + seg.keep_from:i * length + len(seg.token_ids)]
+                for i, seg in enumerate(shaped)]
