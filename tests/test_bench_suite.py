@@ -126,6 +126,7 @@ def test_gpu_bench_smoke_run_on_cpu(tmp_path: Path) -> None:
     assert [r["new_tokens"] for r in payload["raw_forward"]] == [1, 5]
     assert [r["k"] for r in payload["served_calls"]] == [0, 2]
     assert all(r["round_trip_ms"] >= r["inside_server_ms"] > 0 for r in payload["served_calls"])
+    assert [r["k"] for r in payload["served_calls_cuda_graphs"]] == [0, 2]
     assert payload["target_alone"]["served_tok_s"] > 0
     assert all(row["equal"] for row in payload["aggregate_table"])
     assert payload["drafter"]["c"] > 0

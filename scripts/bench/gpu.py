@@ -6,7 +6,8 @@ ones, then prints tables and writes one JSON:
 
 1. raw forward ms per block size (1, 5, 17 new tokens on a 512-token context): plain
    transformers with a DynamicCache, and the verifier's engine (TargetRunner over the KV pool);
-2. served verify call ms per k (round trip, and inside the server), one client;
+2. served verify call ms per k (round trip, and inside the server), one client, eager and with
+   ``--cuda-graphs`` (static-shape buckets replayed as CUDA graphs);
 3. target alone: ``/v1/generate`` tok/s next to transformers' ``generate()``;
 4. aggregate tok/s at 1 / 8 / 32 / 64 / 128 concurrent n-gram clients, batching on and off, with
    the mean batch size and whether every client's output is the same both ways;
@@ -315,6 +316,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(markdown_table(calls, [("k", "k"), ("round_trip_ms", "round trip ms"),
                                      ("inside_server_ms", "inside the server ms")]), flush=True)
         alone = target_alone(process.url, model, args, device)
+    with VerifierProcess([*base, "--cuda-graphs"], threads=args.threads or 1) as process:
+        graphed = served_calls(process.url, args, vocab)  # buckets captured on first use
+        print("with --cuda-graphs:\n" + markdown_table(graphed, [
+            ("k", "k"), ("round_trip_ms", "round trip ms"),
+            ("inside_server_ms", "inside the server ms")]), flush=True)
         print(f"target alone: served {alone['served_tok_s']} tok/s, transformers generate "
               f"{alone['hf_generate_tok_s']} tok/s", flush=True)
     del model
@@ -339,6 +345,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            if device.type == "cuda" else None,
                            "context": CONTEXT, "wall_s": round(time.perf_counter() - started)},
                "raw_forward": raw, "batched_engine": engine, "served_calls": calls,
+               "served_calls_cuda_graphs": graphed,
                "target_alone": alone,
                "aggregate": aggregate, "aggregate_table": table, "drafter": cost,
                "http_layer": http}
