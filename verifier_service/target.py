@@ -193,7 +193,8 @@ class TargetRunner:
     def enable_static_forwards(self, max_batch: int, capture: bool | None = None) -> None:
         """Short batches through static-shape buckets (``graphs.py``), replayed as CUDA graphs
         when ``capture`` (default: on CUDA). One KV slot becomes the padding's scratch slot."""
-        if not isinstance(self.pool, KVPool) or self.lockstep is not None:
+        if (not isinstance(self.pool, KVPool) or self.lockstep is not None
+                or len({k.device for k in self.pool.keys}) > 1):
             raise ModelSpecError("--cuda-graphs serves decoder-only targets on one device")
         capture = self.device.type == "cuda" if capture is None else capture
         self.static = StaticForwards(self.model, self.pool, self.device, capture, max_batch)
