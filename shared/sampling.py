@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.nucleus import nucleus_drop
+
 NEG_INF = float("-inf")
 
 
@@ -84,38 +86,6 @@ def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor
                                              dtype=torch.float64, device=rows.device))
         scores = rows.masked_fill(drop, NEG_INF).reshape(scores.shape)
     return torch.log_softmax(scores, dim=-1)
-
-
-NUCLEUS_CANDIDATES = 1024  # top-p looks at the best 1024 tokens first; the rest when needed
-
-
-def nucleus_drop(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-p: [R, vocab] scores, [R] float64 top_p (< 1) -> [R, vocab] True where a token is
-    dropped. A token stays while the mass of the tokens before it (best first) is below top_p:
-    the smallest set reaching top_p, and always the best token.
-
-    Sorting a 151,936-token row costs ~15 ms on a CPU, so the best ``NUCLEUS_CANDIDATES`` come
-    from a top-k first; when they already hold top_p of the mass every other token is dropped,
-    and only rows where they do not are sorted whole. Each row's answer depends on that row alone
-    (the verifier's batched acceptance relies on it)."""
-    probs = torch.softmax(scores.double(), dim=-1)  # [R, vocab]
-    top_p = top_p[:, None]  # [R, 1]
-    m = min(NUCLEUS_CANDIDATES, scores.shape[-1])
-    order = torch.topk(scores, m, dim=-1).indices  # [R, m], best first
-    best = probs.gather(-1, order)  # [R, m]
-    mass_before = torch.cumsum(best, dim=-1) - best  # [R, m] mass of better tokens
-    keep_sorted = mass_before < top_p
-    keep_sorted[:, 0] = True  # the best token always stays
-    keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, keep_sorted)
-    short = (mass_before[:, -1] + best[:, -1] < top_p[:, 0]).nonzero().flatten()  # [S]
-    if len(short):  # the candidates hold less than top_p: sort those rows whole
-        order = torch.sort(scores[short], dim=-1, descending=True).indices  # [S, vocab]
-        ranked = probs[short].gather(-1, order)
-        mass_before = torch.cumsum(ranked, dim=-1) - ranked
-        keep_sorted = mass_before < top_p[short]
-        keep_sorted[:, 0] = True
-        keep[short] = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
-    return ~keep
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.sampling import NEG_INF, BlockVerdict, SamplingConfig, nucleus_drop
+from shared.nucleus import nucleus_drop
+from shared.sampling import NEG_INF, BlockVerdict, SamplingConfig
 
 
 @dataclass(frozen=True)
