@@ -66,8 +66,11 @@ class VerifierProcess:
                  quiet: bool = True, env: dict[str, str] | None = None,
                  ready_timeout_s: float = 300.0) -> None:
         self.port = port or free_port()
-        self.cmd = [str(BIN / "specdec-verifier"), "--port", str(self.port),
-                    "--threads", str(threads), *args]
+        # The console script where the project is installed; else the module (a GPU machine
+        # that has the source tree and carried wheels, but no install of this project).
+        launcher = ([str(BIN / "specdec-verifier")] if (BIN / "specdec-verifier").exists()
+                    else [sys.executable, "-m", "verifier_service.cli"])
+        self.cmd = [*launcher, "--port", str(self.port), "--threads", str(threads), *args]
         self.quiet, self.ready_timeout_s = quiet, ready_timeout_s
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
