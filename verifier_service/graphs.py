@@ -140,6 +140,18 @@ class StaticForwards:
         self.graph_pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = self.fallbacks = 0
 
+    def warm(self, lengths: tuple[int, ...] = (1, 5), end: int = E_STEP) -> None:
+        """Build (on CUDA: capture) the buckets of every B for these L at the smallest E, before
+        the verifier says ready: decode steps and k = 4 blocks on short contexts; the others
+        are captured on first use."""
+        for b in self.b_buckets:
+            for length in lengths:
+                key = (b, length, min(end, self.pool.slot_tokens))
+                if key not in self.buckets and length <= self.pool.slot_tokens:
+                    self.buckets[key] = Bucket(self.model, self.pool, self.scratch, *key,
+                                               device=self.device, capture=self.capture,
+                                               graph_pool=self.graph_pool)
+
     def bucket_of(self, shaped: list[Shaped]) -> tuple[int, int, int] | None:
         longest = max(len(s.token_ids) for s in shaped)
         i, j = bisect_left(self.b_buckets, len(shaped)), bisect_left(L_BUCKETS, longest)

@@ -198,6 +198,8 @@ class TargetRunner:
             raise ModelSpecError("--cuda-graphs serves decoder-only targets on one device")
         capture = self.device.type == "cuda" if capture is None else capture
         self.static = StaticForwards(self.model, self.pool, self.device, capture, max_batch)
+        with torch.inference_mode():  # the forwards run under it; their buffers are made so
+            self.static.warm()
 
     def warm_up(self) -> None:
         """One small forward, so the first client does not pay for kernel selection and
