@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from verifier_service.kv_pool import KVPool, PaddedGroup, RaggedBatch
+from verifier_service.kv_pool import KVPool, PaddedGroup, RaggedBatch, fill_mask
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +109,7 @@ class Bucket:
         self.write_slots.copy_(write_slots.view(-1), non_blocking=True)
         self.write_positions.copy_(write_positions.view(-1), non_blocking=True)
         self.slots.copy_(slots, non_blocking=True)
-        self.mask.zero_()
-        self.mask[..., 0] = True  # pad rows see one key, so they stay finite
-        for i, seg in enumerate(shaped):
-            n, seen = len(seg.token_ids), seg.start + len(seg.token_ids)
-            if seg.visible is not None:
-                self.mask[i, 0, :n, :seen] = seg.visible.to(self.mask.device)
-            else:
-                self.mask[i, 0, :n, :seen] = True
+        fill_mask(self.mask, [(seg.start, len(seg.token_ids), seg.visible) for seg in shaped])
         if self.graph is not None:
             self.graph.replay()
             assert self.out is not None

@@ -68,6 +68,21 @@ class Segment:
 PADDED_MAX_LENGTH = 64
 
 
+def fill_mask(mask: torch.Tensor,
+              rows: list[tuple[int, int, torch.Tensor | None]]) -> None:
+    """mask: [B, 1, L, E]; rows[b] = (start, length, visible) of segment b (visible: [length,
+    start + length], or None: each token sees everything up to itself). Pad rows (and padding
+    segments past len(rows)) see key 0 alone, so they stay finite; their outputs are dropped."""
+    mask.zero_()
+    mask[..., 0] = True
+    for b, (start, length, visible) in enumerate(rows):
+        seen = start + length
+        if visible is not None:
+            mask[b, 0, :length, :seen] = visible.to(mask.device)
+        else:
+            mask[b, 0, :length, :seen] = True
+
+
 @dataclass(frozen=True)
 class PaddedGroup:
     """Short segments attended in one call: queries padded to [B, L], keys and values gathered
@@ -85,17 +100,12 @@ class PaddedGroup:
         length = max(seg.length for seg in segments)
         end = max(seg.start + seg.length for seg in segments)
         # Built where the segments' masks already are: no copy back to the host (a GPU sync).
-        mask = torch.zeros(len(segments), 1, length, end, dtype=torch.bool, device=device)
-        mask[:, :, :, 0] = True  # pad rows see one key, so they stay finite (and are dropped)
+        mask = torch.empty(len(segments), 1, length, end, dtype=torch.bool, device=device)
+        fill_mask(mask, [(seg.start, seg.length, seg.visible) for seg in segments])
         query_index = torch.zeros(len(segments), length, dtype=torch.long)
         token_index: list[int] = []
         token_rows: list[int] = []
         for b, seg in enumerate(segments):
-            seen = seg.start + seg.length
-            if seg.visible is not None:
-                mask[b, 0, :seg.length, :seen] = seg.visible.to(device)
-            else:
-                mask[b, 0, :seg.length, :seen] = True
             tokens = range(seg.offset, seg.offset + seg.length)
             query_index[b, :seg.length] = torch.tensor(tokens)
             token_index.extend(tokens)

@@ -243,8 +243,10 @@ class TargetRunner:
             positions.extend(at)
             if item.keep_logits:
                 keep.extend(range(offset + item.keep_from, offset + len(item.token_ids)))
-            shaped.append(Shaped(item.slot, item.start, item.token_ids, at, segments[-1].visible,
-                                 item.keep_from if item.keep_logits else None))
+            if self.static is not None:
+                shaped.append(Shaped(item.slot, item.start, item.token_ids, at,
+                                     segments[-1].visible,
+                                     item.keep_from if item.keep_logits else None))
         if self.static is not None and all(s.token_ids for s in shaped):
             static_rows = self.static.forward(shaped)
             if static_rows is not None:

@@ -66,6 +66,15 @@ def tiny_target(root: Path) -> str:
     return str(root)
 
 
+def verifier_flags(target: str, device: str, dtype: str, sessions: int, k: int) -> list[str]:
+    """A verifier with room for ``sessions`` sessions of 4096 tokens, all in one batch."""
+    return ["--model", target, "--dtype", dtype, "--device", device, "--max-context", "4096",
+            "--kv-budget-tokens", str(4096 * (sessions + 4)), "--max-sessions",
+            str(sessions + 4), "--max-batch-size", str(sessions), "--max-batch-tokens",
+            str(sessions * (k + 1) + 64), "--max-queue", str(4 * sessions + 16),
+            "--max-draft-tokens", str(max(k, 1))]
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of every thread of a process."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
@@ -149,12 +158,7 @@ def measure(url: str, pid: int, sessions: int, args: argparse.Namespace,
 def run(args: argparse.Namespace) -> dict[str, Any]:
     target = args.target or tiny_target(Path(tempfile.mkdtemp(prefix="specdec-calls-")))
     vocab = int(orjson.loads((Path(target) / "config.json").read_bytes())["vocab_size"])
-    most = max(args.sessions)
-    flags = ["--model", target, "--dtype", args.dtype, "--device", args.device,
-             "--max-context", "4096", "--kv-budget-tokens", str(4096 * (most + 4)),
-             "--max-sessions", str(most + 4), "--max-batch-size", str(max(most, 1)),
-             "--max-batch-tokens", str(most * (args.k + 1) + 64), "--max-queue",
-             str(4 * most + 16), "--max-draft-tokens", str(max(args.k, 1))]
+    flags = verifier_flags(target, args.device, args.dtype, max(args.sessions), args.k)
     systems = [("this checkout", {})]
     if args.baseline:  # another checkout's verifier code, by PYTHONPATH
         systems.insert(0, (f"baseline {args.baseline}", {"PYTHONPATH": args.baseline}))

@@ -270,11 +270,7 @@ def http_layer(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
     tiny = calls.tiny_target(root / "calls-target")
     calls_args = argparse.Namespace(k=4, seconds=args.call_seconds,
                                     client_processes=args.client_processes)
-    most = max(args.call_sessions)
-    flags = ["--model", tiny, "--dtype", "float32", "--device", args.device,
-             "--max-context", "4096", "--kv-budget-tokens", str(4096 * (most + 4)),
-             "--max-sessions", str(most + 4), "--max-batch-size", str(most),
-             "--max-batch-tokens", str(most * 5 + 64), "--max-queue", str(4 * most + 16)]
+    flags = calls.verifier_flags(tiny, args.device, "float32", max(args.call_sessions), 4)
     rows = []
     with VerifierProcess(flags, threads=args.threads or 1) as process:
         assert process.proc is not None
