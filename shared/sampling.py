@@ -26,9 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.nucleus import nucleus_drop
-
-NEG_INF = float("-inf")
+from shared.logits import process_rows
 
 
 @dataclass(frozen=True)
@@ -73,19 +71,8 @@ def process_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor
     """
     if config.greedy:
         raise ValueError("process_logits is for sampling; greedy decoding takes the argmax")
-    raw = logits.double()  # [..., vocab]
-    shifted = raw - raw.max(dim=-1, keepdim=True).values  # [..., vocab], <= 0, max exactly 0
-    scores = (shifted / config.temperature).float()  # [..., vocab]; -inf where it underflows
-    vocab = scores.shape[-1]
-    if 0 < config.top_k < vocab:
-        kth_best = torch.topk(scores, config.top_k, dim=-1).values[..., -1:]  # [..., 1]
-        scores = scores.masked_fill(scores < kth_best, NEG_INF)
-    if config.top_p < 1.0:
-        rows = scores.reshape(-1, vocab)  # [R, vocab]
-        drop = nucleus_drop(rows, torch.full((rows.shape[0],), config.top_p,
-                                             dtype=torch.float64, device=rows.device))
-        scores = rows.masked_fill(drop, NEG_INF).reshape(scores.shape)
-    return torch.log_softmax(scores, dim=-1)
+    rows = logits.reshape(-1, logits.shape[-1])  # [R, vocab]
+    return process_rows(rows, [config] * rows.shape[0]).reshape(logits.shape)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

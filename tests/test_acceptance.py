@@ -9,8 +9,9 @@ import random
 import pytest
 import torch
 
+from shared.logits import process_rows
 from shared.sampling import SamplingConfig, process_logits, verify_block
-from verifier_service.acceptance import AcceptTask, decide, process_rows
+from verifier_service.acceptance import AcceptTask, decide
 
 VOCAB = 50
 
@@ -60,6 +61,7 @@ def host_verdict(logits: torch.Tensor, task: AcceptTask):  # type: ignore[no-unt
 
 
 def test_process_rows_is_process_logits_bit_for_bit() -> None:
+    """Rows of different configs processed together equal each block processed alone."""
     gen = torch.Generator().manual_seed(0)
     sampled = [c for c in CONFIGS if not c.greedy]
     blocks = [torch.randn(3, VOCAB, generator=gen) * 4 for _ in sampled]

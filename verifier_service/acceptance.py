@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.nucleus import nucleus_drop
-from shared.sampling import NEG_INF, BlockVerdict, SamplingConfig
+from shared.logits import process_rows
+from shared.sampling import BlockVerdict, SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -49,42 +49,9 @@ class Decision:
     top_ids: list[list[int]] | None
 
 
-def process_rows(logits: torch.Tensor, configs: list[SamplingConfig]) -> torch.Tensor:
-    """``shared.sampling.process_logits`` with one config per row (none greedy).
-
-    logits: [R, vocab]; configs: [R]. Returns [R, vocab] float32 log-probs, -inf off support.
-    Which steps run is decided on the host from the configs, so nothing waits on the device."""
-    device, vocab = logits.device, logits.shape[-1]
-    raw = logits.double()  # [R, vocab]
-    shifted = raw - raw.max(dim=-1, keepdim=True).values
-    temperatures = {c.temperature for c in configs}
-    if len(temperatures) == 1:  # one division by a float64 scalar: the same arithmetic
-        scores = (shifted / temperatures.pop()).float()  # [R, vocab]
-    else:
-        temperature = torch.tensor([c.temperature for c in configs], dtype=torch.float64)
-        scores = (shifted / temperature.to(device)[:, None]).float()
-    top_k = [c.top_k if 0 < c.top_k < vocab else 0 for c in configs]  # 0: no top-k
-    if len(set(top_k)) == 1 and top_k[0]:
-        kth_best = torch.topk(scores, top_k[0], dim=-1).values[..., -1:]  # [R, 1]
-        scores = scores.masked_fill(scores < kth_best, NEG_INF)
-    elif any(top_k):
-        best = torch.topk(scores, max(top_k), dim=-1).values  # [R, widest], descending
-        kth = torch.tensor([max(k, 1) - 1 for k in top_k]).to(device)  # [R]
-        kth_best = best.gather(-1, kth[:, None])  # [R, 1]
-        limited = torch.tensor([k > 0 for k in top_k]).to(device)  # [R]
-        kth_best = torch.where(limited[:, None], kth_best, NEG_INF)
-        scores = scores.masked_fill(scores < kth_best, NEG_INF)
-    nucleus = [r for r, c in enumerate(configs) if c.top_p < 1.0]
-    if len(nucleus) == len(configs):
-        top_p = torch.tensor([c.top_p for c in configs], dtype=torch.float64).to(device)
-        scores = scores.masked_fill(nucleus_drop(scores, top_p), NEG_INF)
-    elif nucleus:  # only these rows: each row's answer is its own (nucleus_drop)
-        rows = torch.tensor(nucleus).to(device)
-        top_p = torch.tensor([configs[r].top_p for r in nucleus], dtype=torch.float64)
-        scores = scores.clone()
-        scores[rows] = scores[rows].masked_fill(nucleus_drop(scores[rows], top_p.to(device)),
-                                                NEG_INF)
-    return torch.log_softmax(scores, dim=-1)
+def top_ids(rows: torch.Tensor, n: int) -> list[list[int]]:
+    """The best n ids of every row ([k + 1, vocab] logits) -> [k + 1][n], best first."""
+    return torch.topk(rows.float(), min(n, rows.shape[-1])).indices.tolist()  # type: ignore[no-any-return]
 
 
 def ratio_test(target_logprobs: torch.Tensor, draft_logprobs: torch.Tensor,
@@ -142,8 +109,7 @@ def decide(rows: list[torch.Tensor], tasks: list[AcceptTask],
                 decisions[j] = Decision(None, verdict, None)
     top = [j for j, task in enumerate(tasks) if task.top_ids]
     for j in top:  # few callers ask; one topk each
-        n = min(tasks[j].top_ids, rows[j].shape[-1])
-        ids = torch.topk(rows[j].float(), n).indices.tolist()  # [k + 1][n]
+        ids = top_ids(rows[j], tasks[j].top_ids)
         done = decisions[j]
         assert done is not None
         decisions[j] = Decision(done.argmax, done.verdict, ids)

@@ -60,8 +60,8 @@ class Bucket:
         self.write_slots = torch.full((n,), scratch, dtype=torch.long, device=device)
         self.write_positions = torch.arange(length, device=device).repeat(b)
         self.slots = torch.full((b,), scratch, dtype=torch.long, device=device)
-        self.mask = torch.zeros(b, 1, length, end, dtype=torch.bool, device=device)
-        self.mask[..., 0] = True
+        self.mask = torch.empty(b, 1, length, end, dtype=torch.bool, device=device)
+        fill_mask(self.mask, [])  # every row sees key 0 alone until a batch is loaded
         self.keep = torch.arange(n, device=device)
         flat = torch.arange(n, device=device)
         group = PaddedGroup(self.slots, flat.view(b, length), flat, flat, self.mask, end)
@@ -139,11 +139,18 @@ class StaticForwards:
         are captured on first use."""
         for b in self.b_buckets:
             for length in lengths:
-                key = (b, length, min(end, self.pool.slot_tokens))
-                if key not in self.buckets and length <= self.pool.slot_tokens:
-                    self.buckets[key] = Bucket(self.model, self.pool, self.scratch, *key,
+                if length <= self.pool.slot_tokens:
+                    self.bucket((b, length, min(end, self.pool.slot_tokens)))
+
+    def bucket(self, key: tuple[int, int, int]) -> Bucket:
+        """The bucket for (B, L, E), built (on CUDA: captured) the first time."""
+        found = self.buckets.get(key)
+        if found is None:
+            log.info("building the static forward for B=%d L=%d E=%d", *key)
+            found = self.buckets[key] = Bucket(self.model, self.pool, self.scratch, *key,
                                                device=self.device, capture=self.capture,
                                                graph_pool=self.graph_pool)
+        return found
 
     def bucket_of(self, shaped: list[Shaped]) -> tuple[int, int, int] | None:
         longest = max(len(s.token_ids) for s in shaped)
@@ -164,14 +171,8 @@ class StaticForwards:
         if key is None:
             self.fallbacks += 1
             return None
-        bucket = self.buckets.get(key)
-        if bucket is None:
-            log.info("building the static forward for B=%d L=%d E=%d", *key)
-            bucket = self.buckets[key] = Bucket(self.model, self.pool, self.scratch, *key,
-                                                device=self.device, capture=self.capture,
-                                                graph_pool=self.graph_pool)
         self.replays += 1
-        logits = bucket.forward(shaped, self.scratch)  # [B * L, vocab]
+        logits = self.bucket(key).forward(shaped, self.scratch)  # [B * L, vocab]
         length = key[1]
         return [None if seg.keep_from is None else
                 logits[i * length + seg.keep_from:i * length + len(seg.token_ids)]

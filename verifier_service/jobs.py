@@ -31,7 +31,7 @@ from shared.schema import (
     VerifyResponse,
     encode_logprobs,
 )
-from verifier_service.acceptance import AcceptTask, Decision
+from verifier_service.acceptance import AcceptTask, Decision, top_ids
 from verifier_service.errors import VerifierError
 from verifier_service.kv_pool import KVPool
 from verifier_service.seq2seq import Seq2SeqPool
@@ -250,7 +250,7 @@ class VerifyJob:
 
     def _top_ids(self, logits: torch.Tensor) -> list[list[int]] | None:
         n = self.req.return_top_ids
-        return torch.topk(logits, min(n, logits.shape[-1])).indices.tolist() if n else None
+        return top_ids(logits, n) if n else None
 
     def _tree_verdict(self, logits: torch.Tensor | None,
                       decision: Decision | None) -> TreeVerdict:
