@@ -26,6 +26,7 @@ from verifier_service.guards import ApiKeyAuth, BodyLimit, ShutdownAnswer
 from verifier_service.lifespan import make_lifespan
 from verifier_service.routes import router
 from verifier_service.settings import Settings
+from verifier_service.state import ModelThread
 from verifier_service.target import TargetRunner
 from verifier_service.telemetry import Telemetry
 
@@ -59,11 +60,14 @@ class ReplicaHeader:
         await self.app(scope, receive, send_named)
 
 
-def create_app(settings: Settings, runner: TargetRunner | None = None) -> FastAPI:
-    """Build the verifier. ``runner`` lets tests share one loaded target between apps."""
+def create_app(settings: Settings, runner: TargetRunner | None = None,
+               model_thread: ModelThread | None = None) -> FastAPI:
+    """Build the verifier. ``runner`` lets tests share one loaded target between apps;
+    ``model_thread``: the thread that loaded it, which then runs all its forwards."""
     telemetry = Telemetry()
     app = FastAPI(title="specdec verifier", version="0.1.0",
-                  lifespan=make_lifespan(settings, runner, observer=telemetry),
+                  lifespan=make_lifespan(settings, runner, observer=telemetry,
+                                          model_thread=model_thread),
                   default_response_class=ORJSONResponse)
     app.state.telemetry = telemetry
     telemetry.add_state(lambda: app.state.verifier.metrics()

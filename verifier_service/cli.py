@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from shared.models import ModelSpecError
 from verifier_service.app import create_app, server_options
 from verifier_service.settings import Settings, SettingsError, check_against_model
+from verifier_service.state import ModelThread
 from verifier_service.target import TargetRunner
 from verifier_service.tensor_parallel import follow, under_torchrun
 
@@ -61,18 +62,22 @@ def main(argv: list[str] | None = None) -> None:
         print("specdec-verifier: --tp-plan shards the model over a torchrun group: start it "
               "with `torchrun --nproc-per-node N -m verifier_service.cli ...`", file=sys.stderr)
         raise SystemExit(2)
-    runner = load_target(settings)  # before listening: a bad setting never serves a request
+    # Loaded before listening (a bad setting never serves a request), on the thread that will
+    # run every forward (ModelThread says why one thread).
+    model_thread = ModelThread()
+    runner = model_thread.call(load_target, settings)
     if runner.lockstep is not None and not runner.lockstep.leader:
-        follow(runner)  # ranks > 0: run rank 0's forwards on this shard until it stops
+        # ranks > 0: run rank 0's forwards on this shard until it stops
+        model_thread.call(follow, runner)
         return
     try:
-        serve(settings, runner)
+        serve(settings, runner, model_thread)
     finally:
         if runner.lockstep is not None:
             runner.lockstep.stop()
 
 
-def serve(settings: Settings, runner: TargetRunner) -> None:
+def serve(settings: Settings, runner: TargetRunner, model_thread: ModelThread) -> None:
     if settings.key_list():
         logging.getLogger(__name__).info("API keys required (%d configured)",
                                          len(settings.key_list()))
@@ -81,7 +86,7 @@ def serve(settings: Settings, runner: TargetRunner) -> None:
     # whatever handler was there before it; these no-op handlers make a drained shutdown exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(create_app(settings, runner), host=settings.host, port=settings.port,
+    uvicorn.run(create_app(settings, runner, model_thread), host=settings.host, port=settings.port,
                 log_level="warning", **server_options(settings))
 
 

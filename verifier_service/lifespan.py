@@ -36,28 +36,31 @@ def build_jobs(runner: TargetRunner, settings: Settings) -> JobContext:
 
 
 def make_lifespan(settings: Settings, runner: TargetRunner | None = None,
-                  observer: BatchObserver | None = None) -> Callable[[FastAPI], Any]:
+                  observer: BatchObserver | None = None,
+                  model_thread: ModelThread | None = None) -> Callable[[FastAPI], Any]:
     """``runner``: a loaded target to serve (tests share one between apps); else it is loaded
-    from ``settings.model`` on the model thread. ``observer``: sees every batch (metrics)."""
+    from ``settings.model`` on the model thread. ``observer``: sees every batch (metrics).
+    ``model_thread``: the thread that loaded ``runner`` (the CLI's), so that one thread runs
+    all of its forwards; else a new one."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.threads:
             torch.set_num_threads(settings.threads)
-        model_thread = ModelThread()
+        thread = model_thread or ModelThread()
         target = runner
         if target is None:
-            target = await model_thread.run(TargetRunner.from_settings, settings)
+            target = await thread.run(TargetRunner.from_settings, settings)
         check_against_model(settings, target.max_context, target.model_limit)
         scheduler = Scheduler(
-            target, model_thread.run,
+            target, thread.run,
             max_batch_size=settings.max_batch_size if settings.batching else 1,
             max_batch_tokens=settings.max_batch_tokens,
             batch_wait_ms=settings.batch_wait_ms if settings.batching else 0.0,
             max_queue=settings.max_queue, observer=observer,
         )
         state = VerifierState(settings, target, build_jobs(target, settings), scheduler,
-                              model_thread)
+                              thread)
         scheduler.start()
         app.state.verifier = state
         sweeper = asyncio.create_task(_expire_sessions(state))
@@ -66,7 +69,7 @@ def make_lifespan(settings: Settings, runner: TargetRunner | None = None,
         finally:
             sweeper.cancel()
             await scheduler.stop()
-            model_thread.shutdown()
+            thread.shutdown()
 
     return lifespan
 

@@ -18,13 +18,23 @@ T = TypeVar("T")
 
 
 class ModelThread:
-    """Runs model work on one dedicated thread, off the event loop, one call at a time."""
+    """Runs model work on one dedicated thread, off the event loop, one call at a time.
+
+    All of a process's model work - loading, warm-up and every forward - belongs on this one
+    thread. Each thread that runs a parallel torch op gets its own OpenMP team, and once a
+    process has more OpenMP threads than cores, libgomp stops spin-waiting between parallel
+    regions: on a 2-core CPU a 1.5B decode step measured 230 ms with one team and 250 ms once
+    a second thread had run the model (``docs/benchmarks.md``)."""
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``run`` for code outside an event loop (the CLI's load before serving): blocks."""
+        return self._executor.submit(fn, *args).result()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
