@@ -28,6 +28,7 @@ from drafter_client.model_free import (
     NGramOptions,
     PromptLookupDrafter,
 )
+from drafter_client.pooled import PooledDrafter
 from drafter_client.speculative import (
     BlockOutcome,
     GenerationResult,
@@ -64,6 +65,8 @@ class DrafterOptions:
     lookup: bool = False  # model drafter: hybrid with prompt lookup (drafter_client/hybrid.py)
     lookup_tokens: int = 0  # hybrid: longest lookup draft; 0: the block's k
     overlap: bool = False  # model drafter: draft the next block while this one is verified
+    # model drafter: KV in a slot, one-token steps as CUDA graphs (drafter_client/pooled.py)
+    cuda_graphs: bool = False
 
 
 # The CLI's defaults (``specdec generate`` without -k / drafting flags), chosen by
@@ -166,6 +169,8 @@ class SpecDecClient:
             if seq2seq and options.tree_width > 1:
                 raise SpecDecError("token trees are verified for decoder-only targets only: "
                                    "use tree_width 1 with an encoder-decoder pair")
+            if seq2seq and options.cuda_graphs:
+                raise SpecDecError("cuda_graphs drafts with decoder-only models only")
             self._model_drafter = (model, drafter, seq2seq)
             drafter = self._build_model_drafter(options)
             drafter.warm_up()  # type: ignore[attr-defined]  # HFDrafter or HybridDrafter
@@ -177,10 +182,19 @@ class SpecDecClient:
         model, spec, seq2seq = self._model_drafter
         vocab = self.info.vocab_size
         kind = HFSeq2SeqDrafter if seq2seq else HFDrafter
+        # A pooled drafter's slot: the verifier's longest context, plus a block drafted ahead
+        # of it and one more drafted while that block is in flight (--overlap).
+        slot_tokens = self.info.max_context + 2 * self.info.max_draft_tokens + 2
 
         def new_drafter() -> Drafter:
-            made = kind(model, vocab, name=spec, min_prob=options.draft_min_prob,
-                        tree_width=options.tree_width)
+            made: HFDrafter
+            if options.cuda_graphs:
+                made = PooledDrafter(model, vocab, slot_tokens, name=spec,
+                                     min_prob=options.draft_min_prob,
+                                     tree_width=options.tree_width)
+            else:
+                made = kind(model, vocab, name=spec, min_prob=options.draft_min_prob,
+                            tree_width=options.tree_width)
             if options.lookup and not seq2seq:
                 return HybridDrafter(made, PromptLookupDrafter(
                     options.lookup_min_ngram, options.lookup_max_ngram), options.lookup_tokens)
@@ -198,6 +212,10 @@ class SpecDecClient:
         weights shared) drafting with other options; model drafters only."""
         if self._model_drafter is None:
             raise SpecDecError("with_options() needs a model drafter given by name")
+        if options.cuda_graphs != self.options.cuda_graphs:
+            # cuda_graphs sets the shared model's attention to the slot pool's, for good
+            raise SpecDecError("with_options() cannot change cuda_graphs: the drafter model "
+                               "is shared")
         twin = self._twin()
         twin.options = options
         twin.drafter = twin._build_model_drafter(options)

@@ -96,6 +96,10 @@ def _drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
                    help="model drafter: draft the next block while this one is verified "
                    "(pays off when the verifier runs on other cores or another host)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="model drafter: keep its KV cache in a preallocated slot and replay "
+                   "its one-token steps as captured CUDA graphs (a GPU client; on a CPU the "
+                   "same static steps run eagerly)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                         "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -267,7 +271,8 @@ def make_client(args: argparse.Namespace, with_drafter: bool = True) -> SpecDecC
         ngram_stop_if_unknown=args.ngram_stop_if_unknown,
         lookup_min_ngram=args.lookup_min_ngram, lookup_max_ngram=args.lookup_max_ngram,
         draft_min_prob=args.draft_min_prob, tree_width=args.tree_width, lookup=args.lookup,
-        lookup_tokens=args.lookup_tokens, overlap=args.overlap)
+        lookup_tokens=args.lookup_tokens, overlap=args.overlap,
+        cuda_graphs=args.cuda_graphs)
     return SpecDecClient(args.verifier_url, args.drafter, args.tokenizer, args.dtype,
                          args.device, timeout_s=args.timeout_s, options=options,
                          simulated_rtt_ms=args.simulated_rtt_ms, api_key=args.api_key,

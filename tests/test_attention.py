@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from shared.engine import ForwardItem
+from shared.kv_pool import PADDED_MAX_LENGTH
 from shared.models import load_causal_lm, load_tokenizer
-from verifier_service.kv_pool import PADDED_MAX_LENGTH
-from verifier_service.target import ForwardItem, TargetRunner
+from verifier_service.target import TargetRunner
 
 
 @pytest.fixture(scope="module", params=["gpt2-target", "llama-target"])

@@ -129,7 +129,7 @@ def test_gpu_bench_smoke_run_on_cpu(tmp_path: Path) -> None:
     assert [r["k"] for r in payload["served_calls_cuda_graphs"]] == [0, 2]
     assert payload["target_alone"]["served_tok_s"] > 0
     assert all(row["equal"] for row in payload["aggregate_table"])
-    assert payload["drafter"]["c"] > 0
+    assert payload["drafter"]["plain_c"] > 0 and payload["drafter"]["cuda_graphs_c"] > 0
     [engine] = payload["batched_engine"]
     assert engine["batch"] == 2 and engine["padded_ms"] > 0 and engine["device_sampled_ms"] > 0
     [http] = payload["http_layer"]

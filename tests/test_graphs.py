@@ -1,4 +1,4 @@
-"""The static-shape forwards behind ``--cuda-graphs`` (verifier_service/graphs.py), run eagerly on
+"""The static-shape forwards behind ``--cuda-graphs`` (shared/graphs.py), run eagerly on
 CPU: the same bucket layout a CUDA graph replays - padded segments, a scratch slot, a fixed
 attended prefix - must give the eager path's logits, keep the sessions' caches right across
 calls, leave other slots alone, and hand batches that fit no bucket to the eager path."""
@@ -11,9 +11,10 @@ import httpx
 import pytest
 import torch
 
+from shared.engine import ForwardItem
 from shared.models import load_causal_lm, load_tokenizer
 from tests.support.live_server import LiveServer, fp32_settings
-from verifier_service.target import ForwardItem, TargetRunner
+from verifier_service.target import TargetRunner
 
 
 def load(path: Path) -> TargetRunner:

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shared.engine import ForwardItem
+from shared.kv_pool import KVPool, RaggedBatch, Segment, ragged_attention
 from verifier_service.errors import VerifierError
-from verifier_service.kv_pool import KVPool, RaggedBatch, Segment, ragged_attention
 from verifier_service.scheduler import Scheduler, run_jobs
-from verifier_service.target import ForwardItem
 
 
 class FakeRunner:

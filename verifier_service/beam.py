@@ -31,14 +31,14 @@ from typing import Any
 
 import torch
 
+from shared.engine import ForwardItem
+from shared.kv_pool import KVPool
 from shared.schema import GenerateRequest, GenerateResponse
 from verifier_service.errors import VerifierError
 from verifier_service.jobs import JobContext
-from verifier_service.kv_pool import KVPool
 from verifier_service.scheduler import Scheduler
 from verifier_service.seq2seq import Seq2SeqPool
 from verifier_service.sessions import busy_error
-from verifier_service.target import ForwardItem
 
 NEG = -1.0e9  # transformers' "impossible" score
 

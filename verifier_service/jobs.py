@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from shared.engine import ForwardItem
+from shared.kv_pool import KVPool
 from shared.sampling import (
     BlockVerdict,
     TreeVerdict,
@@ -33,10 +35,8 @@ from shared.schema import (
 )
 from verifier_service.acceptance import AcceptTask, Decision, top_ids
 from verifier_service.errors import VerifierError
-from verifier_service.kv_pool import KVPool
 from verifier_service.seq2seq import Seq2SeqPool
 from verifier_service.sessions import Session, SessionKey, SessionStore, busy_error
-from verifier_service.target import ForwardItem
 from verifier_service.validation import RequestValidator
 
 

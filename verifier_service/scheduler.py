@@ -21,9 +21,10 @@ from typing import Any, Protocol
 
 import torch
 
+from shared.engine import ForwardItem
 from verifier_service.acceptance import AcceptTask, Decision, decide
 from verifier_service.errors import VerifierError
-from verifier_service.target import ForwardItem, TargetRunner, host_rows
+from verifier_service.target import TargetRunner, host_rows
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
 from shared.kv_cache import crop_cache
-from verifier_service.kv_pool import SlotAllocator
+from shared.kv_pool import SlotAllocator
 
 
 @dataclass

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from shared.engine import ForwardItem, pooled_forward
+from shared.graphs import StaticForwards
+from shared.kv_pool import ATTENTION_NAME, KVPool
 from shared.models import (
     ModelSpecError,
     load_lm,
@@ -19,9 +21,6 @@ from shared.models import (
     pick_dtype,
     tokenizer_fingerprint,
 )
-from shared.sampling import tree_depths
-from verifier_service.graphs import Shaped, StaticForwards
-from verifier_service.kv_pool import ATTENTION_NAME, KVPool, RaggedBatch, Segment
 from verifier_service.seq2seq import Seq2SeqPool, seq2seq_forward
 from verifier_service.settings import Settings
 from verifier_service.tensor_parallel import Lockstep
@@ -92,19 +91,6 @@ def input_device(model: Any) -> torch.device:
     embeddings = model.get_input_embeddings()
     return (_hook_device(embeddings) or _weights_device(embeddings) or _weights_device(model)
             or torch.device("cpu"))
-
-
-@dataclass(frozen=True)
-class ForwardItem:
-    """New tokens for one slot; ``keep_logits`` asks for their logits rows back."""
-
-    slot: int
-    start: int  # tokens already in the slot
-    token_ids: list[int]
-    keep_logits: bool
-    encoder_ids: list[int] | None = None  # encoder-decoder targets: a new session's source
-    tree_parents: list[int] | None = None  # token_ids[1:] form a tree below token_ids[0]
-    keep_from: int = 0  # with keep_logits: the rows of token_ids[keep_from:] only
 
 
 def host_rows(rows: torch.Tensor) -> torch.Tensor:
@@ -226,47 +212,5 @@ class TargetRunner:
     def local_forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
         if isinstance(self.pool, Seq2SeqPool):
             return seq2seq_forward(self.model, self.pool, items, self.device)
-        segments: list[Segment] = []
-        ids: list[int] = []  # [N] new tokens of all items, flattened
-        positions: list[int] = []  # [N] each token's position in its own sequence
-        keep: list[int] = []  # indices into ids whose logits are wanted
-        shaped: list[Shaped] = []  # the same, for the static-shape forwards
-        for item in items:
-            offset = len(ids)
-            segments.append(Segment.build(item.slot, item.start, offset, len(item.token_ids),
-                                          self.device, item.tree_parents))
-            ids.extend(item.token_ids)
-            if item.tree_parents is None:
-                at = list(range(item.start, item.start + len(item.token_ids)))
-            else:  # a tree node sits at its depth below the root
-                at = [item.start, *(item.start + d for d in tree_depths(item.tree_parents))]
-            positions.extend(at)
-            if item.keep_logits:
-                keep.extend(range(offset + item.keep_from, offset + len(item.token_ids)))
-            if self.static is not None:
-                shaped.append(Shaped(item.slot, item.start, item.token_ids, at,
-                                     segments[-1].visible,
-                                     item.keep_from if item.keep_logits else None))
-        if self.static is not None and all(s.token_ids for s in shaped):
-            static_rows = self.static.forward(shaped)
-            if static_rows is not None:
-                return static_rows
-        out = self.model(
-            input_ids=torch.tensor([ids], device=self.device),  # [1, N]
-            position_ids=torch.tensor([positions], device=self.device),  # [1, N]
-            use_cache=False,
-            logits_to_keep=torch.tensor(keep or [0], device=self.device),
-            ragged_batch=RaggedBatch.plan(self.pool, segments, self.device,
-                                          padded=self.attention == "padded"),
-        )
-        logits = out.logits[0]  # [len(keep), vocab], on the model's device, in its dtype
-        rows: list[torch.Tensor | None] = []
-        cursor = 0
-        for item in items:
-            if item.keep_logits:
-                kept = len(item.token_ids) - item.keep_from
-                rows.append(logits[cursor:cursor + kept])
-                cursor += kept
-            else:
-                rows.append(None)
-        return rows
+        return pooled_forward(self.model, self.pool, items, self.device,
+                              padded=self.attention == "padded", static=self.static)

@@ -11,7 +11,8 @@ ones, then prints tables and writes one JSON:
 3. target alone: ``/v1/generate`` tok/s next to transformers' ``generate()``;
 4. aggregate tok/s at 1 / 8 / 32 / 64 / 128 concurrent n-gram clients, batching on and off, with
    the mean batch size and whether every client's output is the same both ways;
-5. the drafter's cost ratio c = one drafted token / one target forward of one token;
+5. the drafter's cost ratio c = one drafted token / one target forward of one token, for the
+   plain transformers drafter and the pooled one (client ``--cuda-graphs``);
 6. the engine: one batched forward of 8 / 64 verify blocks with padded vs per-session attention,
    and their acceptance on the host vs on the device, greedy and sampled;
 7. the HTTP layer: verify calls/s and the verifier's CPU per call with a tiny target on the
@@ -40,6 +41,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from drafter_client.drafters import HFDrafter
+from drafter_client.pooled import PooledDrafter
 from drafter_client.transport import HttpVerifier
 from scripts.bench import calls
 from scripts.bench.batching import on_off_sweep
@@ -52,13 +54,14 @@ from scripts.bench.common import (
     sync,
     write_json,
 )
+from shared.engine import ForwardItem
 from shared.models import load_causal_lm, load_tokenizer, pick_dtype
 from shared.sampling import SamplingConfig, verify_block
 from shared.schema import CreateSessionRequest, GenerateRequest, VerifyRequest
 from tests.support.process import VerifierProcess
 from tests.support.tiny_models import build_tokenizer
 from verifier_service.acceptance import AcceptTask, decide
-from verifier_service.target import ForwardItem, TargetRunner, host_rows
+from verifier_service.target import TargetRunner, host_rows
 
 # Qwen2.5-Coder-1.5B / 0.5B (their config.json), and a tiny one for smoke runs.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -246,21 +249,28 @@ def target_alone(url: str, model: Any, args: argparse.Namespace,
 @torch.inference_mode()
 def drafter_cost(drafter: str, device: torch.device, dtype: torch.dtype,
                  target_one_token_ms: float) -> dict[str, Any]:
+    """ms per drafted token (greedy blocks of 4 on a CONTEXT-token prefix) for the plain
+    transformers drafter and the pooled one (``--cuda-graphs``: KV slot, captured steps on
+    CUDA), and c = that / one target forward of one token."""
     model = load_causal_lm(drafter, dtype, device)
-    ours = HFDrafter(model, int(model.get_output_embeddings().weight.shape[0]))
-    vocab = int(model.config.vocab_size)
-    context = [(i * 7919) % vocab for i in range(CONTEXT)]
-    ours.reset(context)
-    ours._forward(context[:-1])
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    context = [(i * 7919) % int(model.config.vocab_size) for i in range(CONTEXT)]
+    result: dict[str, Any] = {"target_ms_one_token": round(target_one_token_ms, 2)}
+    # The plain drafter first: the pooled one switches the model to the slot pool's attention.
+    for name, make in (("plain", lambda: HFDrafter(model, vocab)),
+                       ("cuda_graphs", lambda: PooledDrafter(model, vocab, CONTEXT + 64))):
+        ours = make()
+        ours.reset(context)
+        ours._forward(context[:-1])
 
-    def block() -> None:
-        ours.propose(4, SamplingConfig(), torch.Generator())
-        ours.commit([])
+        def block(ours: HFDrafter = ours) -> None:  # 4 drafter forwards, then roll back
+            ours.propose(4, SamplingConfig(), torch.Generator())
+            ours.commit([])
 
-    per_token = median_ms(block, REPEATS, device, warm=2) / 4
-    return {"drafter_ms_per_token": round(per_token, 2),
-            "target_ms_one_token": round(target_one_token_ms, 2),
-            "c": round(per_token / target_one_token_ms, 3)}
+        per_token = median_ms(block, REPEATS, device, warm=2) / 4
+        result[f"{name}_ms_per_token"] = round(per_token, 2)
+        result[f"{name}_c"] = round(per_token / target_one_token_ms, 3)
+    return result
 
 
 def http_layer(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
@@ -332,8 +342,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for row in aggregate:
         del row["outputs"]
     cost = drafter_cost(drafter, device, dtype, one_token_ms)
-    print(f"drafter: {cost['drafter_ms_per_token']} ms per drafted token, target "
-          f"{cost['target_ms_one_token']} ms per token: c = {cost['c']}")
+    print(f"drafter per drafted token: plain {cost['plain_ms_per_token']} ms (c = "
+          f"{cost['plain_c']}), --cuda-graphs {cost['cuda_graphs_ms_per_token']} ms (c = "
+          f"{cost['cuda_graphs_c']}); target {cost['target_ms_one_token']} ms per token",
+          flush=True)
     http = http_layer(args, root)
     payload = {"machine": {**machine_record(_machine_args(args, target, drafter)),
                            "device": args.device,

@@ -29,9 +29,10 @@ from scripts.bench.common import (
     plain_step_ms,
     write_json,
 )
+from shared.engine import ForwardItem
 from shared.models import load_causal_lm, load_tokenizer, pick_dtype
 from shared.sampling import SamplingConfig
-from verifier_service.target import ForwardItem, TargetRunner
+from verifier_service.target import TargetRunner
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

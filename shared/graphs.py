@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from verifier_service.kv_pool import KVPool, PaddedGroup, RaggedBatch, fill_mask
+from shared.kv_pool import KVPool, PaddedGroup, RaggedBatch, fill_mask
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,21 @@ class Bucket:
         self.write_positions.copy_(write_positions.view(-1), non_blocking=True)
         self.slots.copy_(slots, non_blocking=True)
         fill_mask(self.mask, [(seg.start, len(seg.token_ids), seg.visible) for seg in shaped])
+        return self._replay()
+
+    def step(self, slot: int, start: int, token: torch.Tensor) -> torch.Tensor:
+        """B = L = 1: ``token`` (one id already on the device, e.g. the last step's argmax: it
+        never goes through the host) at position ``start`` of ``slot``; [1, vocab] logits."""
+        assert self.b == 1 and self.length == 1
+        self.ids.view(-1).copy_(token.view(-1))
+        for buffer in (self.positions, self.write_positions):
+            buffer.fill_(start)
+        for buffer in (self.write_slots, self.slots):
+            buffer.fill_(slot)
+        fill_mask(self.mask, [(start, 1, None)])
+        return self._replay()
+
+    def _replay(self) -> torch.Tensor:
         if self.graph is not None:
             self.graph.replay()
             assert self.out is not None
@@ -163,6 +178,17 @@ class StaticForwards:
         seen = max(s.start + len(s.token_ids) for s in shaped)
         end = min(-(-seen // E_STEP) * E_STEP, self.pool.slot_tokens)
         return self.b_buckets[i], length, end
+
+    def step(self, slot: int, start: int, token: torch.Tensor) -> torch.Tensor | None:
+        """One token (a device tensor) at ``start`` of ``slot`` through the (1, 1, E) bucket:
+        [1, vocab] logits (a view of the bucket's output, valid until its next run), or None
+        when the slot is full."""
+        if start + 1 > self.pool.slot_tokens:
+            self.fallbacks += 1
+            return None
+        self.replays += 1
+        end = min(-(-(start + 1) // E_STEP) * E_STEP, self.pool.slot_tokens)
+        return self.bucket((1, 1, end)).step(slot, start, token)
 
     def forward(self, shaped: list[Shaped]) -> list[torch.Tensor | None] | None:
         """Each segment's kept logits rows ([n, vocab] views of the bucket's output, valid until

@@ -1,0 +1,84 @@
+"""One forward over the new tokens of many sequences whose KV lives in a slot pool
+(``kv_pool.py``), eagerly or through static-shape buckets (``graphs.py``).
+
+The verifier's ``TargetRunner`` serves its sessions with it; the client's pooled drafter
+(``drafter_client/pooled.py``, ``--cuda-graphs``) drafts with it: one slot, one-token steps in a
+captured bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared.graphs import Shaped, StaticForwards
+from shared.kv_pool import KVPool, RaggedBatch, Segment
+from shared.sampling import tree_depths
+
+
+@dataclass(frozen=True)
+class ForwardItem:
+    """New tokens for one slot; ``keep_logits`` asks for their logits rows back."""
+
+    slot: int
+    start: int  # tokens already in the slot
+    token_ids: list[int]
+    keep_logits: bool
+    encoder_ids: list[int] | None = None  # encoder-decoder targets: a new session's source
+    tree_parents: list[int] | None = None  # token_ids[1:] form a tree below token_ids[0]
+    keep_from: int = 0  # with keep_logits: the rows of token_ids[keep_from:] only
+
+
+@torch.inference_mode()
+def pooled_forward(model: Any, pool: KVPool, items: list[ForwardItem], device: torch.device,
+                   padded: bool = False,
+                   static: StaticForwards | None = None) -> list[torch.Tensor | None]:
+    """One forward pass over the new tokens of every item (written into their slots); [n, vocab]
+    logits rows for the items that asked, on ``device`` in the model's dtype. ``padded``: the
+    short segments attend in one call per layer; ``static``: batches that fit a bucket run
+    there (views of its output, valid until its next run)."""
+    segments: list[Segment] = []
+    ids: list[int] = []  # [N] new tokens of all items, flattened
+    positions: list[int] = []  # [N] each token's position in its own sequence
+    keep: list[int] = []  # indices into ids whose logits are wanted
+    shaped: list[Shaped] = []  # the same, for the static-shape forwards
+    for item in items:
+        offset = len(ids)
+        segments.append(Segment.build(item.slot, item.start, offset, len(item.token_ids),
+                                      device, item.tree_parents))
+        ids.extend(item.token_ids)
+        if item.tree_parents is None:
+            at = list(range(item.start, item.start + len(item.token_ids)))
+        else:  # a tree node sits at its depth below the root
+            at = [item.start, *(item.start + d for d in tree_depths(item.tree_parents))]
+        positions.extend(at)
+        if item.keep_logits:
+            keep.extend(range(offset + item.keep_from, offset + len(item.token_ids)))
+        if static is not None:
+            shaped.append(Shaped(item.slot, item.start, item.token_ids, at,
+                                 segments[-1].visible,
+                                 item.keep_from if item.keep_logits else None))
+    if static is not None and all(s.token_ids for s in shaped):
+        static_rows = static.forward(shaped)
+        if static_rows is not None:
+            return static_rows
+    out = model(
+        input_ids=torch.tensor([ids], device=device),  # [1, N]
+        position_ids=torch.tensor([positions], device=device),  # [1, N]
+        use_cache=False,
+        logits_to_keep=torch.tensor(keep or [0], device=device),
+        ragged_batch=RaggedBatch.plan(pool, segments, device, padded=padded),
+    )
+    logits = out.logits[0]  # [len(keep), vocab], on the model's device, in its dtype
+    rows: list[torch.Tensor | None] = []
+    cursor = 0
+    for item in items:
+        if item.keep_logits:
+            kept = len(item.token_ids) - item.keep_from
+            rows.append(logits[cursor:cursor + kept])
+            cursor += kept
+        else:
+            rows.append(None)
+    return rows
