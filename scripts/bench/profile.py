@@ -5,7 +5,9 @@ Times, on the same models, dtype and threads as the benchmarks (medians of repea
   * the drafter: one plain transformers decode step (KV cache, logits of the last position) vs
     specdec's ``HFDrafter`` per drafted token (its processing of the row included);
   * the target: plain transformers with a DynamicCache vs specdec's ``TargetRunner`` (KV slot
-    pool + ragged attention), for 1 and for k + 1 new tokens.
+    pool + ragged attention), for 1 and for k + 1 new tokens; then one token on a second thread,
+    and on the first thread again (a second thread running the model slows both: see
+    ``verifier_service/state.py: ModelThread``).
 
 The HTTP share of a verify call is read off the benchmarks' metrics (round trip minus forward).
 
@@ -15,6 +17,7 @@ The HTTP share of a verify call is read off the benchmarks' metrics (round trip 
 from __future__ import annotations
 
 import argparse
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -74,10 +77,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     slot = runner.pool.allocate()
     assert slot is not None
     runner.forward([ForwardItem(slot, 0, context, False)])
+    def step() -> None:
+        runner.forward([ForwardItem(slot, len(context), context[:1], True)])
+
     for new in (1, args.k + 1):
         results[f"target: specdec TargetRunner, {new} new token(s)"] = median_ms(
             lambda n=new: runner.forward([ForwardItem(slot, len(context), context[:n], True)]),
             args.repeats)
+    # Why the verifier runs all model work on one thread (verifier_service/state.py):
+    # a second thread running the model gives the process a second OpenMP team.
+    with ThreadPoolExecutor(1) as other:
+        results["target: 1 new token, on a second thread"] = other.submit(
+            median_ms, step, args.repeats).result()
+    results["target: 1 new token, first thread again (after the second)"] = median_ms(
+        step, args.repeats)
 
     print(f"\n{args.target} / {args.drafter}, {dtype}, {args.threads} threads, context "
           f"{args.context}, k={args.k}, medians of {args.repeats}\n")
