@@ -21,10 +21,11 @@ class ModelThread:
     """Runs model work on one dedicated thread, off the event loop, one call at a time.
 
     All of a process's model work - loading, warm-up and every forward - belongs on this one
-    thread. Each thread that runs a parallel torch op gets its own OpenMP team, and once a
-    process has more OpenMP threads than cores, libgomp stops spin-waiting between parallel
-    regions: on a 2-core CPU a 1.5B decode step measured 230 ms with one team and 250 ms once
-    a second thread had run the model (``docs/benchmarks.md``)."""
+    thread. Each thread that runs a parallel torch op gets its own OpenMP thread team, and while
+    two teams live in one process every forward is slower: a 1.5B decode step on a 2-core CPU
+    measured 230-234 ms with one team and 247-253 ms with two (``python -m scripts.bench
+    profile``; ``docs/benchmarks.md``). The CLI used to load on the main thread and serve from
+    this one."""
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
