@@ -3,7 +3,8 @@
 The cost model keeps running estimates of
   * c_i, the probability that draft i is accepted given drafts 1..i-1 were (per position),
   * the drafting time per token, and
-  * the verify round trip as a line in k: rtt(k) = r0 + r1 k (least squares over recent blocks),
+  * the verify round trip per k: each measured k's own decayed mean, straight lines between
+    measured ks, and the least-squares slope over recent blocks past the longest,
 and picks the k that maximises expected tokens per second,
     E[tokens](k) / (k t_draft + rtt(k)),  E[tokens](k) = 1 + sum_{i<=k} prod_{j<=i} c_j,
 which is (1 - a^(k+1)) / (1 - a) when every c_j = a (Leviathan et al. 2023). Because the round
@@ -69,9 +70,13 @@ class CostModelLength:
         self._rtt = [0.0] * 5  # decayed sums: n, k, k^2, rtt, k * rtt
         # Decayed (weight, weighted rtt sum) per k seen: a verify's cost is not a line in k on
         # every machine (CPU matmul kernels switch at some widths), so a k that was measured
-        # is judged by its own times; the line fills in for the others.
+        # is judged by its own times, and the others from their measured neighbours (rtt()).
         self._rtt_at: dict[int, list[float]] = {}
-        self.min_samples = 2.0  # decayed weight before a k's own mean replaces the line
+        self.min_samples = 0.5  # decayed weight (one block ~13 blocks ago) to count as measured
+        # The first block's drafting includes the drafter's prefill of the whole prompt (548 ms
+        # next to 90 ms per drafted token for the 0.5B drafter on a 150-token prompt): as a
+        # per-token cost it made k = 1 look best for the next 20 blocks. It is not counted.
+        self.blocks = 0
 
     def acceptance(self) -> list[float]:
         """c_i per position, shrunk towards the pooled rate where a position has little data."""
@@ -82,17 +87,37 @@ class CostModelLength:
                 for p, r in zip(self.passed, self.reached, strict=True)]
 
     def rtt(self, k: int) -> float:
-        seen = self._rtt_at.get(k)
-        if seen is not None and seen[0] >= self.min_samples:
-            return seen[1] / seen[0]
-        return self.rtt_line(k)
+        """A measured k: its own decayed mean. Between measured ks: the straight line between
+        the nearest two. Below every measured k: the smallest one's cost (fewer tokens are not
+        much cheaper to verify, and a line fitted over k = 2 and 3 put k = 1 near zero). Above:
+        the largest one's cost plus the fitted slope."""
+        measured = {j: total / weight for j, (weight, total) in self._rtt_at.items()
+                    if weight >= self.min_samples}
+        if k in measured:
+            return measured[k]
+        if not measured:
+            return self.rtt_line(k)
+        below = max((j for j in measured if j < k), default=None)
+        above = min((j for j in measured if j > k), default=None)
+        if below is not None and above is not None:
+            share = (k - below) / (above - below)
+            return measured[below] + share * (measured[above] - measured[below])
+        if above is not None:
+            return measured[above]
+        assert below is not None
+        return measured[below] + self.slope() * (k - below)
+
+    def slope(self) -> float:
+        """The least-squares line's slope over recent blocks (seconds per drafted token)."""
+        n, sk, skk, sr, skr = self._rtt
+        spread = n * skk - sk * sk
+        return max((n * skr - sk * sr) / spread, 0.0) if spread > 1e-9 else 0.0
 
     def rtt_line(self, k: int) -> float:
-        n, sk, skk, sr, skr = self._rtt
+        n, sk, _, sr, _ = self._rtt
         if n == 0:
             return 0.0
-        spread = n * skk - sk * sk
-        slope = max((n * skr - sk * sr) / spread, 0.0) if spread > 1e-9 else 0.0
+        slope = self.slope()
         intercept = (sr - slope * sk) / n
         return max(intercept + slope * k, 0.0)
 
@@ -106,8 +131,8 @@ class CostModelLength:
         return tokens / seconds if seconds > 0 else tokens
 
     def next_k(self) -> int:
-        if self._rtt[0] == 0:
-            return self.k  # nothing measured yet
+        if self._rtt[0] == 0 or self.draft_s_per_token is None:
+            return self.k  # not measured yet
         # Climb: at most one past the longest draft measured, so a cost that is not a line
         # is found step by step rather than extrapolated.
         longest = max((k for k, (w, _) in self._rtt_at.items() if w > 0.05), default=self.k)
@@ -122,7 +147,8 @@ class CostModelLength:
         for i in range(min(accepted + 1, proposed)):  # positions 0..accepted were tested
             self.reached[i] += 1
             self.passed[i] += float(i < accepted)
-        if proposed:
+        self.blocks += 1
+        if proposed and self.blocks > 1:
             per_token = drafting_s / proposed
             self.draft_s_per_token = per_token if self.draft_s_per_token is None else (
                 d * self.draft_s_per_token + (1 - d) * per_token)

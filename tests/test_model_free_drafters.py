@@ -155,3 +155,19 @@ def test_cost_model_judges_measured_draft_lengths_by_their_own_times() -> None:
             policy.update(probe, int(0.7 * probe), 0.0, rtt[probe])
     assert policy.rtt(4) == pytest.approx(0.50) and policy.rtt(2) == pytest.approx(0.26)
     assert policy.next_k() <= 3
+
+
+def test_cost_model_does_not_count_the_drafters_prompt_prefill() -> None:
+    """The first block's drafting time includes the drafter's prefill of the prompt; as a
+    per-token cost it made k = 1 look best for many blocks while every draft was accepted."""
+    rtt = {1: 0.246, 2: 0.264, 3: 0.476, 4: 0.49}
+    policy = CostModelLength(max_k=4)
+    chosen = []
+    k = policy.next_k()
+    policy.update(k, k, 0.55, rtt[k])  # the prompt's prefill inside the first block's drafting
+    for _ in range(20):
+        k = policy.next_k()
+        chosen.append(k)
+        policy.update(k, k, 0.09 * k, rtt[k])  # 90 ms per drafted token, all accepted
+    assert 1 not in chosen and chosen[-1] == 2
+    assert policy.draft_s_per_token == pytest.approx(0.09)
