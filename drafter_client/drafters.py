@@ -270,8 +270,12 @@ class HFDrafter:
     def commit(self, tokens: list[int]) -> None:
         self.committed.extend(tokens)
         keep = min(common_prefix(self.cached, self.committed), len(self.committed) - 1)
-        crop_cache(self.cache, keep)
+        self._roll_back(keep)
         del self.cached[keep:]
+
+    def _roll_back(self, keep: int) -> None:
+        """Drop the cached positions from ``keep`` on."""
+        crop_cache(self.cache, keep)
 
 
 class HFSeq2SeqDrafter(HFDrafter):

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from drafter_client.drafters import Draft, HFDrafter, align_vocab, common_prefix
+from drafter_client.drafters import Draft, HFDrafter, align_vocab
 from shared.engine import ForwardItem, pooled_forward
 from shared.graphs import StaticForwards
 from shared.kv_pool import ATTENTION_NAME, KVPool
@@ -112,11 +112,7 @@ class PooledDrafter(HFDrafter):
         self.cached.extend(ids[:-1])
         return Draft(ids, None, None)
 
-    def commit(self, tokens: list[int]) -> None:
-        """As :class:`HFDrafter`; rolling the slot back is forgetting the positions past
-        ``keep`` (the next forward writes over them)."""
-        self.committed.extend(tokens)
-        keep = min(common_prefix(self.cached, self.committed), len(self.committed) - 1)
+    def _roll_back(self, keep: int) -> None:
+        """Nothing to erase: the next forward writes over the positions from ``keep`` on."""
         if keep < len(self.cached):
             self.last_row = None  # the logits after a position that is gone
-        del self.cached[keep:]
