@@ -175,9 +175,13 @@ class StaticForwards:
         length = L_BUCKETS[j]
         if any(s.start + length > self.pool.slot_tokens for s in shaped):
             return None  # the pad tokens would run past the slot
-        seen = max(s.start + len(s.token_ids) for s in shaped)
-        end = min(-(-seen // E_STEP) * E_STEP, self.pool.slot_tokens)
-        return self.b_buckets[i], length, end
+        return self.b_buckets[i], length, self.end_of(max(s.start + len(s.token_ids)
+                                                           for s in shaped))
+
+    def end_of(self, seen: int) -> int:
+        """E for a batch whose longest segment reaches position ``seen``: a multiple of
+        E_STEP, at most the slot."""
+        return min(-(-seen // E_STEP) * E_STEP, self.pool.slot_tokens)
 
     def step(self, slot: int, start: int, token: torch.Tensor) -> torch.Tensor | None:
         """One token (a device tensor) at ``start`` of ``slot`` through the (1, 1, E) bucket:
@@ -187,8 +191,7 @@ class StaticForwards:
             self.fallbacks += 1
             return None
         self.replays += 1
-        end = min(-(-(start + 1) // E_STEP) * E_STEP, self.pool.slot_tokens)
-        return self.bucket((1, 1, end)).step(slot, start, token)
+        return self.bucket((1, 1, self.end_of(start + 1))).step(slot, start, token)
 
     def forward(self, shaped: list[Shaped]) -> list[torch.Tensor | None] | None:
         """Each segment's kept logits rows ([n, vocab] views of the bucket's output, valid until
