@@ -49,10 +49,8 @@ class PooledDrafter(HFDrafter):
         assert slot is not None
         self.slot = slot
         model.set_attn_implementation(ATTENTION_NAME)
-        capture = self.device.type == "cuda" if capture is None else capture
-        self.static = StaticForwards(model, self.pool, self.device, capture, max_batch=1)
-        with torch.inference_mode():  # the forwards run under it; their buffers are made so
-            self.static.warm(lengths=(1,))
+        self.static = StaticForwards(model, self.pool, self.device, max_batch=1, capture=capture)
+        self.static.warm(lengths=(1,))
         self.last_row: torch.Tensor | None = None  # [drafter vocab] after the last cached token
 
     def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:

@@ -135,19 +135,22 @@ class Bucket:
 class StaticForwards:
     """The buckets of one runner; ``forward`` answers None when a batch fits none of them."""
 
-    def __init__(self, model: Any, pool: KVPool, device: torch.device, capture: bool,
-                 max_batch: int) -> None:
+    def __init__(self, model: Any, pool: KVPool, device: torch.device, max_batch: int,
+                 capture: bool | None = None) -> None:
+        """``capture``: replay the buckets as CUDA graphs (default: on CUDA)."""
         scratch = pool.allocate()
         if scratch is None:
             raise RuntimeError("--cuda-graphs needs one free KV slot for padding")
-        self.model, self.pool, self.device, self.capture = model, pool, device, capture
+        self.model, self.pool, self.device = model, pool, device
+        self.capture = device.type == "cuda" if capture is None else capture
         self.scratch = scratch
         self.b_buckets = tuple(b for b in B_BUCKETS if b < max_batch) + (
             min(max_batch, B_BUCKETS[-1]),)
         self.buckets: dict[tuple[int, int, int], Bucket] = {}
-        self.graph_pool = torch.cuda.graph_pool_handle() if capture else None
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = self.fallbacks = 0
 
+    @torch.inference_mode()  # the forwards run under it; their buffers are made so
     def warm(self, lengths: tuple[int, ...] = (1, 5), end: int = E_STEP) -> None:
         """Build (on CUDA: capture) the buckets of every B for these L at the smallest E, before
         the verifier says ready: decode steps and k = 4 blocks on short contexts; the others

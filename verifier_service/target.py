@@ -182,10 +182,8 @@ class TargetRunner:
         if (not isinstance(self.pool, KVPool) or self.lockstep is not None
                 or len({k.device for k in self.pool.keys}) > 1):
             raise ModelSpecError("--cuda-graphs serves decoder-only targets on one device")
-        capture = self.device.type == "cuda" if capture is None else capture
-        self.static = StaticForwards(self.model, self.pool, self.device, capture, max_batch)
-        with torch.inference_mode():  # the forwards run under it; their buffers are made so
-            self.static.warm()
+        self.static = StaticForwards(self.model, self.pool, self.device, max_batch, capture)
+        self.static.warm()
 
     def warm_up(self) -> None:
         """One small forward, so the first client does not pay for kernel selection and

@@ -77,13 +77,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     slot = runner.pool.allocate()
     assert slot is not None
     runner.forward([ForwardItem(slot, 0, context, False)])
-    def step() -> None:
-        runner.forward([ForwardItem(slot, len(context), context[:1], True)])
+
+    def step(new: int = 1) -> None:  # new tokens after the context, rolled back each time
+        runner.forward([ForwardItem(slot, len(context), context[:new], True)])
 
     for new in (1, args.k + 1):
         results[f"target: specdec TargetRunner, {new} new token(s)"] = median_ms(
-            lambda n=new: runner.forward([ForwardItem(slot, len(context), context[:n], True)]),
-            args.repeats)
+            lambda n=new: step(n), args.repeats)
     # Why the verifier runs all model work on one thread (verifier_service/state.py):
     # a second thread running the model gives the process a second OpenMP team.
     # (The old verifier's case: the loading thread lived on next to the serving one. The
