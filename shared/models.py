@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,14 @@ OFFLINE_MODELS: dict[str, OfflineModel] = {
         gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
     ),
 }
+
+
+# transformers' ``from_pretrained`` changes process-wide state while it builds a model: it sets
+# torch's default dtype (and restores what it saw at its start) and builds under a meta-device
+# context. Two loads at once in one process interleave those changes (one restores the other's
+# dtype, so the process is left with bfloat16 as its default) and fail with "Cannot copy out of
+# meta tensor" or with dtype mismatches in later forwards. One load at a time, process-wide.
+_LOAD_LOCK = threading.RLock()
 
 
 class ModelSpecError(ValueError):
@@ -114,7 +123,8 @@ def load_tokenizer(spec: str) -> Any:
 
     path, gguf_file = resolve_model_spec(spec)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoTokenizer.from_pretrained(path, **kwargs)
+    with _LOAD_LOCK:
+        return AutoTokenizer.from_pretrained(path, **kwargs)
 
 
 def load_causal_lm(spec: str, dtype: torch.dtype, device: torch.device,
@@ -130,7 +140,20 @@ def load_lm(spec: str, dtype: torch.dtype, device: torch.device,
             encoder_decoder: bool | None = None, tp_plan: str | None = None) -> Any:
     """A causal LM or, when its config says so (``encoder_decoder=None``), an
     encoder-decoder (T5, BART, Marian, ...). ``tp_plan="auto"``: sharded over the ranks of the
-    ``torchrun`` group this process is in (tensor parallelism)."""
+    ``torchrun`` group this process is in (tensor parallelism). One load at a time per
+    process (``_LOAD_LOCK``); the default dtype is what it was before, whatever ran meanwhile."""
+    with _LOAD_LOCK:
+        default_dtype = torch.get_default_dtype()
+        try:
+            return _load_lm(spec, dtype, device, device_map, offload_folder, encoder_decoder,
+                            tp_plan)
+        finally:
+            torch.set_default_dtype(default_dtype)
+
+
+def _load_lm(spec: str, dtype: torch.dtype, device: torch.device,
+             device_map: str | dict[str, Any] | None, offload_folder: str | None,
+             encoder_decoder: bool | None, tp_plan: str | None) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     path, gguf_file = resolve_model_spec(spec)
