@@ -26,13 +26,18 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
 from drafter_client.api import SpecDecClient
 from drafter_client.gateway_engine import Finished, Gateway, GatewaySettings, Job
-from drafter_client.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIError
+from drafter_client.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    parse_request,
+)
+from shared.body_limit import BodyLimit
 from shared.http_metrics import RequestMetrics
 
 __all__ = ["Gateway", "GatewaySettings", "create_gateway"]
@@ -57,20 +62,6 @@ def _gateway(request: Request) -> Gateway:
     return gateway
 
 
-async def _parse(request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest]
-                 ) -> Any:
-    raw = await request.body()
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        if error["type"] == "json_invalid":
-            raise OpenAIError(400, f"the body is not valid JSON: {error['msg']}") from None
-        param = ".".join(str(p) for p in error["loc"]) or None
-        raise OpenAIError(400, f"{param}: {error['msg']}" if param else error["msg"],
-                          param) from None
-
-
 async def _stream(gateway: Gateway, job: Job,
                   body: CompletionRequest | ChatCompletionRequest,
                   chunk: Callable[[str, str | None], dict[str, Any]],
@@ -89,7 +80,7 @@ async def _stream(gateway: Gateway, job: Job,
 
 async def completions(request: Request) -> Response:
     gateway = _gateway(request)
-    body: CompletionRequest = await _parse(request, CompletionRequest)
+    body = parse_request(CompletionRequest, await request.body())
     job = gateway.completion_job(body)
     rid, created, name = f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.model
 
@@ -109,7 +100,7 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     gateway = _gateway(request)
-    body: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+    body = parse_request(ChatCompletionRequest, await request.body())
     job = gateway.chat_job(body)
     rid, created, name = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model
 
@@ -176,6 +167,37 @@ async def _validation_error(_: Request, exc: Exception) -> Response:
     return _json(OpenAIError(400, str(error["msg"]), param).body(), 400)
 
 
+def _reject_body(status: int, code: str, message: str) -> Response:
+    """The body limit's 413 / 408 in OpenAI's error shape."""
+    return _json(OpenAIError(status, message, "body", code).body(), status)
+
+
+def _body_schema(model: type[CompletionRequest] | type[ChatCompletionRequest]
+                 ) -> dict[str, Any]:
+    """An operation's OpenAPI request body: the JSON schema ``parse_request`` validates against
+    (the routes read the raw body themselves, so FastAPI cannot infer it)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _with_body_schemas(app: FastAPI) -> Callable[[], dict[str, Any]]:
+    """``app.openapi`` with the request models (and what they nest) among its components."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = build()
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatCompletionRequest):
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    return openapi
+
+
 def create_gateway(client: SpecDecClient, settings: GatewaySettings) -> FastAPI:
     gateway = Gateway(client, settings)
 
@@ -189,8 +211,11 @@ def create_gateway(client: SpecDecClient, settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="specdec gateway (OpenAI-compatible)", version="0.1.0",
                   lifespan=lifespan)
     app.state.gateway = gateway
-    app.add_api_route("/v1/completions", completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    app.openapi = _with_body_schemas(app)  # type: ignore[method-assign]
+    app.add_api_route("/v1/completions", completions, methods=["POST"],
+                      openapi_extra=_body_schema(CompletionRequest))
+    app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"],
+                      openapi_extra=_body_schema(ChatCompletionRequest))
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", get_model, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
@@ -198,6 +223,9 @@ def create_gateway(client: SpecDecClient, settings: GatewaySettings) -> FastAPI:
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(StarletteHTTPException, _framework_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, reject=_reject_body,
+                       timeout_s=settings.body_timeout_s, limit_name="--max-body-bytes",
+                       timeout_name="--body-timeout-s")
     app.add_middleware(RequestMetrics, metrics=gateway.metrics.http,
                        routes=[(r.path_regex.pattern, r.path) for r in app.routes
                                if isinstance(r, APIRoute)])

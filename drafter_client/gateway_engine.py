@@ -40,6 +40,8 @@ class GatewaySettings:
     chat_template: str | None = None  # overrides the tokenizer's
     api_key: str | None = None  # clients must send it as a Bearer token
     completion_max_tokens: int = 16  # OpenAI's default max_tokens for /v1/completions
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413 before they are parsed
+    body_timeout_s: float = 15.0  # a body must arrive within this, or 408
 
 
 @dataclass
@@ -73,9 +75,25 @@ def _verifier_error(exc: SpecDecError) -> OpenAIError:
     return OpenAIError(502, f"verifier error: {exc}", code="verifier_error")
 
 
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters in the tokenizer's longest vocabulary entry: no token covers more of a text.
+    (A byte-level entry has one character per byte, and a decoded byte is at most one
+    character; a SentencePiece or word entry is its text.)"""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
+
+
+def visible_chars(text: str) -> int:
+    """Characters of ``text`` that are not whitespace (some tokenizers drop whitespace)."""
+    return sum(len(word) for word in text.split())
+
+
 class Gateway:
     def __init__(self, client: SpecDecClient, settings: GatewaySettings) -> None:
         self.client, self.settings = client, settings
+        # A prompt with more non-whitespace characters than this has at least max_context
+        # tokens (no token covers more than the longest entry's characters), so it is refused
+        # before the tokenizer spends time and memory on it; below it the exact count decides.
+        self.max_prompt_chars = longest_token_chars(client.tokenizer) * client.info.max_context
         self.metrics = GatewayMetrics()
         self.executor = ThreadPoolExecutor(settings.max_concurrency,
                                            thread_name_prefix="generation")
@@ -103,13 +121,13 @@ class Gateway:
     def job(self, body: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
             prompt_param: str, default_max_tokens: int | None) -> Job:
         info = self.client.info
-        if any(not 0 <= t < info.vocab_size for t in prompt_ids):
-            raise OpenAIError(400, f"prompt token ids must lie in [0, {info.vocab_size})",
-                              prompt_param)
         if len(prompt_ids) >= info.max_context:
             raise OpenAIError(400, f"this model's maximum context length is {info.max_context} "
                               f"tokens; the prompt has {len(prompt_ids)}", prompt_param,
                               code="context_length_exceeded")
+        if any(not 0 <= t < info.vocab_size for t in prompt_ids):
+            raise OpenAIError(400, f"prompt token ids must lie in [0, {info.vocab_size})",
+                              prompt_param)
         try:
             sampling = SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,
@@ -122,16 +140,29 @@ class Gateway:
         seed = secrets.randbits(62) if body.seed is None else body.seed % 2**63
         return Job(prompt_ids, max_tokens, sampling, seed, body.stop_list())
 
+    def check_text_length(self, texts: list[str], param: str) -> None:
+        """A 400 for text that surely exceeds the context, decided without tokenizing it."""
+        chars = sum(visible_chars(text) for text in texts)
+        if chars > self.max_prompt_chars:
+            max_context = self.client.info.max_context
+            raise OpenAIError(400, f"this model's maximum context length is {max_context} "
+                              f"tokens; the prompt's {chars} non-space characters make at "
+                              f"least {chars // (self.max_prompt_chars // max_context)} "
+                              "tokens", param, code="context_length_exceeded")
+
     def completion_job(self, body: CompletionRequest) -> Job:
         body.check_supported()
         self.check_model(body.model)
         prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            self.check_text_length([prompt], "prompt")
         ids = prompt if isinstance(prompt, list) else self.client.encode(prompt)
         return self.job(body, ids, "prompt", self.settings.completion_max_tokens)
 
     def chat_job(self, body: ChatCompletionRequest) -> Job:
         body.check_supported()
         self.check_model(body.model)
+        self.check_text_length([message.text() for message in body.messages], "messages")
         try:
             ids = self.client.encode_chat(body.conversation(), self.settings.chat_template)
         except SpecDecError as exc:

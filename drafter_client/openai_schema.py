@@ -5,20 +5,31 @@ Fields follow OpenAI's API reference for ``/v1/completions`` and ``/v1/chat/comp
 known fields that would change the distribution or the shape of the answer in ways we do not
 implement (``n`` > 1, penalties, ``logit_bias``, ``logprobs``, tools, ``echo``, ``suffix``,
 ``best_of``, JSON modes) get a 400 naming the field rather than being silently dropped.
+
+Types are strict, as OpenAI's API and vLLM are: an integer is a JSON integer (not ``"5"``, not
+``5.0``, not ``true``), a boolean is ``true`` / ``false``, a string is a string; numbers are finite
+and within the ranges below (``max_tokens`` and ``top_k`` 31-bit, ``seed`` in [0, 2**63)).
+``parse_request`` turns the first violation into a 400 naming the field.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+MAX_INT32 = 2**31 - 1
+MAX_SEED = 2**63 - 1
+# Strict types, no NaN or infinity, unknown fields ignored: every request model's config.
+STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class OpenAIError(Exception):
     """Rendered as ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error",
-             404: "not_found_error", 429: "rate_limit_error", 502: "api_error",
+             404: "not_found_error", 408: "invalid_request_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 502: "api_error",
              503: "api_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
@@ -34,27 +45,27 @@ class OpenAIError(Exception):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT32)  # then capped by the context
     temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: OpenAI's default, 1
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # extension; 0 and -1 disable it
-    seed: int | None = None  # None: a fresh seed per request
+    top_k: int | None = Field(None, ge=-1, le=MAX_INT32)  # extension; 0 and -1 disable it
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)  # None: a fresh seed per request
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: int = Field(1, ge=1, le=MAX_INT32)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
+    logprobs: bool | int | None = None  # completions: an int; chat: a bool
     user: str | None = None
 
     def stop_list(self) -> list[str]:
@@ -83,7 +94,7 @@ class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_INT32)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -108,29 +119,31 @@ class CompletionRequest(_Common):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    # Required: without tools, a message with no content (OpenAI allows null only next to
+    # tool_calls) says nothing.
+    content: str | list[TextPart]
     name: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
-        return self.content or ""
+        return self.content
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_INT32)
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatCompletionRequest:
@@ -150,3 +163,40 @@ class ChatCompletionRequest(_Common):
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+# -- parsing -------------------------------------------------------------------------------------
+
+Request = TypeVar("Request", CompletionRequest, ChatCompletionRequest)
+# Field names of every request model: anything else in an error's location is a union member's
+# tag ("str", "list[int]"), which names no field.
+_FIELDS = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage,
+                                        TextPart, StreamOptions) for name in model.model_fields)
+# What a field of several accepted shapes must be, said once instead of once per shape.
+_SHAPES = {
+    "prompt": "must be a string, a list of strings, a list of token ids (JSON integers) or a "
+              "list of lists of token ids",
+    "content": "must be a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
+    "stop": "must be a string or a list of strings",
+    "logprobs": "must be a boolean or an integer",
+}
+
+
+def parse_request(model: type[Request], raw: bytes) -> Request:
+    """The validated request, or a 400 naming the first field that is wrong."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+    if error["type"] == "json_invalid":
+        raise OpenAIError(400, f"the body is not valid JSON: {error['msg']}")
+    if not error["loc"]:
+        raise OpenAIError(400, f"the request body: {error['msg']}")
+    union = any(isinstance(part, str) and part not in _FIELDS for part in error["loc"])
+    path = [str(part) for part in error["loc"] if not isinstance(part, str) or part in _FIELDS]
+    if union:  # cut after the last field name: the shapes are the field's, not an item's
+        last = max(i for i, part in enumerate(path) if part in _FIELDS)
+        path = path[:last + 1]
+    param = ".".join(path)
+    message = _SHAPES.get(path[-1]) if union else None
+    raise OpenAIError(400, f"{param}: {message or error['msg']}", param)

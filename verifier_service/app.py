@@ -22,7 +22,7 @@ from verifier_service.errors import (
     verifier_error_handler,
 )
 from verifier_service.fast_verify import fast_routes
-from verifier_service.guards import ApiKeyAuth, BodyLimit, ShutdownAnswer
+from verifier_service.guards import ApiKeyAuth, ShutdownAnswer, verifier_body_limit
 from verifier_service.lifespan import make_lifespan
 from verifier_service.routes import router
 from verifier_service.settings import Settings
@@ -73,7 +73,7 @@ def create_app(settings: Settings, runner: TargetRunner | None = None,
     telemetry.add_state(lambda: app.state.verifier.metrics()
                         if hasattr(app.state, "verifier") else None)
     replica = settings.replica_name or f"{socket.gethostname()}:{settings.port}"
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
+    app.add_middleware(verifier_body_limit, max_bytes=settings.max_body_bytes,
                        timeout_s=settings.body_timeout_s)
     app.add_middleware(ApiKeyAuth, keys=settings.key_list())  # outside BodyLimit: auth first
     app.add_middleware(ShutdownAnswer)

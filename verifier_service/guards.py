@@ -1,5 +1,5 @@
 """Pure ASGI middleware that guards the verifier: API keys, the request body's size and
-deadline, and an answer for calls cut off by shutdown.
+deadline (``shared.body_limit``), and an answer for calls cut off by shutdown.
 
 They answer with the verifier's error body (``{"error": {"code", "message", "field"}}``) before
 the request reaches FastAPI, so a rejected request costs no model time and touches no session.
@@ -11,9 +11,9 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import time
 from typing import Any
 
+from shared.body_limit import BodyLimit
 from verifier_service.errors import error_response
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # probes of orchestrators and load balancers
@@ -77,56 +77,11 @@ class ApiKeyAuth:
         await self.app(scope, receive, send)
 
 
-class BodyLimit:
-    """Rejects bodies over ``max_bytes`` with 413, by Content-Length up front or while reading
-    (chunked bodies); a body that has not fully arrived ``timeout_s`` after the app started
-    reading it gets 408 and the connection is closed (a stalled body pins memory). Then hands the
-    buffered body on to the app."""
-
-    def __init__(self, app: Any, max_bytes: int, timeout_s: float = 15.0) -> None:
-        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "DELETE"):
-            await self.app(scope, receive, send)
-            return
-        too_big = (f"the request body is larger than this verifier's limit of {self.max_bytes} "
-                   "bytes (SPECDEC_MAX_BODY_BYTES)")
-        length = dict(scope.get("headers", [])).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await send_error(scope, receive, send, 413, "body_too_large", too_big, "body")
-            return
-        chunks: list[bytes] = []
-        size = 0
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
-            except asyncio.TimeoutError:
-                chunks.clear()
-                await send_error(scope, receive, send, 408, "request_timeout", "the request "
-                                 f"body did not arrive within {self.timeout_s:g} s "
-                                 "(SPECDEC_BODY_TIMEOUT_S)", "body", {"connection": "close"})
-                return
-            if message["type"] != "http.request":  # the client went away
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await send_error(scope, receive, send, 413, "body_too_large", too_big, "body")
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Any:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+def verifier_body_limit(app: Any, max_bytes: int, timeout_s: float) -> BodyLimit:
+    """``shared.body_limit.BodyLimit`` answering in the verifier's error shape."""
+    return BodyLimit(app, max_bytes, lambda status, code, message: error_response(
+        status, code, message, "body"), timeout_s, "SPECDEC_MAX_BODY_BYTES",
+        "SPECDEC_BODY_TIMEOUT_S")
 
 
 class ShutdownAnswer:
