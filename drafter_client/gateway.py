@@ -180,8 +180,9 @@ def _body_schema(model: type[CompletionRequest] | type[ChatCompletionRequest]
         "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-def _with_body_schemas(app: FastAPI) -> Callable[[], dict[str, Any]]:
-    """``app.openapi`` with the request models (and what they nest) among its components."""
+def _with_body_schemas(app: FastAPI, served_model_name: str) -> Callable[[], dict[str, Any]]:
+    """``app.openapi`` with the request models (and what they nest) among its components; the
+    one model name this gateway serves is the only valid ``model``."""
     build = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -191,6 +192,7 @@ def _with_body_schemas(app: FastAPI) -> Callable[[], dict[str, Any]]:
             for model in (CompletionRequest, ChatCompletionRequest):
                 schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 schemas.update(schema.pop("$defs", {}))
+                schema["properties"]["model"]["enum"] = [served_model_name]
                 schemas[model.__name__] = schema
             app.openapi_schema = document
         return app.openapi_schema
@@ -211,7 +213,7 @@ def create_gateway(client: SpecDecClient, settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="specdec gateway (OpenAI-compatible)", version="0.1.0",
                   lifespan=lifespan)
     app.state.gateway = gateway
-    app.openapi = _with_body_schemas(app)  # type: ignore[method-assign]
+    app.openapi = _with_body_schemas(app, settings.served_model_name)  # type: ignore[method-assign]
     app.add_api_route("/v1/completions", completions, methods=["POST"],
                       openapi_extra=_body_schema(CompletionRequest))
     app.add_api_route("/v1/chat/completions", chat_completions, methods=["POST"],
