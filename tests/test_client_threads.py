@@ -32,28 +32,33 @@ def build_and_generate(url: str, drafter: Path, dtype: str, overlap: bool) -> di
             "sampled_accepted_at": sampled.metrics.accepted_at}
 
 
+def build_in_a_crowd(url: str, drafter: Path) -> list[dict[str, Any] | None]:
+    """Every config's client built and run in its own thread, all released at once."""
+    results: list[dict[str, Any] | None] = [None] * len(CONFIGS)
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(CONFIGS))
+
+    def build(i: int) -> None:
+        try:
+            start.wait()
+            results[i] = build_and_generate(url, drafter, *CONFIGS[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(len(CONFIGS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    return results
+
+
 def test_clients_built_in_four_threads_at_once_draft_what_one_built_alone_does(
         gpt2_server: LiveServer, tiny_models: dict[str, Path]) -> None:
     drafter = tiny_models["gpt2-drafter"]
     alone = [build_and_generate(gpt2_server.url, drafter, *config) for config in CONFIGS]
     default_dtype = torch.get_default_dtype()
     for _ in range(2):
-        results: list[dict[str, Any] | None] = [None] * len(CONFIGS)
-        errors: list[BaseException] = []
-        start = threading.Barrier(len(CONFIGS))
-
-        def build(i: int) -> None:
-            try:
-                start.wait()
-                results[i] = build_and_generate(gpt2_server.url, drafter, *CONFIGS[i])
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=build, args=(i,)) for i in range(len(CONFIGS))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert not errors, errors
-        assert results == alone
+        assert build_in_a_crowd(gpt2_server.url, drafter) == alone
         assert torch.get_default_dtype() == default_dtype
