@@ -82,9 +82,15 @@ def longest_token_chars(tokenizer: Any) -> int:
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
+# Every character for which str.isspace() is true.
+WHITESPACE = ("\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680"
+              + "".join(map(chr, range(0x2000, 0x200b))) + "\u2028\u2029\u202f\u205f\u3000")
+
+
 def visible_chars(text: str) -> int:
-    """Characters of ``text`` that are not whitespace (some tokenizers drop whitespace)."""
-    return sum(len(word) for word in text.split())
+    """Characters of ``text`` that are not whitespace (some tokenizers drop whitespace): one
+    fast count per whitespace character, no copy of the text."""
+    return len(text) - sum(map(text.count, WHITESPACE))
 
 
 class Gateway:
@@ -142,6 +148,8 @@ class Gateway:
 
     def check_text_length(self, texts: list[str], param: str) -> None:
         """A 400 for text that surely exceeds the context, decided without tokenizing it."""
+        if sum(map(len, texts)) <= self.max_prompt_chars:
+            return  # the exact count decides
         chars = sum(visible_chars(text) for text in texts)
         if chars > self.max_prompt_chars:
             max_context = self.client.info.max_context

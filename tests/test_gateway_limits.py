@@ -6,6 +6,7 @@ gateway serves normally afterwards."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 
 from drafter_client.api import SpecDecClient
 from drafter_client.gateway import GatewaySettings, create_gateway
+from drafter_client.gateway_engine import WHITESPACE, visible_chars
 from tests.support.live_server import LiveServer, ThreadedServer
 
 MODEL = "tiny-gpt2"
@@ -181,6 +183,12 @@ def test_a_prompt_surely_too_long_is_refused_without_tokenizing(
     assert error["code"] == "context_length_exceeded"
     assert client.tokenizer.encoded == before + 1
     assert_serves(gateway)
+
+
+def test_visible_chars_counts_what_str_split_keeps() -> None:
+    assert sorted(WHITESPACE) == [chr(c) for c in range(sys.maxunicode + 1) if chr(c).isspace()]
+    for text in ["", "   ", "a b", "\u3000x\u2028y\tz\x85", "the cat " * 50]:
+        assert visible_chars(text) == sum(len(word) for word in text.split())
 
 
 def rss_mb() -> float:

@@ -1,4 +1,4 @@
-"""``attack``: a verifier under slow-connection attacks, next to a normal client.
+"""``attack``: a verifier, or the gateway in front of one, under attack next to a normal client.
 
 Opens idle connections (nothing sent), slowloris connections (a request head that never ends,
 one header line a second) and stalled bodies (most of a large body, then nothing), all at once,
@@ -7,8 +7,16 @@ and keeps them up for ``--seconds``. Meanwhile a normal client calls the verifie
 connections the verifier still holds open at the end, and the normal client's latency and
 errors.
 
+``--gateway`` attacks ``specdec serve`` (a process in front of a tiny verifier) instead: stalled
+bodies on ``/v1/completions``, plus ``--large-senders`` threads posting bodies of
+``--large-mib`` MiB (over the body limit) and of just under it (a prompt longer than the context),
+and ``--cut-streams`` threads that open a long stream, read its first chunk and hang up; the
+normal client asks for short completions. It reports the gateway's RSS, the attackers' answers
+and the normal client's latency.
+
   python -m scripts.bench attack --target tiny
   python -m scripts.bench attack --verifier-url http://127.0.0.1:8000 --verifier-pid 1234
+  python -m scripts.bench attack --gateway --seconds 20
 """
 
 from __future__ import annotations
@@ -38,8 +46,8 @@ def rss_mib(pid: int) -> float:
 
 class Attack:
     def __init__(self, host: str, port: int, idle: int, slowloris: int, stalled: int,
-                 body_kib: int) -> None:
-        self.host, self.port = host, port
+                 body_kib: int, path: str = "/v1/sessions") -> None:
+        self.host, self.port, self.path = host, port, path.encode()
         self.counts = {"idle": idle, "slowloris": slowloris, "stalled": stalled}
         self.body = b"x" * (body_kib * 1024)
         self.writers: dict[str, list[asyncio.StreamWriter]] = {k: [] for k in self.counts}
@@ -53,9 +61,9 @@ class Attack:
             self.failed_to_connect += 1
             return
         if kind == "slowloris":
-            writer.write(b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\n")
+            writer.write(b"POST " + self.path + b" HTTP/1.1\r\nHost: x\r\n")
         elif kind == "stalled":
-            writer.write(b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\ncontent-type: "
+            writer.write(b"POST " + self.path + b" HTTP/1.1\r\nHost: x\r\ncontent-type: "
                          b"application/json\r\ncontent-length: " +
                          str(len(self.body) + 16).encode() + b"\r\n\r\n" + self.body)
         with contextlib.suppress(OSError):
@@ -124,11 +132,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body-kib", type=int, default=900)
     parser.add_argument("--seconds", type=float, default=35.0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--gateway", action="store_true",
+                        help="attack `specdec serve` in front of a tiny verifier instead")
+    parser.add_argument("--large-senders", type=int, default=2,
+                        help="--gateway: threads posting large bodies")
+    parser.add_argument("--large-mib", type=float, default=5.0,
+                        help="--gateway: the size of the over-the-limit bodies")
+    parser.add_argument("--cut-streams", type=int, default=4,
+                        help="--gateway: threads opening streams and hanging up")
     parser.add_argument("--label", default="", help="a name for this run in the table")
     parser.add_argument("--out", default="bench_results/attack.json")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.gateway:
+        from scripts.bench.attack_gateway import run_gateway
+
+        return run_gateway(args)
     process = None
     url, pid = args.verifier_url, args.verifier_pid
     if url is None:
