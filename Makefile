@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install "torch==2.13.0"
 	$(BIN)/pip install -e ".[dev]"
+	# The oldest supported transformers (the GPU machine's), beside the venv for
+	# tests/test_min_transformers.py; with huggingface-hub < 2, which it needs.
+	$(BIN)/pip install --no-deps --upgrade --target $(VENV)/transformers-min \
+	  "transformers==5.17.0" "huggingface-hub==1.33.0"
 	touch $(STAMP)
 
 # Every core: pytest-xdist workers, each test handed to whichever worker is free.

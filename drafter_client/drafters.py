@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
-from shared.kv_cache import crop_cache
+from shared.kv_cache import crop_cache, with_cache
 from shared.sampling import (
     SamplingConfig,
     choose_tokens,
@@ -180,7 +180,7 @@ class HFDrafter:
         if not ids:  # nothing new: the last position's logits are those of the last forward
             return self.last_logits
         inputs = torch.tensor([ids], device=self.device)  # [1, n]
-        out = self.model(input_ids=inputs, cache=self.cache, use_cache=True,
+        out = self.model(input_ids=inputs, **with_cache(self.model, self.cache),
                          logits_to_keep=1)
         self.cached.extend(ids)
         self.last_logits = align_vocab(out.logits[0, -1].float().cpu(), self.vocab_size)
@@ -304,7 +304,7 @@ class HFSeq2SeqDrafter(HFDrafter):
             return self.last_logits
         out = self.model(encoder_outputs=self.encoded,
                          decoder_input_ids=torch.tensor([ids], device=self.device),
-                         cache=self.cache, use_cache=True)
+                         **with_cache(self.model, self.cache))
         self.cached.extend(ids)
         self.last_logits = align_vocab(out.logits[0, -1].float().cpu(), self.vocab_size)
         return self.last_logits  # [vocab]

@@ -4,7 +4,23 @@ pool and rolls back by moving a length: ``shared/kv_pool.py``)."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def with_cache(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword arguments that hand ``cache`` to ``model``'s forward and have it filled.
+    transformers 5.24 names it ``cache`` (``past_key_values`` is deprecated there); 5.17 (the
+    GPU machine's) knows only ``past_key_values`` and silently ignores ``cache``, which left
+    the cache empty."""
+    return {_cache_keyword(type(model)): cache, "use_cache": True}
 
 
 def cache_length(cache: Any) -> int:

@@ -115,28 +115,6 @@ def test_gateway_bench_runs_on_tiny_models(tiny_models: dict[str, Path], tmp_pat
     assert json.loads((tmp_path / "gateway.json").read_text())["rows"] == rows
 
 
-def test_gpu_bench_smoke_run_on_cpu(tmp_path: Path) -> None:
-    """The GPU benchmark's whole pipeline on a tiny random Qwen-shaped pair on CPU (it measures
-    nothing useful there; it proves the command works before a GPU lease is spent on it)."""
-    payload = bench([
-        "gpu", "--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--ks", "0", "2",
-        "--calls", "2", "--clients", "1", "2", "--max-new-tokens", "4", "--blocks", "1", "5",
-        "--batches", "2", "--call-sessions", "2", "--call-seconds", "1",
-        "--client-processes", "1", "--out", str(tmp_path / "gpu.json")])
-    assert [r["new_tokens"] for r in payload["raw_forward"]] == [1, 5]
-    assert [r["k"] for r in payload["served_calls"]] == [0, 2]
-    assert all(r["round_trip_ms"] >= r["inside_server_ms"] > 0 for r in payload["served_calls"])
-    assert [r["k"] for r in payload["served_calls_cuda_graphs"]] == [0, 2]
-    assert payload["target_alone"]["served_tok_s"] > 0
-    assert all(row["equal"] for row in payload["aggregate_table"])
-    assert payload["drafter"]["plain_c"] > 0 and payload["drafter"]["cuda_graphs_c"] > 0
-    [engine] = payload["batched_engine"]
-    assert engine["batch"] == 2 and engine["padded_ms"] > 0 and engine["device_sampled_ms"] > 0
-    [http] = payload["http_layer"]
-    assert http["sessions"] == 2 and http["calls"] > 0 and http["server_cpu_us_per_call"] > 0
-    assert json.loads((tmp_path / "gpu.json").read_text())["served_calls"] == \
-        payload["served_calls"]
-
 
 def test_client_bench_runs_every_section_on_tiny_models(tiny_models: dict[str, Path],
                                                         tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
-from shared.kv_cache import crop_cache
+from shared.kv_cache import crop_cache, with_cache
 from shared.kv_pool import SlotAllocator
 
 
@@ -92,6 +92,6 @@ def seq2seq_forward(model: Any, pool: Seq2SeqPool, items: list[Any],
             continue
         out = model(encoder_outputs=state.encoder_outputs,
                     decoder_input_ids=torch.tensor([item.token_ids], device=device),
-                    cache=state.cache, use_cache=True)
+                    **with_cache(model, state.cache))
         rows.append(out.logits[0].float().cpu() if item.keep_logits else None)  # [n, vocab]
     return rows

@@ -18,6 +18,7 @@ import transformers
 from transformers import DynamicCache
 
 from scripts.fetch_models import fetch
+from shared.kv_cache import with_cache
 from shared.models import OFFLINE_MODELS
 from tests.support.process import VerifierProcess
 
@@ -124,11 +125,11 @@ def plain_step_ms(model: Any, context: list[int], new: int, repeats: int, warm: 
     (on the model's device)."""
     device = next(model.parameters()).device
     cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([context], device=device), cache=cache, use_cache=True)
+    model(input_ids=torch.tensor([context], device=device), **with_cache(model, cache))
 
     def step() -> None:
-        model(input_ids=torch.tensor([context[:new]], device=device), cache=cache,
-              use_cache=True, logits_to_keep=new)
+        model(input_ids=torch.tensor([context[:new]], device=device),
+              **with_cache(model, cache), logits_to_keep=new)
         cache.crop(-new)  # drop the step again
 
     return median_ms(step, repeats, device, warm)

@@ -18,7 +18,6 @@ import threading
 import time
 from typing import Any
 
-import openai
 import torch
 
 from drafter_client import SpecDecClient
@@ -50,7 +49,7 @@ def _direct(client: SpecDecClient, prompt: str, max_new: int, k: str) -> int:
                                       chat=True).token_ids)
 
 
-def _gateway(oai: openai.OpenAI, prompt: str, max_new: int, stream: bool) -> int:
+def _gateway(oai: Any, prompt: str, max_new: int, stream: bool) -> int:
     messages: Any = [{"role": "user", "content": prompt}]
     if not stream:
         reply = oai.chat.completions.create(model=NAME, messages=messages, temperature=0,
@@ -100,6 +99,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                else args.drafter, dtype=args.dtype)
         settings = GatewaySettings(NAME, num_draft_tokens=str(args.k),
                                    max_concurrency=max(args.concurrency))
+        import openai  # here, not at import: `python -m scripts.bench` runs without it (GPU box)
+
         with ThreadedServer(create_gateway(client, settings)) as gateway:
             oai = openai.OpenAI(base_url=gateway.url + "/v1", api_key="none", max_retries=0)
             methods = {
