@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from drafter_client.api import DEFAULT_K, DEFAULT_OPTIONS, DrafterOptions, SpecDecClient
 from drafter_client.draft_length import make_draft_length
 from drafter_client.speculative import GenerationResult
+from drafter_client.text import TextTracker
 from drafter_client.transport import SpecDecError
 from shared.schema import GenerateRequest, SamplingParams
 
@@ -167,20 +168,25 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 class TextStream:
-    """Prints decoded text as tokens arrive, holding back an incomplete UTF-8 sequence."""
+    """Prints decoded text as tokens arrive (``TextTracker``: an incomplete UTF-8 sequence at
+    the end is held back until a later token completes it); ``finish`` prints what is still
+    held when the generation ends."""
 
     def __init__(self, client: SpecDecClient) -> None:
-        self.client, self.printed = client, 0
-        self.ids: list[int] = []
+        self.tracker = TextTracker(client.decode)
 
     def __call__(self, new_ids: list[int]) -> None:
-        self.ids.extend(new_ids)
-        text = self.client.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return
-        sys.stdout.write(text[self.printed:])
-        sys.stdout.flush()
-        self.printed = len(text)
+        self.tracker.add(new_ids)
+        self._write(self.tracker.delta())
+
+    def finish(self) -> None:
+        self._write(self.tracker.delta(final=True))
+
+    @staticmethod
+    def _write(piece: str) -> None:
+        if piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
 
 
 def _summary(result: GenerationResult, label: str) -> str:
@@ -342,6 +348,8 @@ def run(argv: list[str] | None = None) -> int:
             stream = None if args.json else TextStream(client)
             result = client.generate(prompt, num_draft_tokens=args.num_draft_tokens,
                                      on_tokens=stream, **sampling)
+            if stream is not None:
+                stream.finish()
         else:
             client = make_client(args, with_drafter=False)
             early: bool | str = {"true": True, "false": False}.get(args.early_stopping, "never")

@@ -21,6 +21,7 @@ from drafter_client.api import SpecDecClient
 from drafter_client.draft_length import make_draft_length
 from drafter_client.drafters import HFDrafter
 from drafter_client.speculative import BlockOutcome, GenerationResult
+from drafter_client.text import TextTracker
 from drafter_client.transport import SpecDecError
 from shared.schema import SamplingParams
 
@@ -203,6 +204,7 @@ class Console:
         try:
             result = self.client.generate(ids, num_draft_tokens=s.k, on_block=stream,
                                           **sampling)
+            stream.finish()
         except SpecDecError as exc:
             self.out.write("\n")
             self.say(f"error: {exc}")
@@ -242,26 +244,31 @@ class Console:
 
 
 class ColorStream:
-    """Prints each block's tokens as they are verified, coloured by kind; holds back a
-    trailing incomplete UTF-8 sequence until the next block completes it."""
+    """Prints each block's tokens as they are verified, coloured by kind (``TextTracker``: a
+    trailing incomplete UTF-8 sequence waits for the token that completes it); ``finish``
+    prints what is still held when the answer ends."""
 
     def __init__(self, console: Console) -> None:
         self.console = console
-        self.ids: list[int] = []
-        self.printed = 0
+        self.tracker = TextTracker(console.client.decode)
+        self.kind = "target"
 
     def __call__(self, outcome: BlockOutcome) -> None:
         k, accepted = len(outcome.draft_ids), outcome.num_accepted
         for i, token in enumerate(outcome.tokens):
-            kind = ("accepted" if i < accepted else "target" if k == 0
-                    else "bonus" if accepted == k else "recovered")
-            self.ids.append(token)
-            text = self.console.client.decode(self.ids)
-            if text.endswith("\ufffd"):
-                continue
-            self.console.out.write(self.console._paint(text[self.printed:], kind))
-            self.printed = len(text)
+            self.kind = ("accepted" if i < accepted else "target" if k == 0
+                         else "bonus" if accepted == k else "recovered")
+            self.tracker.add([token])
+            self._write(self.tracker.delta())
         self.console.out.flush()
+
+    def finish(self) -> None:
+        self._write(self.tracker.delta(final=True))
+        self.console.out.flush()
+
+    def _write(self, piece: str) -> None:
+        if piece:
+            self.console.out.write(self.console._paint(piece, self.kind))
 
 
 def run_console(client: SpecDecClient, args: argparse.Namespace) -> int:

@@ -232,6 +232,9 @@ class Gateway:
                 on_block=on_block)
         finally:
             client.close()
+        tail = tracker.delta(final=True)  # what was held back: an incomplete character at the end
+        if emit is not None and tail:
+            emit(tail)
         self.metrics.finished(len(job.prompt_ids), result)
         finish = "stop" if tracker.stopped or result.finish_reason == "stop" else "length"
         return Finished(tracker.text, finish, len(tracker.ids), result)

@@ -39,8 +39,10 @@ def main() -> None:
         client = SpecDecClient(verifier.url, args.drafter)
         print(f"\n=== speculative: {args.drafter} drafts k={args.num_draft_tokens}, "
               f"{args.target} verifies ===\n", flush=True)
+        stream = TextStream(client)
         spec = client.generate(args.prompt, chat=True, num_draft_tokens=args.num_draft_tokens,
-                               max_new_tokens=args.max_new_tokens, on_tokens=TextStream(client))
+                               max_new_tokens=args.max_new_tokens, on_tokens=stream)
+        stream.finish()
         print(f"\n\n=== baseline: {args.target} alone (/v1/generate) ===\n", flush=True)
         base = client.baseline(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
         print(base.text)

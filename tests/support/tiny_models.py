@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -46,6 +46,25 @@ def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def build_byte_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (GPT-2's byte-to-character mapping) whose ids are single bytes:
+    ASCII letters and the lead bytes of two-byte UTF-8 characters (0xC3, ...), so a generation
+    can end in the middle of a character, which then decodes to U+FFFD."""
+    letters = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    leads = [chr(b) for b in range(0xC2, 0xD0)]  # bytes >= 0xA1 map to the same code point
+    names = ["<unk>", "<eos>", "\u0120", *letters, *leads][:vocab_size]  # U+0120: a space
+    names += [chr(b) for b in range(0xA1, 0xC0)][:vocab_size - len(names)]
+    assert len(names) == vocab_size, len(names)
+    core = Tokenizer(models.BPE(vocab={name: i for i, name in enumerate(names)}, merges=[],
+                                unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>",
+                                        eos_token="<eos>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
 def build_model(arch: str, vocab_size: int, seed: int, init_range: float = 0.02):  # type: ignore[no-untyped-def]
     torch.manual_seed(seed)
     common = {"vocab_size": vocab_size, "eos_token_id": 1, "bos_token_id": 1}
@@ -66,6 +85,13 @@ def save_tiny(folder: Path, arch: str, vocab_size: int, seed: int,
               init_range: float = 0.02) -> Path:
     build_model(arch, vocab_size, seed, init_range).save_pretrained(folder)
     build_tokenizer(vocab_size).save_pretrained(folder)
+    return folder
+
+
+def save_byte_level(folder: Path, seed: int) -> Path:
+    """A vocab-64 GPT-2 with ``build_byte_tokenizer``'s byte-level vocabulary."""
+    build_model("gpt2", 64, seed, init_range=0.3).save_pretrained(folder)
+    build_byte_tokenizer(64).save_pretrained(folder)
     return folder
 
 

@@ -1,0 +1,69 @@
+"""A generation that ends inside a multi-byte character (issue #27): the streamed text must be
+the plain answer's text, U+FFFD at the end included. Streaming holds back a trailing incomplete
+UTF-8 sequence (a later token may complete it); when the generation ends, what is held back is
+sent. Through the official `openai` client against `specdec serve`, and through
+`specdec generate`'s printed text, on a tiny pair whose tokens are single bytes."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import orjson
+import pytest
+
+from drafter_client.api import SpecDecClient
+from drafter_client.cli import run
+from drafter_client.gateway import GatewaySettings, create_gateway
+from tests.support.live_server import LiveServer, ThreadedServer, fp32_settings
+from tests.support.tiny_models import save_byte_level
+
+MODEL = "tiny-bytes"
+SEEDS = range(16)
+
+
+@pytest.fixture(scope="module")
+def byte_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    folder = save_byte_level(tmp_path_factory.mktemp("bytes") / "target", seed=23)
+    with LiveServer(fp32_settings(folder, max_draft_tokens=8)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def oai(byte_server: LiveServer) -> Iterator[openai.OpenAI]:
+    client = SpecDecClient(byte_server.url, "ngram")
+    with ThreadedServer(create_gateway(client, GatewaySettings(MODEL))) as gateway:
+        yield openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_a_stream_ending_mid_character_sends_its_last_bytes(oai: openai.OpenAI) -> None:
+    ends_mid_character = 0
+    for seed in SEEDS:
+        ask = {"model": MODEL, "prompt": "ab", "max_tokens": 5, "temperature": 1.0,
+               "seed": seed}
+        plain = oai.completions.create(**ask).choices[0].text
+        streamed = "".join(chunk.choices[0].text for chunk in
+                           oai.completions.create(**ask, stream=True) if chunk.choices)
+        assert streamed == plain, seed
+        ends_mid_character += plain.endswith("\ufffd")
+    assert ends_mid_character > 0  # the case under test happened
+
+
+def test_the_cli_prints_the_last_bytes_too(byte_server: LiveServer) -> None:
+    ends_mid_character = 0
+    for seed in SEEDS:
+        common = ["generate", "--verifier-url", byte_server.url, "--drafter", "ngram",
+                  "--prompt", "ab", "--max-new-tokens", "5", "--temperature", "1.0",
+                  "--seed", str(seed)]
+        printed, as_json = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            assert run(common) == 0
+        with contextlib.redirect_stdout(as_json):
+            assert run([*common, "--json"]) == 0
+        text = orjson.loads(as_json.getvalue())["text"]
+        assert printed.getvalue().startswith(text + "\n"), seed
+        ends_mid_character += text.endswith("\ufffd")
+    assert ends_mid_character > 0
