@@ -20,6 +20,7 @@ from typing import Any, TextIO
 from drafter_client.api import SpecDecClient
 from drafter_client.draft_length import make_draft_length
 from drafter_client.drafters import HFDrafter
+from drafter_client.hybrid import HybridDrafter
 from drafter_client.speculative import BlockOutcome, GenerationResult
 from drafter_client.text import TextTracker
 from drafter_client.transport import SpecDecError
@@ -146,9 +147,12 @@ class Console:
         value = float(arg)
         if not 0.0 <= value <= 1.0:
             raise ValueError("must lie in [0, 1]")
-        if not isinstance(self.client.drafter, HFDrafter):
+        drafter = self.client.drafter
+        if isinstance(drafter, HybridDrafter):  # the default: lookup + the model
+            drafter = drafter.model
+        if not isinstance(drafter, HFDrafter):
             raise ValueError("only a model drafter has a confidence stop")
-        self.client.drafter.min_prob = value
+        drafter.min_prob = value
         self.say(f"draft min prob = {value}")
 
     def _set_drafter(self, arg: str) -> None:

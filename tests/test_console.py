@@ -57,12 +57,14 @@ def test_chat_console_streams_in_colour_and_obeys_commands(
     assert ANSI.sub("", answer(child, "a dog ran")).startswith(second.text)
 
     assert "k = 2" in answer(child, "/k 2")
+    # the default drafter is the hybrid (lookup + model): the setting reaches its model
+    assert "draft min prob = 0.3" in answer(child, "/draft-min-prob 0.3")
     assert "error" in answer(child, "/k zero")
     assert "error" in answer(child, "/temperature -1")
     assert "compare with the target alone: on" in answer(child, "/compare")
     assert "new conversation" in answer(child, "/reset")
     compared = ANSI.sub("", answer(child, "the cat sat"))
-    assert compared.startswith(first.text)  # k changed, greedy output did not
+    assert compared.startswith(first.text)  # k and min prob changed, greedy output did not
     assert "target alone" in compared and "identical output" in compared
     assert "verify calls" in answer(child, "/metrics")
     assert "unknown command" in answer(child, "/frobnicate")
