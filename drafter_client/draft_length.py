@@ -9,6 +9,16 @@ and picks the k that maximises expected tokens per second,
     E[tokens](k) / (k t_draft + rtt(k)),  E[tokens](k) = 1 + sum_{i<=k} prod_{j<=i} c_j,
 which is (1 - a^(k+1)) / (1 - a) when every c_j = a (Leviathan et al. 2023). Because the round
 trip is measured, a distant verifier makes longer drafts worth it.
+
+k = 0 is a candidate too: a plain decode step through the same session (one token per round
+trip, no drafting), at 1 / rtt(0) tokens per second. Where no k >= 1 beats it - drafting costs
+more than the verify time it saves, as with a float32 target on a 2-core CPU - the cost model
+drafts nothing, so speculation is never slower than the target alone by more than a round trip's
+overhead. While it drafts nothing its acceptance estimates go stale, so every ``probe_every``
+plain steps it drafts one block at its best k >= 1 (the gap doubles, up to ``max_probe_gap``,
+while probes do not win, and starts again when one does). Each choice depends only on blocks
+already verified and on timings, never on the block about to be drafted, so the output
+distribution stays the target's.
 """
 
 from __future__ import annotations
@@ -61,8 +71,12 @@ class CostModelLength:
     name = "auto"
 
     def __init__(self, max_k: int = 16, start: int = 2, decay: float = 0.95,
-                 prior_acceptance: float = 0.6, prior_weight: float = 2.0) -> None:
+                 prior_acceptance: float = 0.6, prior_weight: float = 2.0,
+                 probe_every: int = 8, max_probe_gap: int = 64) -> None:
         self.max_k, self.k, self.decay = max_k, start, decay
+        self.probe_every, self.max_probe_gap = probe_every, max_probe_gap
+        self.probe_gap = probe_every  # plain steps before the next probe
+        self.plain_steps = 0  # plain steps since the last drafted block
         self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
         self.reached = [0.0] * max_k  # decayed count of blocks that tested position i
         self.passed = [0.0] * max_k  # ... and accepted it
@@ -75,8 +89,10 @@ class CostModelLength:
         self.min_samples = 0.5  # decayed weight (one block ~13 blocks ago) to count as measured
         # The first block's drafting includes the drafter's prefill of the whole prompt (548 ms
         # next to 90 ms per drafted token for the 0.5B drafter on a 150-token prompt): as a
-        # per-token cost it made k = 1 look best for the next 20 blocks. It is not counted.
+        # per-token cost it made k = 1 look best for the next 20 blocks. It is not counted, nor
+        # is the first drafted block after plain steps (the drafter catches up on their tokens).
         self.blocks = 0
+        self.last_proposed: int | None = None
 
     def acceptance(self) -> list[float]:
         """c_i per position, shrunk towards the pooled rate where a position has little data."""
@@ -95,6 +111,9 @@ class CostModelLength:
                     if weight >= self.min_samples}
         if k in measured:
             return measured[k]
+        plain = self._rtt_at.get(0)
+        if k == 0 and plain is not None and plain[0] > 1e-9:
+            return plain[1] / plain[0]  # plain steps are rare while drafting wins: keep the mean
         if not measured:
             return self.rtt_line(k)
         below = max((j for j in measured if j < k), default=None)
@@ -130,13 +149,33 @@ class CostModelLength:
         seconds = k * (self.draft_s_per_token or 0.0) + self.rtt(k)
         return tokens / seconds if seconds > 0 else tokens
 
+    def plain_rate(self) -> float:
+        """Tokens per second of plain decode steps (k = 0)."""
+        seconds = self.rtt(0)
+        return 1.0 / seconds if seconds > 0 else float("inf")
+
+    def measured(self, k: int) -> bool:
+        entry = self._rtt_at.get(k)
+        return entry is not None and entry[0] >= self.min_samples
+
     def next_k(self) -> int:
         if self._rtt[0] == 0 or self.draft_s_per_token is None:
             return self.k  # not measured yet
+        if not self.measured(0) and 0 not in self._rtt_at:
+            self.k = 0  # one plain step, to know what drafting nothing costs
+            return self.k
         # Climb: at most one past the longest draft measured, so a cost that is not a line
         # is found step by step rather than extrapolated.
         longest = max((k for k, (w, _) in self._rtt_at.items() if w > 0.05), default=self.k)
-        self.k = max(range(1, min(self.max_k, longest + 1) + 1), key=self.expected_rate)
+        best = max(range(1, min(self.max_k, longest + 1) + 1), key=self.expected_rate)
+        if self.expected_rate(best) >= self.plain_rate():
+            self.k, self.plain_steps, self.probe_gap = best, 0, self.probe_every
+        elif self.plain_steps >= self.probe_gap:  # drafting lost; look again now and then
+            self.k, self.plain_steps = best, 0
+            self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
+        else:
+            self.k = 0
+            self.plain_steps += 1
         return self.k
 
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float) -> None:
@@ -148,7 +187,9 @@ class CostModelLength:
             self.reached[i] += 1
             self.passed[i] += float(i < accepted)
         self.blocks += 1
-        if proposed and self.blocks > 1:
+        after_plain = self.last_proposed == 0
+        self.last_proposed = proposed
+        if proposed and self.blocks > 1 and not after_plain:
             per_token = drafting_s / proposed
             self.draft_s_per_token = per_token if self.draft_s_per_token is None else (
                 d * self.draft_s_per_token + (1 - d) * per_token)

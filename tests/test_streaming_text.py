@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import io
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import orjson
