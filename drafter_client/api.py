@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -37,15 +38,16 @@ from drafter_client.speculative import (
     speculative_generate,
 )
 from drafter_client.transport import HttpVerifier, SpecDecError, Verifier
+from shared.dtype_choice import load_lm_auto
 from shared.models import (
     ModelSpecError,
-    load_lm,
     load_tokenizer,
     pick_device,
-    pick_dtype,
     tokenizer_fingerprint,
 )
 from shared.schema import PROTOCOL_VERSION, GenerateRequest, SamplingParams
+
+log = logging.getLogger(__name__)
 
 MODEL_FREE_DRAFTERS = ("ngram", "prompt-lookup", "bigram")
 
@@ -148,6 +150,7 @@ class SpecDecClient:
         # How to build one more drafter of the same kind (fork): None for a ready Drafter.
         self._new_drafter: Callable[[], Drafter] | None = None
         self._model_drafter: tuple[Any, str, bool] | None = None  # (model, spec, seq2seq)
+        self.drafter_dtype: str | None = None  # a model drafter's dtype, and why
         if isinstance(drafter, str) and drafter in MODEL_FREE_DRAFTERS:
             name = drafter
             self._new_drafter = lambda: build_model_free(name, options)
@@ -157,7 +160,9 @@ class SpecDecClient:
                 raise SpecDecError(f"drafter {drafter}: {exc}") from exc
         elif isinstance(drafter, str):
             torch_device = pick_device(device)
-            model = load_lm(drafter, pick_dtype(dtype, torch_device), torch_device)
+            model, chosen = load_lm_auto(drafter, dtype, torch_device)
+            log.info("drafter dtype: %s", chosen)
+            self.drafter_dtype = chosen
             seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
             if seq2seq != self.info.is_encoder_decoder:
                 kinds = ("an encoder-decoder", "a decoder-only")
@@ -304,7 +309,8 @@ class SpecDecClient:
         if self.drafter is None:
             raise SpecDecError("this client has no drafter; use baseline() or pass drafter=")
         try:
-            draft_length = make_draft_length(str(num_draft_tokens), self.info.max_draft_tokens)
+            draft_length = make_draft_length(str(num_draft_tokens), self.info.max_draft_tokens,
+                                             self.info.verify_ms)
         except ValueError as exc:
             raise SpecDecError(str(exc)) from exc
         try:

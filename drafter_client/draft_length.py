@@ -19,6 +19,11 @@ plain steps it drafts one block at its best k >= 1 (the gap doubles, up to ``max
 while probes do not win, and starts again when one does). Each choice depends only on blocks
 already verified and on timings, never on the block about to be drafted, so the output
 distribution stays the target's.
+
+A verifier reports what its verify forwards cost (``/v1/info`` ``verify_ms``, timed at start):
+those costs seed the per-k round trips with one block's weight each, so the first choices are
+made on this verifier's costs rather than on a guess, and blocks measured here soon outweigh
+them (they lack the network's share of a round trip).
 """
 
 from __future__ import annotations
@@ -72,7 +77,8 @@ class CostModelLength:
 
     def __init__(self, max_k: int = 16, start: int = 2, decay: float = 0.95,
                  prior_acceptance: float = 0.6, prior_weight: float = 2.0,
-                 probe_every: int = 8, max_probe_gap: int = 64) -> None:
+                 probe_every: int = 8, max_probe_gap: int = 64,
+                 verify_ms: list[tuple[int, float]] | None = None) -> None:
         self.max_k, self.k, self.decay = max_k, start, decay
         self.probe_every, self.max_probe_gap = probe_every, max_probe_gap
         self.probe_gap = probe_every  # plain steps before the next probe
@@ -93,6 +99,9 @@ class CostModelLength:
         # is the first drafted block after plain steps (the drafter catches up on their tokens).
         self.blocks = 0
         self.last_proposed: int | None = None
+        for k, ms in verify_ms or []:
+            if k <= max_k:
+                self._rtt_at[k] = [1.0, ms / 1e3]  # one block's weight at the verifier's cost
 
     def acceptance(self) -> list[float]:
         """c_i per position, shrunk towards the pooled rate where a position has little data."""
@@ -205,10 +214,12 @@ class CostModelLength:
             self._rtt[i] += v
 
 
-def make_draft_length(spec: str, max_k: int) -> DraftLength:
-    """``-k`` values: an integer, ``auto`` (cost model) or ``heuristic``."""
+def make_draft_length(spec: str, max_k: int,
+                      verify_ms: list[tuple[int, float]] | None = None) -> DraftLength:
+    """``-k`` values: an integer, ``auto`` (cost model, seeded with the verifier's measured
+    ``verify_ms``) or ``heuristic``."""
     if spec == "auto":
-        return CostModelLength(max_k=max_k)
+        return CostModelLength(max_k=max_k, verify_ms=verify_ms)
     if spec == "heuristic":
         return HeuristicLength(max_k=max_k)
     try:

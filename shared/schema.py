@@ -70,6 +70,9 @@ class InfoResponse(_Strict):
     # starts from decoder_start_token_id.
     is_encoder_decoder: bool = False
     decoder_start_token_id: Id | None = None
+    # [k, ms]: a verify forward of k drafts (k + 1 new tokens) on a short cache in this
+    # verifier's engine, measured at start; a client's `-k auto` starts from these costs.
+    verify_ms: list[tuple[Count, float]] | None = None
 
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,19 @@ import pytest
 
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.tiny_models import build_tiny_set
+
+
+@pytest.fixture(scope="session", autouse=True)
+def dtype_choices(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``--dtype auto`` records its measured choices for the tests' tiny models in the session's
+    temporary folder, not in the user's $SPECDEC_HOME (subprocesses inherit it)."""
+    previous = os.environ.get("SPECDEC_DTYPE_CACHE")
+    os.environ["SPECDEC_DTYPE_CACHE"] = str(tmp_path_factory.mktemp("dtype") / "choices.json")
+    yield
+    if previous is None:
+        os.environ.pop("SPECDEC_DTYPE_CACHE", None)
+    else:
+        os.environ["SPECDEC_DTYPE_CACHE"] = previous
 
 
 @pytest.fixture(scope="session")

@@ -165,6 +165,23 @@ def test_cost_model_drafts_nothing_where_no_k_pays_and_probes_again_later() -> N
     assert chosen[-10:].count(0) == 0
 
 
+def test_cost_model_starts_from_the_verifiers_measured_costs() -> None:
+    """Seeded with verify costs where a block costs 1.9x a plain step (float32 on 2 cores), it
+    needs no plain step of its own to know that, and drafts nothing after its first blocks
+    show drafting at 0.4 of a step; unseeded, it has to try k = 0 first."""
+    verify_ms = [(0, 390.0), (1, 750.0), (2, 1120.0), (3, 1150.0), (4, 1150.0)]
+    seeded = CostModelLength(max_k=4, verify_ms=verify_ms)
+    assert seeded.measured(0) and seeded.rtt(2) == pytest.approx(1.12)
+    chosen = []
+    for _ in range(4):
+        k = seeded.next_k()
+        chosen.append(k)
+        seconds = dict(verify_ms)[k] / 1e3 + 0.002
+        seeded.update(k, k // 2, 0.16 * k, seconds)
+    assert chosen[:2] == [2, 2] and chosen[2:] == [0, 0]
+    assert make_draft_length("auto", 4, verify_ms).rtt(0) == pytest.approx(0.39)
+
+
 def test_make_draft_length() -> None:
     assert isinstance(make_draft_length("3", 8), FixedLength)
     assert isinstance(make_draft_length("auto", 8), CostModelLength)

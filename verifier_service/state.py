@@ -51,6 +51,8 @@ def describe(runner: TargetRunner, settings: Settings) -> InfoResponse:
         dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device),
         is_encoder_decoder=runner.is_encoder_decoder,
         decoder_start_token_id=runner.decoder_start_token_id,
+        verify_ms=[(k, ms) for k, ms in runner.verify_ms if k <= settings.max_draft_tokens]
+        or None,
     )
 
 

@@ -10,15 +10,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shared.dtype_choice import load_lm_auto
 from shared.engine import ForwardItem, pooled_forward
 from shared.graphs import StaticForwards
 from shared.kv_pool import ATTENTION_NAME, KVPool
 from shared.models import (
     ModelSpecError,
-    load_lm,
     load_tokenizer,
     pick_device,
-    pick_dtype,
     tokenizer_fingerprint,
 )
 from verifier_service.seq2seq import Seq2SeqPool, seq2seq_forward
@@ -26,6 +25,7 @@ from verifier_service.settings import Settings
 from verifier_service.tensor_parallel import Lockstep
 
 log = logging.getLogger(__name__)
+VERIFY_KS = (0, 1, 2, 3, 4, 6, 8)  # drafts per block timed at start (``verify_ms``)
 
 
 def eos_ids_of(model: Any, tokenizer: Any) -> list[int]:
@@ -119,6 +119,7 @@ class TargetRunner:
         num_slots = max(kv_budget_tokens // self.max_context, 1)
         self.is_encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
         self.lockstep: Lockstep | None = None  # tensor parallel: rank 0 leads the others
+        self.verify_ms: list[tuple[int, float]] = []  # measured in warm_up (``/v1/info``)
         # "device": verify jobs are decided batched next to the logits (acceptance.py); "host":
         # each job's rows are copied to the host and decided alone (the reference path).
         self.acceptance = "device"
@@ -150,9 +151,11 @@ class TargetRunner:
         ``offload_folder``); each layer's KV slots live where that layer's attention runs."""
         started = time.perf_counter()
         torch_device = pick_device(device)
-        model = load_lm(spec, pick_dtype(dtype, torch_device), torch_device,
-                        device_map=parse_device_map(device_map),
-                        offload_folder=offload_folder or None, tp_plan=tp_plan or None)
+        model, chosen = load_lm_auto(spec, dtype, torch_device,
+                                     device_map=parse_device_map(device_map),
+                                     offload_folder=offload_folder or None,
+                                     tp_plan=tp_plan or None)
+        log.info("target dtype: %s", chosen)
         runner = cls(model, load_tokenizer(spec), spec, max_context, kv_budget_tokens,
                      tp_size=dist.get_world_size() if tp_plan else 1)
         runner.warm_up()  # every rank at once: the same forwards, so their collectives match
@@ -195,7 +198,29 @@ class TargetRunner:
         encoder_ids = ids if self.is_encoder_decoder else None
         self.forward([ForwardItem(slot, 0, ids, False, encoder_ids)])
         self.forward([ForwardItem(slot, 16, ids[:5], True)])
+        if not self.is_encoder_decoder:
+            self.verify_ms = self.time_verify_blocks(slot, ids)
         self.pool.release(slot)
+
+    def time_verify_blocks(self, slot: int, ids: list[int], ks: tuple[int, ...] = VERIFY_KS,
+                           repeats: int = 2) -> list[tuple[int, float]]:
+        """[k, ms] of a verify forward of k drafts on the 16-token warm-up cache (median of
+        ``repeats``, after one untimed): what ``/v1/info`` reports as ``verify_ms``."""
+        timings = []
+        for k in ks:
+            if 16 + k + 1 > self.max_context:
+                break
+            block = [ids[i % len(ids)] for i in range(k + 1)]
+            times = []
+            for i in range(repeats + 1):
+                started = time.perf_counter()
+                rows = self.forward([ForwardItem(slot, 16, block, True)])
+                if rows[0] is not None:
+                    rows[0].cpu()  # the logits are ready (a GPU forward returns early)
+                if i:
+                    times.append(time.perf_counter() - started)
+            timings.append((k, round(1e3 * sorted(times)[len(times) // 2], 3)))
+        return timings
 
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:

@@ -1,0 +1,199 @@
+"""``--dtype auto``: the dtype a causal LM runs fastest in on this machine, measured.
+
+On CUDA it is bfloat16. On a CPU it depends on the chip: with native bf16 (AVX512-BF16, AMX)
+bfloat16 decodes about twice as fast as float32 and a block of k tokens costs little more than
+one; without it bfloat16 matmuls are emulated and float32 wins. So the first load of a model on a
+machine times forwards of the blocks the speculative loop runs (1, 3 and 5 new tokens on a short
+cache) in both dtypes, keeps the faster (lower sum), and records the choice in
+``$SPECDEC_HOME/dtype-choices.json`` under the model folder, the CPU, the thread count and the
+torch version, so later starts load straight into it.
+
+The two candidates are the same weights: a bf16 / fp16 checkpoint is loaded in bfloat16 and
+widened to float32 (exact), a float32 checkpoint is loaded in float32 and narrowed; when float32
+wins after narrowing, it is loaded again from disk rather than widened back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared.kv_cache import with_cache
+from shared.models import resolve_model_spec, specdec_home
+
+log = logging.getLogger("specdec.dtype")
+
+BLOCKS = (1, 3, 5)  # new tokens per timed forward: a plain step, k = 2 and k = 4 verify blocks
+CONTEXT = 32  # tokens already in the cache
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    block_ms: dict[str, dict[int, float]]  # dtype name -> new tokens -> ms (empty: cached)
+    cached: bool
+
+    def describe(self) -> str:
+        name = str(self.dtype).removeprefix("torch.")
+        if self.cached:
+            return f"{name} (measured before on this machine; {cache_path()})"
+        timings = "; ".join(f"{dt}: " + " / ".join(f"{ms:.0f}" for ms in row.values())
+                            for dt, row in self.block_ms.items())
+        return f"{name} (ms for {' / '.join(map(str, BLOCKS))} new tokens: {timings})"
+
+
+def cache_path() -> Path:
+    """``$SPECDEC_DTYPE_CACHE``, else ``$SPECDEC_HOME/dtype-choices.json``."""
+    return Path(os.environ.get("SPECDEC_DTYPE_CACHE") or specdec_home() / "dtype-choices.json")
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cache_key(spec: str) -> str:
+    path, gguf_file = resolve_model_spec(spec)
+    folder = Path(path).resolve()
+    config = folder / (gguf_file or "config.json")
+    stamp = int(config.stat().st_mtime) if config.exists() else 0
+    return (f"{folder / (gguf_file or '')}|{stamp}|{cpu_name()}|threads={torch.get_num_threads()}"
+            f"|torch={torch.__version__}")
+
+
+def _read_cache() -> dict[str, str]:
+    try:
+        data = json.loads(cache_path().read_text())
+        return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, dtype: torch.dtype) -> None:
+    data = _read_cache()
+    data[key] = str(dtype).removeprefix("torch.")
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only home: measure again next time
+        log.warning("cannot record the dtype choice in %s: %s", path, exc)
+
+
+@torch.inference_mode()
+def block_ms(model: Any, repeats: int = 3) -> dict[int, float]:
+    """Median ms of a forward of each of ``BLOCKS`` new tokens on a ``CONTEXT``-token cache."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    vocab = int(model.config.vocab_size)
+    context = torch.arange(CONTEXT, device=device).remainder(vocab)[None]  # [1, CONTEXT]
+    cache = DynamicCache(config=model.config)
+    model(input_ids=context, **with_cache(model, cache), logits_to_keep=1)
+    timings: dict[int, float] = {}
+    for new in BLOCKS:
+        block = context[:, :new]  # [1, new]
+        times = []
+        for i in range(repeats + 1):  # the first is a warm-up
+            started = time.perf_counter()
+            model(input_ids=block, **with_cache(model, cache), logits_to_keep=new)
+            elapsed = time.perf_counter() - started
+            cache.crop(-new)
+            if i:
+                times.append(elapsed)
+        timings[new] = 1e3 * statistics.median(times)
+    return timings
+
+
+def checkpoint_is_narrow(spec: str) -> bool:
+    """The checkpoint's weights are bf16 / fp16 (so bfloat16 loses nothing of them... fp16's
+    range aside, which bf16 covers)."""
+    from transformers import AutoConfig
+
+    path, gguf_file = resolve_model_spec(spec)
+    if gguf_file:
+        return False
+    dtype = getattr(AutoConfig.from_pretrained(path), "dtype", None)
+    return str(dtype).removeprefix("torch.") in ("bfloat16", "float16")
+
+
+def cast_parameters(model: Any, dtype: torch.dtype) -> None:
+    """Every parameter in ``dtype``; buffers stay as loaded (transformers keeps e.g. RoPE's
+    inverse frequencies in float32 whatever the dtype; ``model.to`` would narrow them too, and
+    the model would then differ from one loaded in ``dtype``)."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+    model.config.dtype = dtype
+
+
+def load_fastest(spec: str, load: Callable[[torch.dtype], Any],
+                 measure: Callable[[Any], dict[int, float]] = block_ms) -> tuple[Any, DtypeChoice]:
+    """The model loaded by ``load(dtype)`` in the faster of float32 and bfloat16 on this CPU
+    (``measure``: ms per block size, the same sizes for both)."""
+    key = cache_key(spec)
+    known = _read_cache().get(key)
+    if known in ("float32", "bfloat16"):
+        dtype = getattr(torch, known)
+        return load(dtype), DtypeChoice(dtype, {}, cached=True)
+    narrow = checkpoint_is_narrow(spec)
+    first = torch.bfloat16 if narrow else torch.float32
+    second = torch.float32 if narrow else torch.bfloat16
+    model = load(first)
+    timings = {str(first): measure(model)}
+    cast_parameters(model, second)
+    timings[str(second)] = measure(model)
+    total = {dt: sum(row.values()) for dt, row in timings.items()}
+    dtype = first if total[str(first)] <= total[str(second)] else second
+    if dtype == first:
+        if narrow:
+            cast_parameters(model, first)  # back from the exact widening
+        else:
+            del model
+            model = load(first)  # float32 again from disk, not widened from bf16
+    _write_cache(key, dtype)
+    block = {dt.removeprefix("torch."): row for dt, row in timings.items()}
+    return model, DtypeChoice(dtype, block, cached=False)
+
+
+def load_lm_auto(spec: str, dtype: str, device: torch.device, **placement: Any
+                 ) -> tuple[Any, str]:
+    """``load_lm`` with ``--dtype``; ``auto`` on a CPU measures (``load_fastest``) for a causal
+    LM on one device. Returns the model and a line saying what was chosen and why."""
+    from transformers import AutoConfig
+
+    from shared.models import load_lm, pick_dtype
+
+    placed = any(placement.get(name) for name in ("device_map", "tp_plan"))
+    if dtype != "auto" or device.type != "cpu" or placed:
+        chosen = pick_dtype(dtype, device)
+        model = load_lm(spec, chosen, device, **placement)
+        why = "asked for" if dtype != "auto" else f"auto on {device.type}"
+        return model, f"{str(chosen).removeprefix('torch.')} ({why})"
+    path, gguf_file = resolve_model_spec(spec)
+    kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    if gguf_file or getattr(AutoConfig.from_pretrained(path, **kwargs), "is_encoder_decoder",
+                            False):
+        # not measured: GGUF weights are dequantized on load, encoder-decoders decode otherwise
+        model = load_lm(spec, torch.bfloat16, device, **placement)
+        return model, "bfloat16 (auto, not measured for GGUF files and encoder-decoders)"
+    model, choice = load_fastest(
+        spec, lambda chosen: load_lm(spec, chosen, device, encoder_decoder=False, **placement))
+    return model, choice.describe()
