@@ -2,7 +2,7 @@
 
     from drafter_client import SpecDecClient
     client = SpecDecClient("http://127.0.0.1:8000", drafter="qwen2.5-coder-0.5b")
-    result = client.generate("def fib(n):", num_draft_tokens=4, max_new_tokens=64)
+    result = client.generate("def fib(n):", max_new_tokens=64)  # -k auto, lookup + model
     print(result.text, result.metrics.to_dict())
     baseline = client.baseline("def fib(n):", max_new_tokens=64)  # target alone, same sampling
 """
@@ -64,17 +64,19 @@ class DrafterOptions:
     lookup_max_ngram: int = 3
     draft_min_prob: float = 0.0  # model drafter: stop a block below this top probability
     tree_width: int = 1  # model drafter: > 1 drafts a token tree (runner-ups as leaves)
-    lookup: bool = False  # model drafter: hybrid with prompt lookup (drafter_client/hybrid.py)
+    lookup: bool = True  # model drafter: hybrid with prompt lookup (drafter_client/hybrid.py)
     lookup_tokens: int = 0  # hybrid: longest lookup draft; 0: the block's k
     overlap: bool = False  # model drafter: draft the next block while this one is verified
     # model drafter: KV in a slot, one-token steps as CUDA graphs (drafter_client/pooled.py)
     cuda_graphs: bool = False
 
 
-# The CLI's defaults (``specdec generate`` without -k / drafting flags), chosen by
-# ``python -m scripts.bench client`` (docs/benchmarks.md).
+# The one set of client defaults - the Python API, ``specdec generate`` / ``chat`` / ``serve``,
+# the demo and the benchmarks where unset - chosen by ``python -m scripts.bench client``
+# (docs/benchmarks.md): the cost model picks k (0 where drafting does not pay), the model
+# drafter is hybrid with prompt lookup, dtype ``auto`` is measured on this machine.
 DEFAULT_K = "auto"
-DEFAULT_OPTIONS = DrafterOptions(lookup=True)
+DEFAULT_OPTIONS = DrafterOptions()
 
 
 def build_model_free(name: str, options: DrafterOptions) -> Drafter:
@@ -290,7 +292,7 @@ class SpecDecClient:
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def generate(self, prompt: str | list[int], *, num_draft_tokens: int | str = 4,
+    def generate(self, prompt: str | list[int], *, num_draft_tokens: int | str = DEFAULT_K,
                  max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, chat: bool = False,
                  on_tokens: Callable[[list[int]], None] | None = None,

@@ -22,7 +22,7 @@ import orjson
 from fastapi import Request
 from pydantic import ValidationError
 
-from drafter_client.api import SpecDecClient
+from drafter_client.api import DEFAULT_K, SpecDecClient
 from drafter_client.gateway_metrics import GatewayMetrics
 from drafter_client.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIError
 from drafter_client.speculative import BlockOutcome, GenerationResult
@@ -34,7 +34,7 @@ from shared.schema import SamplingParams
 @dataclass(frozen=True)
 class GatewaySettings:
     served_model_name: str
-    num_draft_tokens: str = "4"  # k: an integer, "auto" or "heuristic"
+    num_draft_tokens: str = DEFAULT_K  # k: an integer, "auto" or "heuristic"
     max_concurrency: int = 8  # generations running at once (worker threads)
     max_waiting: int = 64  # admitted requests waiting for a worker; beyond: 429
     chat_template: str | None = None  # overrides the tokenizer's

@@ -210,13 +210,13 @@ def test_distribution_holds_with_concurrent_clients(server: LiveServer,
 # children are tested one after another without replacement (shared/sampling.py); the naive rule
 # - every child tested against the untouched p - must fail the same test.
 TREES = {
-    "tree3,T=1": (DrafterOptions(tree_width=3, draft_min_prob=0.6), CONFIGS["T=1"]),
-    "tree3,T=0.7,top-k=5": (DrafterOptions(tree_width=3), CONFIGS["T=0.7,top-k=5"]),
+    "tree3,T=1": (DrafterOptions(lookup=False, tree_width=3, draft_min_prob=0.6), CONFIGS["T=1"]),
+    "tree3,T=0.7,top-k=5": (DrafterOptions(lookup=False, tree_width=3), CONFIGS["T=0.7,top-k=5"]),
     "hybrid+tree,T=1,top-p=0.8": (DrafterOptions(tree_width=2, lookup=True),
                                   CONFIGS["T=1,top-p=0.8"]),
     "hybrid,T=1": (DrafterOptions(lookup=True), CONFIGS["T=1"]),
-    "overlap,T=1": (DrafterOptions(overlap=True), CONFIGS["T=1"]),
-    "overlap+tree3,T=0.7,top-k=5": (DrafterOptions(overlap=True, tree_width=3),
+    "overlap,T=1": (DrafterOptions(lookup=False, overlap=True), CONFIGS["T=1"]),
+    "overlap+tree3,T=0.7,top-k=5": (DrafterOptions(lookup=False, overlap=True, tree_width=3),
                                     CONFIGS["T=0.7,top-k=5"]),
 }
 

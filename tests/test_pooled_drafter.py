@@ -85,11 +85,11 @@ def test_greedy_through_a_verifier_is_the_targets(overlap: bool, tiny_models: di
                                                    llama_server: object) -> None:
     url = llama_server.url  # type: ignore[attr-defined]
     client = SpecDecClient(url, str(tiny_models["llama-drafter"]), dtype="float32",
-                           device="cpu", options=DrafterOptions(cuda_graphs=True,
+                           device="cpu", options=DrafterOptions(lookup=False, cuda_graphs=True,
                                                                 overlap=overlap))
     assert isinstance(client.drafter, PooledDrafter)
     with pytest.raises(Exception, match="cannot change cuda_graphs"):
-        client.with_options(DrafterOptions())
+        client.with_options(DrafterOptions(lookup=False))
     for prompt in ["the cat sat on", "a big red dog ran to the"]:
         ids = client.encode(prompt)
         result = client.generate(ids, num_draft_tokens=4, max_new_tokens=24)

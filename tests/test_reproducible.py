@@ -29,8 +29,8 @@ def test_noise_depends_on_seed_and_position_only() -> None:
 
 
 @pytest.mark.parametrize(("drafter", "options"), [
-    ("model", DrafterOptions()),
-    ("model", DrafterOptions(tree_width=2, overlap=True)),
+    ("model", DrafterOptions(lookup=False)),
+    ("model", DrafterOptions(lookup=False, tree_width=2, overlap=True)),
     ("model", DrafterOptions(lookup=True)),
     ("ngram", DrafterOptions()),
 ], ids=["model", "model-tree-overlap", "hybrid", "ngram"])

@@ -90,8 +90,8 @@ def _expected(model_dir, client, ids, n):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("options", [
-    DrafterOptions(tree_width=2),
-    DrafterOptions(tree_width=3, draft_min_prob=0.5),
+    DrafterOptions(lookup=False, tree_width=2),
+    DrafterOptions(lookup=False, tree_width=3, draft_min_prob=0.5),
     DrafterOptions(lookup=True),
     DrafterOptions(lookup=True, tree_width=2, lookup_tokens=5),
 ], ids=["tree2", "tree3-minprob", "hybrid", "hybrid-tree"])
@@ -144,10 +144,10 @@ def test_verifier_rejects_malformed_trees(tiny_models, gpt2_server) -> None:  # 
 
 
 @pytest.mark.parametrize("options", [
-    DrafterOptions(overlap=True),
-    DrafterOptions(overlap=True, tree_width=2),
+    DrafterOptions(lookup=False, overlap=True),
+    DrafterOptions(lookup=False, overlap=True, tree_width=2),
     DrafterOptions(overlap=True, lookup=True, tree_width=2),
-    DrafterOptions(overlap=True, draft_min_prob=0.5),
+    DrafterOptions(lookup=False, overlap=True, draft_min_prob=0.5),
 ], ids=["chain", "tree", "hybrid-tree", "min-prob"])
 def test_overlapped_drafting_keeps_greedy_output(options, tiny_models, llama_server):  # type: ignore[no-untyped-def]
     """Drafting block n + 1 while block n is in flight changes nothing in the output; the
@@ -172,7 +172,7 @@ def test_overlapped_drafting_is_reproducible_when_sampling(tiny_models, llama_se
     """The draft ahead has its own seeded randomness: a seed gives one output, with or without
     the overlap's timing, and the same one twice."""
     client = SpecDecClient(llama_server.url, str(tiny_models["llama-drafter"]), dtype="float32",
-                           device="cpu", options=DrafterOptions(overlap=True))
+                           device="cpu", options=DrafterOptions(lookup=False, overlap=True))
     ids = client.encode(PROMPTS[0])
     runs = [client.generate(ids, num_draft_tokens=3, max_new_tokens=20, temperature=1.0,
                             seed=7).token_ids for _ in range(2)]
