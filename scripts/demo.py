@@ -1,7 +1,11 @@
 """`make demo`: the Qwen2.5-Coder 1.5B target behind a local verifier, the 0.5B drafter here.
 
-Starts `specdec-verifier` on a free loopback port, runs speculative decoding and the target-only
-baseline on one coding prompt, prints both outputs and the speedup, then stops the verifier.
+Starts `specdec-verifier` on a free loopback port with its defaults, builds the client with the
+project's defaults (dtype `auto` measured on this machine, the model drafter hybrid with prompt
+lookup, `-k auto`) and says what they chose. Then, for two short tasks - a code question and an
+input-grounded edit of a given snippet - it streams the speculative answer, runs the target alone
+on the same verifier (`/v1/generate`, the same engine and dtype) and prints one line
+`speedup: X.XXx` and whether the greedy outputs match.
 """
 
 from __future__ import annotations
@@ -9,25 +13,47 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter_client import SpecDecClient  # noqa: E402
+from drafter_client.api import DEFAULT_K, DEFAULT_OPTIONS  # noqa: E402
 from drafter_client.cli import TextStream  # noqa: E402
-from scripts.bench.common import fetch_offline_models, load_prompts  # noqa: E402
+from scripts.bench.common import fetch_offline_models  # noqa: E402
 from tests.support.process import VerifierProcess  # noqa: E402
 
-PROMPT = load_prompts("code-chat")[0][0]  # merge_intervals
+SNIPPET = '''def load_scores(path):
+    scores = {}
+    with open(path) as handle:
+        for line in handle:
+            name, value = line.strip().split(",")
+            scores[name] = int(value)
+    return scores
+'''
+
+TASKS = [
+    ("code question", "Write a Python function `is_balanced(text)` that returns True when the "
+     "brackets (), [] and {} in the string are balanced. Keep it short."),
+    ("input-grounded edit", "Add type hints and a one-line docstring to this function. Change "
+     "nothing else and return the whole function:\n\n" + SNIPPET),
+]
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--drafter", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--prompt", default=PROMPT)
-    parser.add_argument("-k", "--num-draft-tokens", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("-k", "--num-draft-tokens", default=DEFAULT_K)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args()
 
@@ -35,30 +61,37 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    with VerifierProcess(["--model", args.target], threads=args.threads, quiet=False) as verifier:
+    started = time.perf_counter()
+    with VerifierProcess(["--model", args.target], threads=args.threads) as verifier:
         client = SpecDecClient(verifier.url, args.drafter)
-        print(f"\n=== speculative: {args.drafter} drafts k={args.num_draft_tokens}, "
-              f"{args.target} verifies ===\n", flush=True)
-        stream = TextStream(client)
-        spec = client.generate(args.prompt, chat=True, num_draft_tokens=args.num_draft_tokens,
-                               max_new_tokens=args.max_new_tokens, on_tokens=stream)
-        stream.finish()
-        print(f"\n\n=== baseline: {args.target} alone (/v1/generate) ===\n", flush=True)
-        base = client.baseline(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
-        print(base.text)
-        s, b = spec.metrics.to_dict(), base.metrics.to_dict()
+        info = client.info
+        costs = ", ".join(f"k={k}: {ms:.0f} ms" for k, ms in (info.verify_ms or [])[:4])
+        print(f"\nverifier: {args.target}, engine transformers, {info.dtype} on {info.device} "
+              f"(dtype auto: measured on this machine); verify forwards {costs}")
+        print(f"drafter:  {client.drafter_name}, {client.drafter_dtype}; "
+              f"{'hybrid with prompt lookup' if DEFAULT_OPTIONS.lookup else 'model alone'}, "
+              f"-k {args.num_draft_tokens} (cost model; k = 0 where drafting does not pay)")
+        print(f"ready in {time.perf_counter() - started:.0f} s", flush=True)
+        lines = []
+        for name, prompt in TASKS:
+            print(f"\n=== {name} ===\n{prompt}\n\n--- speculative ---", flush=True)
+            stream = TextStream(client)
+            spec = client.generate(prompt, chat=True, num_draft_tokens=args.num_draft_tokens,
+                                   max_new_tokens=args.max_new_tokens, on_tokens=stream)
+            stream.finish()
+            base = client.baseline(prompt, chat=True, max_new_tokens=args.max_new_tokens)
+            s, b = spec.metrics.to_dict(), base.metrics.to_dict()
+            differs = first_difference(spec.token_ids, base.token_ids)
+            same = ("greedy outputs identical" if differs is None else
+                    f"greedy outputs differ from token {differs} (bf16: a block's forward and "
+                    "one-token forwards can round differently at a near-tie)")
+            print(f"\n--- {s['new_tokens']} tokens: speculative {s['tokens_per_s']:.2f} tok/s "
+                  f"(acceptance {s['acceptance_rate']:.2f}, {s['verify_calls']} verify calls), "
+                  f"target alone {b['tokens_per_s']:.2f} tok/s", flush=True)
+            lines.append(f"{name}: speedup: {s['tokens_per_s'] / b['tokens_per_s']:.2f}x; {same}")
         print("\n=== result ===")
-        print(f"speculative: {s['new_tokens']} tokens, {s['tokens_per_s']:.2f} tok/s, "
-              f"acceptance {s['acceptance_rate']:.2f}, {s['mean_tokens_per_call']:.2f} tokens "
-              f"per verify call")
-        print(f"baseline:    {b['new_tokens']} tokens, {b['tokens_per_s']:.2f} tok/s")
-        print(f"speedup:     {s['tokens_per_s'] / b['tokens_per_s']:.2f}x")
-        same = spec.token_ids == base.token_ids
-        first_diff = next((i for i, (x, y) in enumerate(zip(spec.token_ids, base.token_ids,
-                                                             strict=False)) if x != y), None)
-        print("greedy outputs identical: " + ("yes" if same else
-              f"no, from token {first_diff} (bf16: a k-token forward and 1-token forwards can "
-              "round differently at near-ties)"))
+        print("\n".join(lines))
+    print(f"(demo took {time.perf_counter() - started:.0f} s with the models fetched)")
 
 
 if __name__ == "__main__":

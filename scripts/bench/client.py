@@ -75,7 +75,7 @@ class System:
         if kind not in ("hf", "specdec"):
             raise SystemExit(f"system {text!r}: starts with hf or specdec")
         k, reproducible = None, False
-        opts: dict[str, Any] = {}
+        opts: dict[str, Any] = {"lookup": False}  # a named method alone unless it says lookup
         if method == "default":
             method, k, opts = "model", DEFAULT_K, dataclasses.asdict(DEFAULT_OPTIONS)
         for word in rest:

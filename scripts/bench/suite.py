@@ -123,7 +123,7 @@ class Systems:
         for name in drafters:
             is_model = name.startswith("model")
             options = DrafterOptions(draft_min_prob=draft_min_prob if name == "model-confident"
-                                     else 0.0)
+                                     else 0.0, lookup=False)  # the suite's "model": alone
             self.clients[name] = SpecDecClient(url, drafter if is_model else name,
                                                tokenizer=None if is_model else drafter,
                                                options=options)
