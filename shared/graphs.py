@@ -21,6 +21,7 @@ takes the eager path.
 from __future__ import annotations
 
 import logging
+import threading
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,9 @@ import torch
 from shared.kv_pool import KVPool, PaddedGroup, RaggedBatch, fill_mask
 
 log = logging.getLogger(__name__)
+# A capture makes CUDA calls that other captures in the process must not interleave with (the
+# gateway's worker threads each build a pooled drafter): one at a time.
+CAPTURE_LOCK = threading.Lock()
 
 B_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # segments per batch
 L_BUCKETS = (1, 2, 3, 5, 9, 17)  # new tokens per segment: k + 1 for k in 0, 1, 2, 4, 8, 16
@@ -54,6 +58,7 @@ class Bucket:
     def __init__(self, model: Any, pool: KVPool, scratch: int, b: int, length: int, end: int,
                  device: torch.device, capture: bool, graph_pool: Any) -> None:
         self.model, self.b, self.length, self.end = model, b, length, end
+        self.device = device
         n = b * length
         self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
         self.positions = torch.zeros(1, n, dtype=torch.long, device=device)
@@ -78,15 +83,20 @@ class Bucket:
         return out.logits[0]  # type: ignore[no-any-return]
 
     def _capture(self, graph_pool: Any) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: every write goes to the scratch slot
-            for _ in range(2):
-                self.run()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=graph_pool):
-            self.out = self.run()
+        """Two warm-up runs on a side stream, then the capture; on this bucket's device (not
+        the current one: ``cuda:1`` stays on device 1), one capture at a time in the process
+        (``CAPTURE_LOCK``), and in ``thread_local`` error mode so other threads' CUDA work - the
+        gateway's other generations - neither fails nor spoils it."""
+        with CAPTURE_LOCK, torch.cuda.device(self.device):
+            side = torch.cuda.Stream(device=self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up: every write goes to the scratch slot
+                for _ in range(2):
+                    self.run()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=graph_pool, capture_error_mode="thread_local"):
+                self.out = self.run()
 
     def forward(self, shaped: list[Shaped], scratch: int) -> torch.Tensor:
         """Load the batch into the static buffers and run; [B * L, vocab] logits."""
@@ -147,7 +157,11 @@ class StaticForwards:
         self.b_buckets = tuple(b for b in B_BUCKETS if b < max_batch) + (
             min(max_batch, B_BUCKETS[-1]),)
         self.buckets: dict[tuple[int, int, int], Bucket] = {}
-        self.graph_pool = torch.cuda.graph_pool_handle() if self.capture else None
+        if self.capture:
+            with torch.cuda.device(device):
+                self.graph_pool = torch.cuda.graph_pool_handle()
+        else:
+            self.graph_pool = None
         self.replays = self.fallbacks = 0
 
     @torch.inference_mode()  # the forwards run under it; their buffers are made so

@@ -5,6 +5,10 @@ calls, leave other slots alone, and hand batches that fit no bucket to the eager
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -83,3 +87,86 @@ def test_greedy_generation_through_a_verifier_with_static_forwards(
             metrics = httpx.get(server.url + "/v1/metrics").json()
             assert (metrics["static_forwards"] > 0) == graphs  # the buckets really served
     assert outputs[0] == outputs[1]
+
+
+class FakeCuda:
+    """Stands in for torch.cuda's capture API on CPU: records which device each call names,
+    the error mode, and how many captures run at once (the buckets' forwards run eagerly)."""
+
+    def __init__(self) -> None:
+        self.devices: list[object] = []
+        self.modes: list[str] = []
+        self.inside = self.most_inside = 0
+        self.lock = threading.Lock()
+
+    def patch(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        fake = self
+
+        class Stream:
+            def __init__(self, device: object = None) -> None:
+                fake.devices.append(("Stream", device))
+
+            def wait_stream(self, _: object) -> None:
+                pass
+
+        class Graph:
+            def replay(self) -> None:
+                pass
+
+        @contextlib.contextmanager
+        def graph(_: object, pool: object = None, capture_error_mode: str = "global"
+                  ) -> Iterator[None]:
+            fake.modes.append(capture_error_mode)
+            with fake.lock:
+                fake.inside += 1
+                fake.most_inside = max(fake.most_inside, fake.inside)
+            time.sleep(0.01)  # long enough for another thread to try its capture
+            yield
+            with fake.lock:
+                fake.inside -= 1
+
+        def current_stream(device: object = None) -> Stream:
+            fake.devices.append(("current_stream", device))
+            return Stream.__new__(Stream)
+
+        @contextlib.contextmanager
+        def device(dev: object) -> Iterator[None]:
+            fake.devices.append(("device", dev))
+            yield
+
+        monkeypatch.setattr(torch.cuda, "Stream", Stream)
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+        monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+        monkeypatch.setattr(torch.cuda, "device", device)
+        monkeypatch.setattr(torch.cuda, "stream", lambda _: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+
+
+def test_captures_name_their_device_and_run_one_at_a_time(
+        tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #24: the side stream and graph pool landed on the current device (device 0 for a
+    model on cuda:1), and the gateway's worker threads captured at once while others ran CUDA
+    work ("operation not permitted when stream is capturing")."""
+    fake = FakeCuda()
+    fake.patch(monkeypatch)
+    runners = [load(tiny_models["gpt2-target"]) for _ in range(3)]
+    errors: list[BaseException] = []
+
+    def build(runner: TargetRunner) -> None:
+        try:
+            runner.enable_static_forwards(max_batch=2, capture=True)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in runners]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    captured = sum(len(r.static.buckets) for r in runners if r.static is not None)
+    assert len(fake.modes) == captured > 0 and set(fake.modes) == {"thread_local"}
+    assert fake.most_inside == 1  # never two captures at once
+    named = [dev for call, dev in fake.devices if call in ("Stream", "current_stream", "device")]
+    assert named and all(dev == torch.device("cpu") for dev in named)  # the bucket's device
