@@ -185,7 +185,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         if process is not None:
             process.stop()
-    ordered = sorted(latencies) or [0.0]
     row = {
         "label": args.label or url, "rss_start_mib": round(rss[0], 1) if rss else None,
         "rss_peak_mib": round(max(rss), 1) if rss else None,
@@ -193,14 +192,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **{f"open_{kind}": n for kind, n in still_open.items()},
         "refused": attack.failed_to_connect, "client_calls": len(latencies),
         "client_errors": len(errors),
-        "client_p50_ms": round(1e3 * statistics.median(ordered), 1),
-        "client_p95_ms": round(1e3 * ordered[min(int(0.95 * len(ordered)), len(ordered) - 1)], 1),
-        "client_max_ms": round(1e3 * ordered[-1], 1),
+        **{f"client_{k}": v for k, v in percentiles_ms(latencies).items()},
     }
+    return report(args, row, errors, drafter="-", max_new_tokens=0)
+
+
+def percentiles_ms(latencies: list[float]) -> dict[str, float]:
+    ordered = sorted(latencies) or [0.0]
+    return {"p50_ms": round(1e3 * statistics.median(ordered), 1),
+            "p95_ms": round(1e3 * ordered[min(int(0.95 * len(ordered)), len(ordered) - 1)], 1),
+            "max_ms": round(1e3 * ordered[-1], 1)}
+
+
+def report(args: argparse.Namespace, row: dict[str, Any], errors: list[str], drafter: str,
+           max_new_tokens: int) -> dict[str, Any]:
+    """Print the row as a table and write the JSON (``--out``)."""
     print("\n" + markdown_table([row], [(k, k) for k in row]))
     if errors:
         print(f"first client error: {errors[0]}")
-    args.dtype, args.drafter, args.max_new_tokens = "float32", "-", 0
+    args.dtype, args.drafter, args.max_new_tokens = "float32", drafter, max_new_tokens
     payload = {"machine": machine_record(args), "args": vars(args), "rows": [row],
                "client_errors": errors[:20]}
     write_json(args.out, payload)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,8 +24,7 @@ from typing import Any
 
 import httpx
 
-from scripts.bench.attack import Attack, rss_mib
-from scripts.bench.common import machine_record, markdown_table, write_json
+from scripts.bench.attack import Attack, percentiles_ms, report, rss_mib
 from tests.support.process import BIN, VerifierProcess, free_port, wait_ready
 
 BODY_LIMIT = 1 << 20  # the gateway's default --max-body-bytes
@@ -99,13 +97,6 @@ def quiet_latencies(url: str, model: str, seconds: float) -> list[float]:
     return latencies
 
 
-def percentiles_ms(latencies: list[float]) -> dict[str, float]:
-    ordered = sorted(latencies) or [0.0]
-    return {"p50_ms": round(1e3 * statistics.median(ordered), 1),
-            "p95_ms": round(1e3 * ordered[min(int(0.95 * len(ordered)), len(ordered) - 1)], 1),
-            "max_ms": round(1e3 * ordered[-1], 1)}
-
-
 def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
     from tests.support.tiny_models import save_tiny
 
@@ -160,11 +151,4 @@ def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
         **{f"client_{k}": v for k, v in percentiles_ms(latencies).items()},
         **{f"quiet_{k}": v for k, v in percentiles_ms(quiet).items()},
     }
-    print("\n" + markdown_table([row], [(k, k) for k in row]))
-    if errors:
-        print(f"first client error: {errors[0]}")
-    args.dtype, args.drafter, args.max_new_tokens = "float32", "ngram", 8
-    payload = {"machine": machine_record(args), "args": vars(args), "rows": [row],
-               "client_errors": errors[:20]}
-    write_json(args.out, payload)
-    return payload
+    return report(args, row, errors, drafter="ngram", max_new_tokens=8)
