@@ -66,3 +66,8 @@ def test_gpu_bench_dry_run_on_the_gpu_machines_software(tmp_path: Path) -> None:
     assert engine["batch"] == 2 and engine["padded_ms"] > 0 and engine["device_sampled_ms"] > 0
     [http] = payload["http_layer"]
     assert http["sessions"] == 2 and http["calls"] > 0 and http["server_cpu_us_per_call"] > 0
+    # written after every section, with each section's time; the verifiers' output kept
+    assert list(payload["section_s"]) == [
+        "models", "raw_forward", "batched_engine", "served_calls", "target_alone",
+        "served_calls_cuda_graphs", "aggregate", "drafter", "http_layer"]
+    assert (tmp_path / "verifier-served.log").stat().st_size > 0

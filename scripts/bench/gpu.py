@@ -292,24 +292,49 @@ def http_layer(args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every section in turn; the JSON (``--out``) is written after each one, with how long each
+    took, so a run cut off by its time limit keeps what it measured; each verifier's output goes
+    to a log file next to it."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = pick_dtype(args.dtype, device)
     root = Path(tempfile.mkdtemp(prefix="specdec-gpu-"))
+    logs = Path(args.out).parent
     started = time.perf_counter()
+    payload: dict[str, Any] = {"section_s": {}}
+    clock = [time.perf_counter()]
+
+    def save(section: str, **results: Any) -> None:
+        now = time.perf_counter()
+        payload["section_s"][section] = round(now - clock[0], 1)
+        clock[0] = now
+        payload.update(results)
+        payload["machine"] = {
+            **machine_record(_machine_args(args, target, drafter)), "device": args.device,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+            "context": CONTEXT, "wall_s": round(now - started)}
+        write_json(args.out, payload)
+
+    def verifier(flags: list[str], name: str) -> VerifierProcess:
+        return VerifierProcess(flags, threads=args.threads or 1,
+                               log_path=logs / f"verifier-{name}.log")
+
     target, drafter = build_models(args, root)
     print(f"models ready in {time.perf_counter() - started:.0f} s", flush=True)
+    save("models")
 
     raw, one_token_ms, model = raw_forwards(target, args, device, dtype)
     print(markdown_table(raw, [("new_tokens", "new tokens"), ("plain_hf_ms", "plain HF ms"),
                                ("engine_ms", "specdec engine ms")]), flush=True)
+    save("raw_forward", raw_forward=raw)
     engine = batched_engine(model, target, args, device)
     print(markdown_table(engine, [
         ("batch", "blocks of 5"), ("per-session_ms", "forward, per-session attention ms"),
         ("padded_ms", "forward, padded attention ms"), ("host_greedy_ms", "host accept greedy"),
         ("device_greedy_ms", "device accept greedy"), ("host_sampled_ms", "host accept T=0.7"),
         ("device_sampled_ms", "device accept T=0.7")]), flush=True)
+    save("batched_engine", batched_engine=engine)
     model.set_attn_implementation("sdpa")
     vocab = int(model.config.vocab_size)
     base = ["--model", target, "--dtype", args.dtype, "--device", args.device,
@@ -317,47 +342,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             str(max(args.clients) * (CONTEXT + 1024)), "--max-sessions",
             str(max(args.clients) + 8), "--max-batch-size", str(max(args.clients)),
             "--max-batch-tokens", str(max(args.clients) * 24)]
-    with VerifierProcess(base, threads=args.threads or 1) as process:
+    with verifier(base, "served") as process:
         calls = served_calls(process.url, args, vocab)
         print(markdown_table(calls, [("k", "k"), ("round_trip_ms", "round trip ms"),
                                      ("inside_server_ms", "inside the server ms")]), flush=True)
+        save("served_calls", served_calls=calls)
         alone = target_alone(process.url, model, args, device)
-    with VerifierProcess([*base, "--cuda-graphs"], threads=args.threads or 1) as process:
+        save("target_alone", target_alone=alone)
+    with verifier([*base, "--cuda-graphs"], "cuda-graphs") as process:
         graphed = served_calls(process.url, args, vocab)  # buckets captured on first use
         print("with --cuda-graphs:\n" + markdown_table(graphed, [
             ("k", "k"), ("round_trip_ms", "round trip ms"),
             ("inside_server_ms", "inside the server ms")]), flush=True)
         print(f"target alone: served {alone['served_tok_s']} tok/s, transformers generate "
               f"{alone['hf_generate_tok_s']} tok/s", flush=True)
+        save("served_calls_cuda_graphs", served_calls_cuda_graphs=graphed)
     del model
     prompts, _ = load_prompts("repeat")
 
     @contextlib.contextmanager
     def start(batching: bool) -> Iterator[str]:
         flags = ["--batching" if batching else "--no-batching"]
-        with VerifierProcess([*base, *flags], threads=args.threads or 1) as process:
+        name = "batching-on" if batching else "batching-off"
+        with verifier([*base, *flags], name) as process:
             yield process.url
 
     aggregate, table = on_off_sweep(start, prompts, args.clients, args.max_new_tokens, 4)
     for row in aggregate:
         del row["outputs"]
+    save("aggregate", aggregate=aggregate, aggregate_table=table)
     cost = drafter_cost(drafter, device, dtype, one_token_ms)
     print(f"drafter per drafted token: plain {cost['plain_ms_per_token']} ms (c = "
           f"{cost['plain_c']}), --cuda-graphs {cost['cuda_graphs_ms_per_token']} ms (c = "
           f"{cost['cuda_graphs_c']}); target {cost['target_ms_one_token']} ms per token",
           flush=True)
+    save("drafter", drafter=cost)
     http = http_layer(args, root)
-    payload = {"machine": {**machine_record(_machine_args(args, target, drafter)),
-                           "device": args.device,
-                           "gpu": torch.cuda.get_device_name(device)
-                           if device.type == "cuda" else None,
-                           "context": CONTEXT, "wall_s": round(time.perf_counter() - started)},
-               "raw_forward": raw, "batched_engine": engine, "served_calls": calls,
-               "served_calls_cuda_graphs": graphed,
-               "target_alone": alone,
-               "aggregate": aggregate, "aggregate_table": table, "drafter": cost,
-               "http_layer": http}
-    write_json(args.out, payload)
+    save("http_layer", http_layer=http)
+    print(f"sections (s): {payload['section_s']}", flush=True)
     return payload
 
 

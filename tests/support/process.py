@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -64,14 +65,16 @@ class VerifierProcess:
 
     def __init__(self, args: list[str], port: int | None = None, threads: int = 1,
                  quiet: bool = True, env: dict[str, str] | None = None,
-                 ready_timeout_s: float = 300.0) -> None:
+                 ready_timeout_s: float = 300.0, log_path: Path | None = None) -> None:
+        """``log_path``: the server's stdout and stderr go to this file (else: nowhere when
+        ``quiet``, this process's otherwise)."""
         self.port = port or free_port()
         # The console script where the project is installed; else the module (a GPU machine
         # that has the source tree and carried wheels, but no install of this project).
         launcher = ([str(BIN / "specdec-verifier")] if (BIN / "specdec-verifier").exists()
                     else [sys.executable, "-m", "verifier_service.cli"])
         self.cmd = [*launcher, "--port", str(self.port), "--threads", str(threads), *args]
-        self.quiet, self.ready_timeout_s = quiet, ready_timeout_s
+        self.quiet, self.ready_timeout_s, self.log_path = quiet, ready_timeout_s, log_path
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -82,8 +85,14 @@ class VerifierProcess:
     def start(self) -> VerifierProcess:
         if not self.quiet:
             print(f"$ {' '.join(self.cmd)}", flush=True)
-        output = subprocess.DEVNULL if self.quiet else None
-        self.proc = subprocess.Popen(self.cmd, stdout=output, stderr=output, env=self.env)
+        output: Any = subprocess.DEVNULL if self.quiet else None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            output = open(self.log_path, "ab")  # noqa: SIM115 - the child holds it open
+        self.proc = subprocess.Popen(self.cmd, stdout=output, stderr=subprocess.STDOUT
+                                     if self.log_path is not None else output, env=self.env)
+        if self.log_path is not None:
+            output.close()  # the child has its own copy
         try:
             wait_ready(self.url, self.proc, self.ready_timeout_s)
         except RuntimeError:
