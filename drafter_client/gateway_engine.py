@@ -51,6 +51,9 @@ class Job:
     sampling: SamplingParams
     seed: int
     stops: list[str]
+    # A seed the request chose: the output is the same whatever the cost model's k (which
+    # follows timings) - coupled sampling, as ``SpecDecClient.generate(reproducible=True)``.
+    reproducible: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -144,7 +147,8 @@ class Gateway:
         # No max_tokens on a chat: up to the context limit (the loop stops there).
         max_tokens = body.max_tokens or default_max_tokens or info.max_context
         seed = secrets.randbits(62) if body.seed is None else body.seed % 2**63
-        return Job(prompt_ids, max_tokens, sampling, seed, body.stop_list())
+        return Job(prompt_ids, max_tokens, sampling, seed, body.stop_list(),
+                   reproducible=body.seed is not None)
 
     def check_text_length(self, texts: list[str], param: str) -> None:
         """A 400 for text that surely exceeds the context, decided without tokenizing it."""
@@ -229,7 +233,7 @@ class Gateway:
                 job.prompt_ids, num_draft_tokens=self.settings.num_draft_tokens,
                 max_new_tokens=job.max_tokens, temperature=job.sampling.temperature,
                 top_k=job.sampling.top_k, top_p=job.sampling.top_p, seed=job.seed,
-                on_block=on_block)
+                reproducible=job.reproducible, on_block=on_block)
         finally:
             client.close()
         tail = tracker.delta(final=True)  # what was held back: an incomplete character at the end

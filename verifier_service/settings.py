@@ -24,7 +24,10 @@ class Settings(BaseSettings):
     model: str = Field("qwen2.5-coder-1.5b", description="the target: short name of the "
                        "offline pair, local folder, .gguf file or hub id")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: bfloat16 (fast on AMX CPUs and recent GPUs)")
+        "auto", description="auto: on a CPU the faster of float32 and bfloat16 for this "
+        "model, measured at its first load here and cached in $SPECDEC_DTYPE_CACHE (default "
+        "$SPECDEC_HOME/dtype-choices.json); bfloat16 on CUDA, for GGUF files and "
+        "encoder-decoders")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     device_map: str = Field("", description="a target larger than one device: accelerate's "
                             "placement (auto, balanced, sequential: over the GPUs, then CPU "
