@@ -59,6 +59,9 @@ def main() -> None:
 
     fetch_offline_models(args.target, args.drafter)
     import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the drafter's load: one line of ours says what it chose
 
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
