@@ -37,6 +37,10 @@ class DraftLength(Protocol):
     def next_k(self) -> int:
         """k for the next block."""
 
+    def free_k(self, acceptance: float) -> int | None:
+        """How long a draft that costs nothing to make (a prompt-lookup match) should be when
+        each of its tokens passes with probability ``acceptance``; None: as long as k."""
+
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float) -> None:
         """What the last block did: drafts proposed and accepted, and what it cost."""
 
@@ -47,6 +51,9 @@ class FixedLength:
 
     def next_k(self) -> int:
         return self.k
+
+    def free_k(self, acceptance: float) -> int | None:
+        return None
 
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float) -> None:
         pass
@@ -62,6 +69,9 @@ class HeuristicLength:
 
     def next_k(self) -> int:
         return self.k
+
+    def free_k(self, acceptance: float) -> int | None:
+        return None
 
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float) -> None:
         if proposed and accepted == proposed:
@@ -166,6 +176,23 @@ class CostModelLength:
     def measured(self, k: int) -> bool:
         entry = self._rtt_at.get(k)
         return entry is not None and entry[0] >= self.min_samples
+
+    def free_k(self, acceptance: float) -> int | None:
+        """The k with the most expected tokens per second for a draft that costs nothing to
+        make, its tokens each passing with probability ``acceptance``: 0 where none beats a
+        plain step, at most one past the longest k measured (or seeded)."""
+        measured = [k for k, (w, _) in self._rtt_at.items() if w > 0.05]
+        if not measured:
+            return 0
+        best, best_rate = 0, self.plain_rate()
+        tokens, survive = 1.0, 1.0
+        for k in range(1, min(self.max_k, max(measured) + 1) + 1):
+            survive *= acceptance
+            tokens += survive
+            seconds = self.rtt(k)
+            if seconds > 0 and tokens / seconds > best_rate:
+                best, best_rate = k, tokens / seconds
+        return best
 
     def next_k(self) -> int:
         if self._rtt[0] == 0 or self.draft_s_per_token is None:

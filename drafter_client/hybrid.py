@@ -7,7 +7,9 @@ text but costs a drafter forward per token. Every block the lookup proposes (fre
 * the lookup has a match and is *trusted* - the share of its recent proposals that the target
   went on to output is at least the model's recent share (less ``margin``) and at least
   ``min_trust`` - so the lookup draft goes alone, up to ``lookup_tokens`` long (0: the block's
-  k, so ``-k auto`` sizes it by what a verify of that length costs), and the model is not run;
+  k; with ``free_length`` set - the loop sets it from ``-k auto``'s cost model - the length
+  whose expected tokens per second are highest at the lookup's measured trust and this
+  verifier's cost per block size, even where k is 0), and the model is not run;
 * otherwise the model drafts. With a model tree (``tree_width`` > 1, greedy) a lookup match
   also rides along as one more branch of the tree.
 
@@ -16,6 +18,8 @@ lookup earns trust back without costing a verify slot.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -35,6 +39,8 @@ class HybridDrafter:
         self.lookup_tokens, self.min_trust, self.margin, self.decay = (
             lookup_tokens, min_trust, margin, decay)
         self.name = f"{model.name}+lookup"
+        # lookup trust -> the length of a free lookup draft (None: max(k, lookup_tokens))
+        self.free_length: Callable[[float], int | None] | None = None
         self.reset_scores()
 
     def reset_scores(self) -> None:
@@ -56,8 +62,11 @@ class HybridDrafter:
                 and self.lookup_score >= self.model_score - self.margin)
 
     def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
-        self._looked = (self.lookup.propose(max(k, self.lookup_tokens), config, generator).ids
-                        if k > 0 else [])
+        free = (self.free_length(self.lookup_score)
+                if self.free_length is not None and not self.lookup_tokens else None)
+        length = max(k, self.lookup_tokens) if free is None else free
+        self._looked = (self.lookup.propose(length, config, generator).ids
+                        if length > 0 else [])
         self._modelled = []
         if self.trusted():
             return Draft(self._looked, None, None)

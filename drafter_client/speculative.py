@@ -23,6 +23,7 @@ import torch
 
 from drafter_client.draft_length import DraftLength, FixedLength
 from drafter_client.drafters import Draft, Drafter
+from drafter_client.hybrid import HybridDrafter
 from drafter_client.metrics import GenerationMetrics, MetricsRecorder
 from drafter_client.reply_checks import check_reply, check_verdict
 from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
@@ -268,6 +269,8 @@ def speculative_generate(
     :class:`SpecDecError` carries what was generated (``exc.partial``)."""
     config = settings.sampling.to_config()
     schedule = settings.draft_schedule()
+    if isinstance(drafter, HybridDrafter):  # free lookup drafts sized by this schedule's costs
+        drafter.free_length = schedule.free_k
     generator = torch.Generator().manual_seed(settings.seed)
     recorder = MetricsRecorder(verifier)
     session = VerifierSession(verifier, settings.sampling, prompt_ids, settings.encoder_ids)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from drafter_client.draft_length import (
     HeuristicLength,
     make_draft_length,
 )
+from drafter_client.hybrid import HybridDrafter
 from drafter_client.model_free import (
     BigramDrafter,
     NGramDrafter,
@@ -180,6 +183,43 @@ def test_cost_model_starts_from_the_verifiers_measured_costs() -> None:
         seeded.update(k, k // 2, 0.16 * k, seconds)
     assert chosen[:2] == [2, 2] and chosen[2:] == [0, 0]
     assert make_draft_length("auto", 4, verify_ms).rtt(0) == pytest.approx(0.39)
+
+
+def test_free_drafts_are_sized_by_the_verify_cost_of_each_length() -> None:
+    """A prompt-lookup draft costs nothing to make: where a 9-token verify costs 1.4x a plain
+    step (bf16 on this CPU) a trusted match drafts long; where a 2-token verify costs 1.9x
+    (float32) it drafts nothing unless the match is almost always right."""
+    flat = [(0, 193.0), (1, 191.0), (2, 217.0), (3, 220.0), (4, 260.0), (6, 265.0), (8, 271.0)]
+    steep = [(0, 390.0), (1, 750.0), (2, 1120.0), (3, 1150.0), (4, 1150.0), (6, 1200.0),
+             (8, 1250.0)]
+    cheap = CostModelLength(max_k=16, verify_ms=flat)
+    costly = CostModelLength(max_k=16, verify_ms=steep)
+    assert cheap.free_k(0.9) == 9  # one past the longest length it knows the cost of
+    assert cheap.free_k(0.3) <= 2
+    assert costly.free_k(0.5) == 0 and costly.free_k(0.99) >= 4
+    assert CostModelLength(max_k=16).free_k(0.9) == 0  # nothing measured yet
+    assert FixedLength(4).free_k(0.9) is None and HeuristicLength().free_k(0.9) is None
+
+
+def test_the_hybrid_drafts_free_lookup_matches_at_the_cost_models_length() -> None:
+    class Model:  # a model drafter that must not run while the lookup is trusted
+        name, top_k_filler = "m", 0
+
+        def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
+            pass
+
+        def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Any:
+            raise AssertionError("the model ran")
+
+        def commit(self, tokens: list[int]) -> None:
+            pass
+
+    hybrid = HybridDrafter(Model(), PromptLookupDrafter(1, 3))  # type: ignore[arg-type]
+    hybrid.reset([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 5, 6])  # "5 6" seen before: 7 8 9 ... next
+    hybrid.lookup_score = 0.9
+    hybrid.free_length = lambda trust: 6 if trust > 0.5 else 0
+    draft = hybrid.propose(0, SamplingConfig(), torch.Generator())  # k = 0: still free drafts
+    assert draft.ids == [7, 8, 9, 10, 11, 12]
 
 
 def test_make_draft_length() -> None:
