@@ -15,10 +15,10 @@ trip, no drafting), at 1 / rtt(0) tokens per second. Where no k >= 1 beats it - 
 more than the verify time it saves, as with a float32 target on a 2-core CPU - the cost model
 drafts nothing, so speculation is never slower than the target alone by more than a round trip's
 overhead. While it drafts nothing its acceptance estimates go stale, so every ``probe_every``
-plain steps it drafts one block at its best k >= 1 (the gap doubles, up to ``max_probe_gap``,
-while probes do not win, and starts again when one does). Each choice depends only on blocks
-already verified and on timings, never on the block about to be drafted, so the output
-distribution stays the target's.
+plain steps it drafts one block of k = 1, the cheapest look (the gap doubles, up to
+``max_probe_gap``, while probes do not win, and starts again when one does). Each choice
+depends only on blocks already verified and on timings, never on the block about to be
+drafted, so the output distribution stays the target's.
 
 A verifier reports what its verify forwards cost (``/v1/info`` ``verify_ms``, timed at start):
 those costs seed the per-k round trips with one block's weight each, so the first choices are
@@ -28,7 +28,10 @@ them (they lack the network's share of a round trip).
 
 from __future__ import annotations
 
+import statistics
 from typing import Protocol
+
+DRAFT_SAMPLES = 7  # per-token drafting times the cost model's median is over
 
 
 class DraftLength(Protocol):
@@ -41,8 +44,14 @@ class DraftLength(Protocol):
         """How long a draft that costs nothing to make (a prompt-lookup match) should be when
         each of its tokens passes with probability ``acceptance``; None: as long as k."""
 
-    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float) -> None:
-        """What the last block did: drafts proposed and accepted, and what it cost."""
+    def prefers_free(self, acceptance: float) -> bool | None:
+        """Whether such a free draft is expected to give more tokens per second than the
+        model drafter at its best k; None: no opinion (the hybrid's own trust rule)."""
+
+    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
+               free: bool = False) -> None:
+        """What the last block did: drafts proposed and accepted, and what it cost; ``free``:
+        its draft cost nothing to make (a prompt-lookup match sent alone)."""
 
 
 class FixedLength:
@@ -55,7 +64,11 @@ class FixedLength:
     def free_k(self, acceptance: float) -> int | None:
         return None
 
-    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float) -> None:
+    def prefers_free(self, acceptance: float) -> bool | None:
+        return None
+
+    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
+               free: bool = False) -> None:
         pass
 
 
@@ -73,7 +86,11 @@ class HeuristicLength:
     def free_k(self, acceptance: float) -> int | None:
         return None
 
-    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float) -> None:
+    def prefers_free(self, acceptance: float) -> bool | None:
+        return None
+
+    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
+               free: bool = False) -> None:
         if proposed and accepted == proposed:
             self.k = min(self.k + 2, self.max_k)
         elif proposed:
@@ -87,7 +104,7 @@ class CostModelLength:
 
     def __init__(self, max_k: int = 16, start: int = 2, decay: float = 0.95,
                  prior_acceptance: float = 0.6, prior_weight: float = 2.0,
-                 probe_every: int = 8, max_probe_gap: int = 64,
+                 probe_every: int = 4, max_probe_gap: int = 32,
                  verify_ms: list[tuple[int, float]] | None = None) -> None:
         self.max_k, self.k, self.decay = max_k, start, decay
         self.probe_every, self.max_probe_gap = probe_every, max_probe_gap
@@ -105,10 +122,12 @@ class CostModelLength:
         self.min_samples = 0.5  # decayed weight (one block ~13 blocks ago) to count as measured
         # The first block's drafting includes the drafter's prefill of the whole prompt (548 ms
         # next to 90 ms per drafted token for the 0.5B drafter on a 150-token prompt): as a
-        # per-token cost it made k = 1 look best for the next 20 blocks. It is not counted, nor
-        # is the first drafted block after plain steps (the drafter catches up on their tokens).
+        # per-token cost it made k = 1 look best for the next 20 blocks. It is not counted; and
+        # the cost is the median of the last few blocks' per-token times, so a block that also
+        # paid for something else - the model's prefill after lookup-only blocks, its catch-up
+        # on the tokens of plain steps - does not stand for the drafter's speed.
         self.blocks = 0
-        self.last_proposed: int | None = None
+        self._draft_samples: list[float] = []
         for k, ms in verify_ms or []:
             if k <= max_k:
                 self._rtt_at[k] = [1.0, ms / 1e3]  # one block's weight at the verifier's cost
@@ -181,10 +200,13 @@ class CostModelLength:
         """The k with the most expected tokens per second for a draft that costs nothing to
         make, its tokens each passing with probability ``acceptance``: 0 where none beats a
         plain step, at most one past the longest k measured (or seeded)."""
+        return self._best_free(acceptance)[0]
+
+    def _best_free(self, acceptance: float) -> tuple[int, float]:
         measured = [k for k, (w, _) in self._rtt_at.items() if w > 0.05]
-        if not measured:
-            return 0
         best, best_rate = 0, self.plain_rate()
+        if not measured:
+            return best, best_rate
         tokens, survive = 1.0, 1.0
         for k in range(1, min(self.max_k, max(measured) + 1) + 1):
             survive *= acceptance
@@ -192,7 +214,14 @@ class CostModelLength:
             seconds = self.rtt(k)
             if seconds > 0 and tokens / seconds > best_rate:
                 best, best_rate = k, tokens / seconds
-        return best
+        return best, best_rate
+
+    def prefers_free(self, acceptance: float) -> bool | None:
+        if self._rtt[0] == 0 or self.draft_s_per_token is None:
+            return None  # the model's cost is not measured yet
+        model = max(self.expected_rate(k) for k in range(1, self.max_k + 1))
+        k, rate = self._best_free(acceptance)
+        return k > 0 and rate > model
 
     def next_k(self) -> int:
         if self._rtt[0] == 0 or self.draft_s_per_token is None:
@@ -207,28 +236,30 @@ class CostModelLength:
         if self.expected_rate(best) >= self.plain_rate():
             self.k, self.plain_steps, self.probe_gap = best, 0, self.probe_every
         elif self.plain_steps >= self.probe_gap:  # drafting lost; look again now and then
-            self.k, self.plain_steps = best, 0
+            self.k, self.plain_steps = 1, 0
             self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
         else:
             self.k = 0
             self.plain_steps += 1
         return self.k
 
-    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float) -> None:
+    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
+               free: bool = False) -> None:
+        """A free block (a lookup match sent alone) tells the verify cost of its length, not
+        the model's acceptance or drafting time: those stay the model's own."""
         d = self.decay
-        for i in range(self.max_k):
-            self.reached[i] *= d
-            self.passed[i] *= d
-        for i in range(min(accepted + 1, proposed)):  # positions 0..accepted were tested
-            self.reached[i] += 1
-            self.passed[i] += float(i < accepted)
         self.blocks += 1
-        after_plain = self.last_proposed == 0
-        self.last_proposed = proposed
-        if proposed and self.blocks > 1 and not after_plain:
-            per_token = drafting_s / proposed
-            self.draft_s_per_token = per_token if self.draft_s_per_token is None else (
-                d * self.draft_s_per_token + (1 - d) * per_token)
+        if not free:
+            for i in range(self.max_k):
+                self.reached[i] *= d
+                self.passed[i] *= d
+            for i in range(min(accepted + 1, proposed)):  # positions 0..accepted were tested
+                self.reached[i] += 1
+                self.passed[i] += float(i < accepted)
+        if proposed and self.blocks > 1 and not free:
+            self._draft_samples = [*self._draft_samples[-(DRAFT_SAMPLES - 1):],
+                                   drafting_s / proposed]
+            self.draft_s_per_token = statistics.median(self._draft_samples)
         for entry in self._rtt_at.values():
             entry[0] *= d
             entry[1] *= d

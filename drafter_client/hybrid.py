@@ -7,9 +7,11 @@ text but costs a drafter forward per token. Every block the lookup proposes (fre
 * the lookup has a match and is *trusted* - the share of its recent proposals that the target
   went on to output is at least the model's recent share (less ``margin``) and at least
   ``min_trust`` - so the lookup draft goes alone, up to ``lookup_tokens`` long (0: the block's
-  k; with ``free_length`` set - the loop sets it from ``-k auto``'s cost model - the length
-  whose expected tokens per second are highest at the lookup's measured trust and this
-  verifier's cost per block size, even where k is 0), and the model is not run;
+  k; with ``advisor`` set - the loop sets it to its draft-length policy - the length whose
+  expected tokens per second are highest at the lookup's measured trust and this verifier's
+  cost per block size, even where k is 0), and the model is not run. Under ``-k auto`` the
+  cost model decides the trust too: the match goes alone when that free draft is expected to
+  give more tokens per second than the model at its best k;
 * otherwise the model drafts. With a model tree (``tree_width`` > 1, greedy) a lookup match
   also rides along as one more branch of the tree.
 
@@ -19,13 +21,14 @@ lookup earns trust back without costing a verify slot.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
+from drafter_client.draft_length import DraftLength
 from drafter_client.drafters import Draft, HFDrafter, TreeBuilder, common_prefix
 from drafter_client.model_free import PromptLookupDrafter
 from shared.sampling import SamplingConfig
+
+SCORE_TOKENS = 2  # the shortest lookup proposal scored in a block (free: no forward)
 
 
 class HybridDrafter:
@@ -39,8 +42,10 @@ class HybridDrafter:
         self.lookup_tokens, self.min_trust, self.margin, self.decay = (
             lookup_tokens, min_trust, margin, decay)
         self.name = f"{model.name}+lookup"
-        # lookup trust -> the length of a free lookup draft (None: max(k, lookup_tokens))
-        self.free_length: Callable[[float], int | None] | None = None
+        # Set by the loop from its draft-length policy: how long a free lookup draft should be
+        # at the lookup's trust, and whether it beats the model's best (see DraftLength).
+        self.advisor: DraftLength | None = None
+        self.sent_lookup = False  # the last proposal was a lookup match alone (free)
         self.reset_scores()
 
     def reset_scores(self) -> None:
@@ -58,25 +63,38 @@ class HybridDrafter:
         self.reset_scores()
 
     def trusted(self) -> bool:
-        return (bool(self._looked) and self.lookup_score >= self.min_trust
+        """A lookup match goes alone: the advisor (``-k auto``'s cost model) expects it to
+        give more tokens per second than the model; without an opinion, its share of recent
+        proposals that the target output is near the model's."""
+        if not self._looked:
+            return False
+        prefers = (self.advisor.prefers_free(self.lookup_score)
+                   if self.advisor is not None else None)
+        if prefers is not None:
+            return prefers
+        return (self.lookup_score >= self.min_trust
                 and self.lookup_score >= self.model_score - self.margin)
 
     def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
-        free = (self.free_length(self.lookup_score)
-                if self.free_length is not None and not self.lookup_tokens else None)
-        length = max(k, self.lookup_tokens) if free is None else free
-        self._looked = (self.lookup.propose(length, config, generator).ids
-                        if length > 0 else [])
-        self._modelled = []
-        if self.trusted():
+        free = (self.advisor.free_k(self.lookup_score)
+                if self.advisor is not None and not self.lookup_tokens else None)
+        send = max(k, self.lookup_tokens) if free is None else free  # a trusted match's length
+        # Looked up every block, even when nothing would be sent (k = 0, no free length), so
+        # its score keeps following what the target outputs and lost trust can come back.
+        looked = self.lookup.propose(max(send, k, SCORE_TOKENS), config, generator).ids
+        self._looked, self._modelled = looked, []
+        self.sent_lookup = send > 0 and self.trusted()
+        if self.sent_lookup:
+            self._looked = looked[:send]  # scored on what it sent
             return Draft(self._looked, None, None)
         draft = self.model.propose(k, config, generator)
         self._modelled = draft.first_chain()
-        if not self._looked or draft.parents is None:
+        chain = looked[:max(k, self.lookup_tokens)]
+        if not chain or draft.parents is None:
             return draft
         tree = TreeBuilder()  # a model tree: the lookup rides along as one more branch
         tree.add_draft(draft)
-        tree.add_path(self._looked)
+        tree.add_path(chain)
         return tree.draft()
 
     def speculate(self, assumed: list[int], k: int, config: SamplingConfig,

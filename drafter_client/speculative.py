@@ -269,8 +269,8 @@ def speculative_generate(
     :class:`SpecDecError` carries what was generated (``exc.partial``)."""
     config = settings.sampling.to_config()
     schedule = settings.draft_schedule()
-    if isinstance(drafter, HybridDrafter):  # free lookup drafts sized by this schedule's costs
-        drafter.free_length = schedule.free_k
+    if isinstance(drafter, HybridDrafter):  # free lookup drafts judged by this schedule's costs
+        drafter.advisor = schedule
     generator = torch.Generator().manual_seed(settings.seed)
     recorder = MetricsRecorder(verifier)
     session = VerifierSession(verifier, settings.sampling, prompt_ids, settings.encoder_ids)
@@ -313,7 +313,8 @@ def speculative_generate(
             recorder.block(outcome.draft_ids, outcome.num_accepted, outcome.drafting_s,
                            outcome.round_trip_s, outcome.verifier_s)
             schedule.update(outcome.depth, outcome.num_accepted, outcome.drafting_s,
-                            outcome.round_trip_s)
+                            outcome.round_trip_s, free=isinstance(drafter, HybridDrafter)
+                            and drafter.sent_lookup and not outcome.drafted_ahead)
             if on_block is not None and on_block(outcome):
                 stopped = True
                 break

@@ -217,7 +217,15 @@ def test_the_hybrid_drafts_free_lookup_matches_at_the_cost_models_length() -> No
     hybrid = HybridDrafter(Model(), PromptLookupDrafter(1, 3))  # type: ignore[arg-type]
     hybrid.reset([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 5, 6])  # "5 6" seen before: 7 8 9 ... next
     hybrid.lookup_score = 0.9
-    hybrid.free_length = lambda trust: 6 if trust > 0.5 else 0
+
+    class Advisor:
+        def free_k(self, trust: float) -> int:
+            return 6 if trust > 0.5 else 0
+
+        def prefers_free(self, trust: float) -> bool:
+            return True
+
+    hybrid.advisor = Advisor()  # type: ignore[assignment]
     draft = hybrid.propose(0, SamplingConfig(), torch.Generator())  # k = 0: still free drafts
     assert draft.ids == [7, 8, 9, 10, 11, 12]
 
