@@ -54,12 +54,8 @@ class DraftLength(Protocol):
         its draft cost nothing to make (a prompt-lookup match sent alone)."""
 
 
-class FixedLength:
-    def __init__(self, k: int) -> None:
-        self.k, self.name = k, str(k)
-
-    def next_k(self) -> int:
-        return self.k
+class NoCostModel:
+    """For policies without a cost model: no advice on free drafts."""
 
     def free_k(self, acceptance: float) -> int | None:
         return None
@@ -67,12 +63,20 @@ class FixedLength:
     def prefers_free(self, acceptance: float) -> bool | None:
         return None
 
+
+class FixedLength(NoCostModel):
+    def __init__(self, k: int) -> None:
+        self.k, self.name = k, str(k)
+
+    def next_k(self) -> int:
+        return self.k
+
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
                free: bool = False) -> None:
         pass
 
 
-class HeuristicLength:
+class HeuristicLength(NoCostModel):
     """Grow by 2 after a fully accepted block, shrink by 1 otherwise (transformers' schedule)."""
 
     name = "heuristic"
@@ -82,12 +86,6 @@ class HeuristicLength:
 
     def next_k(self) -> int:
         return self.k
-
-    def free_k(self, acceptance: float) -> int | None:
-        return None
-
-    def prefers_free(self, acceptance: float) -> bool | None:
-        return None
 
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
                free: bool = False) -> None:
