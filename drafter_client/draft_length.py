@@ -16,7 +16,8 @@ more than the verify time it saves, as with a float32 target on a 2-core CPU - t
 drafts nothing, so speculation is never slower than the target alone by more than a round trip's
 overhead. While it drafts nothing its acceptance estimates go stale, so every ``probe_every``
 plain steps it drafts one block of k = 1, the cheapest look (the gap doubles, up to
-``max_probe_gap``, while probes do not win, and starts again when one does). Each choice
+``max_probe_gap``, while probes do not win, and starts again when one does) - if drafting could
+pay at all: where it would lose even at 90% acceptance, no probe is made. Each choice
 depends only on blocks already verified and on timings, never on the block about to be
 drafted, so the output distribution stays the target's.
 
@@ -32,6 +33,7 @@ import statistics
 from typing import Protocol
 
 DRAFT_SAMPLES = 7  # per-token drafting times the cost model's median is over
+OPTIMISTIC_ACCEPTANCE = 0.9  # a probe is made only where drafting would pay at this rate
 
 
 class DraftLength(Protocol):
@@ -221,6 +223,18 @@ class CostModelLength:
         k, rate = self._best_free(acceptance)
         return k > 0 and rate > model
 
+    def could_pay(self, acceptance: float = OPTIMISTIC_ACCEPTANCE) -> bool:
+        """Whether drafting beats plain steps at some k if every draft passed with
+        probability ``acceptance``: where even that loses (a 2-token verify costing twice a
+        plain step), a probe could only cost time, so none is made."""
+        plain = self.plain_rate()
+        for k in range(1, self.max_k + 1):
+            tokens = sum(acceptance ** i for i in range(k + 1))
+            seconds = k * (self.draft_s_per_token or 0.0) + self.rtt(k)
+            if seconds <= 0 or tokens / seconds > plain:
+                return True
+        return False
+
     def next_k(self) -> int:
         if self._rtt[0] == 0 or self.draft_s_per_token is None:
             return self.k  # not measured yet
@@ -233,8 +247,8 @@ class CostModelLength:
         best = max(range(1, min(self.max_k, longest + 1) + 1), key=self.expected_rate)
         if self.expected_rate(best) >= self.plain_rate():
             self.k, self.plain_steps, self.probe_gap = best, 0, self.probe_every
-        elif self.plain_steps >= self.probe_gap:  # drafting lost; look again now and then
-            self.k, self.plain_steps = 1, 0
+        elif self.plain_steps >= self.probe_gap and self.could_pay():
+            self.k, self.plain_steps = 1, 0  # drafting lost; look again now and then
             self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
         else:
             self.k = 0

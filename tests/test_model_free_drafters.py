@@ -140,11 +140,11 @@ def test_cost_model_shortens_drafts_when_drafting_is_expensive() -> None:
 
 
 def test_cost_model_drafts_nothing_where_no_k_pays_and_probes_again_later() -> None:
-    """A float32 target on 2 cores (issue #27): a 2-token verify costs 1.9x a plain step and
-    drafting 0.4 of one. Even with every draft accepted no k beats plain decode steps, so it
-    drafts nothing, probing now and then with gaps that double; once acceptance is such that
-    drafting wins (cheap verify blocks), the probe finds it and it drafts again."""
-    step = {0: 0.39, 1: 0.75, 2: 1.12, 3: 1.15, 4: 1.15}
+    """Drafting at 0.4 of a plain step per token and verify blocks a little dearer than a
+    step: with half the drafts accepted no k beats plain decode steps, so it drafts nothing,
+    probing with k = 1 now and then (drafting would pay at high acceptance) with gaps that
+    double; once every draft is accepted, a probe finds it and it drafts again."""
+    step = {0: 0.39, 1: 0.45, 2: 0.50, 3: 0.55, 4: 0.60}
     policy = CostModelLength(max_k=4, probe_every=4, max_probe_gap=16)
     chosen = []
     for _ in range(60):
@@ -154,18 +154,34 @@ def test_cost_model_drafts_nothing_where_no_k_pays_and_probes_again_later() -> N
     plain = chosen[10:]
     assert plain.count(0) >= 0.8 * len(plain)  # mostly plain steps
     probes = [i for i, k in enumerate(chosen) if k > 0 and i >= 10]
-    assert len(probes) >= 2  # it kept looking
+    assert len(probes) >= 2 and {chosen[i] for i in probes} == {1}  # it kept looking, cheaply
     gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
     assert gaps == sorted(gaps) and gaps[-1] <= 17  # gaps grow, up to the cap
     rate = {k: policy.expected_rate(k) for k in range(1, 5)}
-    assert max(rate.values()) < policy.plain_rate()
-    # now verify blocks cost what a plain step does and every draft is accepted: it drafts
-    cheap = dict.fromkeys(step, 0.39)
-    for _ in range(40):
+    assert max(rate.values()) < policy.plain_rate() and policy.could_pay()
+    for _ in range(60):  # now every draft is accepted: it drafts again
         k = policy.next_k()
         chosen.append(k)
-        policy.update(k, k, 0.05 * k, cheap[k])
+        policy.update(k, k, 0.16 * k, step[k])
     assert chosen[-10:].count(0) == 0
+
+
+def test_no_probes_where_drafting_could_not_pay_even_at_high_acceptance() -> None:
+    """float32 on 2 cores: a 2-token verify costs 1.9x a plain step and a drafted token 0.4 of
+    one. At 90% acceptance no k beats plain steps, so after its first blocks it never drafts
+    again: a probe could only cost time."""
+    verify_ms = [(0, 390.0), (1, 750.0), (2, 1120.0), (3, 1150.0), (4, 1150.0)]
+    policy = CostModelLength(max_k=4, verify_ms=verify_ms)
+    chosen = []
+    for _ in range(80):
+        k = policy.next_k()
+        chosen.append(k)
+        policy.update(k, k, 0.16 * k, dict(verify_ms)[k] / 1e3)  # every draft accepted
+    assert not policy.could_pay() and chosen[3:].count(0) == len(chosen) - 3
+    cheap = CostModelLength(max_k=4, verify_ms=[(k, 200.0) for k in range(5)])
+    cheap.update(2, 2, 0.05, 0.2)
+    cheap.update(2, 2, 0.05, 0.2)
+    assert cheap.could_pay()
 
 
 def test_cost_model_starts_from_the_verifiers_measured_costs() -> None:
