@@ -157,11 +157,10 @@ class StaticForwards:
         self.b_buckets = tuple(b for b in B_BUCKETS if b < max_batch) + (
             min(max_batch, B_BUCKETS[-1]),)
         self.buckets: dict[tuple[int, int, int], Bucket] = {}
+        self.graph_pool: Any = None
         if self.capture:
             with torch.cuda.device(device):
                 self.graph_pool = torch.cuda.graph_pool_handle()
-        else:
-            self.graph_pool = None
         self.replays = self.fallbacks = 0
 
     @torch.inference_mode()  # the forwards run under it; their buffers are made so

@@ -10,7 +10,7 @@ from typing import Any
 
 
 @functools.cache
-def _cache_keyword(model_class: type) -> str:
+def _cache_keyword(model_class: Any) -> str:
     parameters = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in parameters else "past_key_values"
 
@@ -20,7 +20,8 @@ def with_cache(model: Any, cache: Any) -> dict[str, Any]:
     transformers 5.24 names it ``cache`` (``past_key_values`` is deprecated there); 5.17 (the
     GPU machine's) knows only ``past_key_values`` and silently ignores ``cache``, which left
     the cache empty."""
-    return {_cache_keyword(type(model)): cache, "use_cache": True}
+    model_class: Any = type(model)
+    return {_cache_keyword(model_class): cache, "use_cache": True}
 
 
 def cache_length(cache: Any) -> int:
