@@ -202,13 +202,17 @@ class CostModelLength:
         plain step, at most one past the longest k measured (or seeded)."""
         return self._best_free(acceptance)[0]
 
+    def longest_known(self) -> int | None:
+        """The longest k whose round trip was measured (or seeded) not too long ago."""
+        return max((k for k, (w, _) in self._rtt_at.items() if w > 0.05), default=None)
+
     def _best_free(self, acceptance: float) -> tuple[int, float]:
-        measured = [k for k, (w, _) in self._rtt_at.items() if w > 0.05]
         best, best_rate = 0, self.plain_rate()
-        if not measured:
+        longest = self.longest_known()
+        if longest is None:
             return best, best_rate
         tokens, survive = 1.0, 1.0
-        for k in range(1, min(self.max_k, max(measured) + 1) + 1):
+        for k in range(1, min(self.max_k, longest + 1) + 1):
             survive *= acceptance
             tokens += survive
             seconds = self.rtt(k)
@@ -238,12 +242,13 @@ class CostModelLength:
     def next_k(self) -> int:
         if self._rtt[0] == 0 or self.draft_s_per_token is None:
             return self.k  # not measured yet
-        if not self.measured(0) and 0 not in self._rtt_at:
+        if 0 not in self._rtt_at:
             self.k = 0  # one plain step, to know what drafting nothing costs
             return self.k
         # Climb: at most one past the longest draft measured, so a cost that is not a line
         # is found step by step rather than extrapolated.
-        longest = max((k for k, (w, _) in self._rtt_at.items() if w > 0.05), default=self.k)
+        known = self.longest_known()
+        longest = self.k if known is None else known
         best = max(range(1, min(self.max_k, longest + 1) + 1), key=self.expected_rate)
         if self.expected_rate(best) >= self.plain_rate():
             self.k, self.plain_steps, self.probe_gap = best, 0, self.probe_every
@@ -268,10 +273,10 @@ class CostModelLength:
             for i in range(min(accepted + 1, proposed)):  # positions 0..accepted were tested
                 self.reached[i] += 1
                 self.passed[i] += float(i < accepted)
-        if proposed and self.blocks > 1 and not free:
-            self._draft_samples = [*self._draft_samples[-(DRAFT_SAMPLES - 1):],
-                                   drafting_s / proposed]
-            self.draft_s_per_token = statistics.median(self._draft_samples)
+            if proposed and self.blocks > 1:
+                self._draft_samples = [*self._draft_samples[-(DRAFT_SAMPLES - 1):],
+                                       drafting_s / proposed]
+                self.draft_s_per_token = statistics.median(self._draft_samples)
         for entry in self._rtt_at.values():
             entry[0] *= d
             entry[1] *= d

@@ -102,7 +102,8 @@ class Gateway:
         # A prompt with more non-whitespace characters than this has at least max_context
         # tokens (no token covers more than the longest entry's characters), so it is refused
         # before the tokenizer spends time and memory on it; below it the exact count decides.
-        self.max_prompt_chars = longest_token_chars(client.tokenizer) * client.info.max_context
+        self.token_chars = longest_token_chars(client.tokenizer)
+        self.max_prompt_chars = self.token_chars * client.info.max_context
         self.metrics = GatewayMetrics()
         self.executor = ThreadPoolExecutor(settings.max_concurrency,
                                            thread_name_prefix="generation")
@@ -156,10 +157,9 @@ class Gateway:
             return  # the exact count decides
         chars = sum(visible_chars(text) for text in texts)
         if chars > self.max_prompt_chars:
-            max_context = self.client.info.max_context
-            raise OpenAIError(400, f"this model's maximum context length is {max_context} "
-                              f"tokens; the prompt's {chars} non-space characters make at "
-                              f"least {chars // (self.max_prompt_chars // max_context)} "
+            raise OpenAIError(400, f"this model's maximum context length is "
+                              f"{self.client.info.max_context} tokens; the prompt's {chars} "
+                              f"non-space characters make at least {chars // self.token_chars} "
                               "tokens", param, code="context_length_exceeded")
 
     def completion_job(self, body: CompletionRequest) -> Job:

@@ -19,8 +19,6 @@ import json
 import logging
 import os
 import platform
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +26,8 @@ from typing import Any
 
 import torch
 
-from shared.kv_cache import with_cache
-from shared.models import resolve_model_spec, specdec_home
+from shared.models import load_lm, pick_dtype, resolve_model_spec, specdec_home
+from shared.timing import plain_step_ms
 
 log = logging.getLogger("specdec.dtype")
 
@@ -97,29 +95,10 @@ def _write_cache(key: str, dtype: torch.dtype) -> None:
         log.warning("cannot record the dtype choice in %s: %s", path, exc)
 
 
-@torch.inference_mode()
 def block_ms(model: Any, repeats: int = 3) -> dict[int, float]:
     """Median ms of a forward of each of ``BLOCKS`` new tokens on a ``CONTEXT``-token cache."""
-    from transformers import DynamicCache
-
-    device = next(model.parameters()).device
-    vocab = int(model.config.vocab_size)
-    context = torch.arange(CONTEXT, device=device).remainder(vocab)[None]  # [1, CONTEXT]
-    cache = DynamicCache(config=model.config)
-    model(input_ids=context, **with_cache(model, cache), logits_to_keep=1)
-    timings: dict[int, float] = {}
-    for new in BLOCKS:
-        block = context[:, :new]  # [1, new]
-        times = []
-        for i in range(repeats + 1):  # the first is a warm-up
-            started = time.perf_counter()
-            model(input_ids=block, **with_cache(model, cache), logits_to_keep=new)
-            elapsed = time.perf_counter() - started
-            cache.crop(-new)
-            if i:
-                times.append(elapsed)
-        timings[new] = 1e3 * statistics.median(times)
-    return timings
+    context = [i % int(model.config.vocab_size) for i in range(CONTEXT)]
+    return {new: plain_step_ms(model, context, new, repeats) for new in BLOCKS}
 
 
 def checkpoint_is_narrow(spec: str) -> bool:
@@ -178,8 +157,6 @@ def load_lm_auto(spec: str, dtype: str, device: torch.device, **placement: Any
     """``load_lm`` with ``--dtype``; ``auto`` on a CPU measures (``load_fastest``) for a causal
     LM on one device. Returns the model and a line saying what was chosen and why."""
     from transformers import AutoConfig
-
-    from shared.models import load_lm, pick_dtype
 
     placed = any(placement.get(name) for name in ("device_map", "tp_plan"))
     if dtype != "auto" or device.type != "cpu" or placed:

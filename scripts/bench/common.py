@@ -7,19 +7,17 @@ import contextlib
 import json
 import os
 import platform
-import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from transformers import DynamicCache
 
 from scripts.fetch_models import fetch
-from shared.kv_cache import with_cache
 from shared.models import OFFLINE_MODELS
+from shared.timing import median_ms, plain_step_ms, sync  # noqa: F401 - the benchmarks' own
 from tests.support.process import VerifierProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,46 +91,6 @@ def write_json(path: str | Path, payload: dict[str, Any]) -> Path:
     out.write_text(json.dumps(payload, indent=1))
     print(f"\nwrote {out}")
     return out
-
-
-def sync(device: torch.device) -> None:
-    """Wait for queued GPU work, so a wall-clock time covers it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_ms(fn: Callable[[], Any], repeats: int, device: torch.device | None = None,
-              warm: int = 1) -> float:
-    """Median wall time of ``fn`` in ms over ``repeats`` calls after ``warm`` unmeasured ones;
-    on CUDA each call is timed to the end of its queued work."""
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device is not None:
-            sync(device)
-        started = time.perf_counter()
-        fn()
-        if device is not None:
-            sync(device)
-        times.append(time.perf_counter() - started)
-    return 1e3 * statistics.median(times)
-
-
-@torch.inference_mode()
-def plain_step_ms(model: Any, context: list[int], new: int, repeats: int, warm: int = 1) -> float:
-    """A transformers decode step of ``new`` tokens on top of a ``context``-token DynamicCache
-    (on the model's device)."""
-    device = next(model.parameters()).device
-    cache = DynamicCache(config=model.config)
-    model(input_ids=torch.tensor([context], device=device), **with_cache(model, cache))
-
-    def step() -> None:
-        model(input_ids=torch.tensor([context[:new]], device=device),
-              **with_cache(model, cache), logits_to_keep=new)
-        cache.crop(-new)  # drop the step again
-
-    return median_ms(step, repeats, device, warm)
 
 
 ASSISTANT_KEYS = ("num_assistant_tokens", "num_assistant_tokens_schedule",

@@ -17,8 +17,8 @@ import torch
 import transformers
 
 from drafter_client.drafters import HFDrafter, HFSeq2SeqDrafter
-from scripts.bench.common import plain_step_ms
 from shared.sampling import SamplingConfig
+from shared.timing import plain_step_ms
 from tests.support.tiny_models import build_model, build_seq2seq
 
 
