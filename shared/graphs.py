@@ -70,7 +70,7 @@ class Bucket:
         self.keep = torch.arange(n, device=device)
         flat = torch.arange(n, device=device)
         group = PaddedGroup(self.slots, flat.view(b, length), flat, flat, self.mask, end)
-        self.batch = RaggedBatch(pool, [], self.write_slots, self.write_positions, [], group)
+        self.batch = RaggedBatch(pool, self.write_slots, self.write_positions, [], group)
         self.graph: Any = None
         self.out: torch.Tensor | None = None
         if capture:

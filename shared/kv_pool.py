@@ -120,7 +120,6 @@ class RaggedBatch:
     """The flattened batch's layout, built once per forward and read by every layer."""
 
     pool: KVPool
-    segments: list[Segment]
     write_slots: torch.Tensor  # [N] each new token's slot
     write_positions: torch.Tensor  # [N] and its position there
     alone: list[Segment]  # attended one by one (all of them without ``padded``)
@@ -137,7 +136,7 @@ class RaggedBatch:
             short = []
         alone = [seg for seg in segments if seg not in short]
         group = PaddedGroup.build(short, device) if short else None
-        return cls(pool, segments, torch.tensor(slots, device=device),
+        return cls(pool, torch.tensor(slots, device=device),
                    torch.tensor(positions, device=device), alone, group)
 
 
@@ -169,7 +168,6 @@ class KVPool(SlotAllocator):
         """``device``: one for all layers, or one per layer (a model placed over several);
         ``tp_size``: ranks sharing the KV heads (tensor parallelism; this rank holds its share).
         """
-        self.lockstep: Any = None  # tensor parallel: reorders are announced to the other ranks
         heads = config.num_attention_heads
         kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // tp_size
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -187,32 +185,22 @@ class KVPool(SlotAllocator):
     def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
         """Slot j takes the first ``length`` cached positions of slot parents[j] (beam search
         following its parents)."""
-        if self.lockstep is not None:
-            self.lockstep.announce("reorder", slots, parents, length)
-        self.local_reorder(slots, parents, length)
-
-    def compact(self, slot: int, sources: list[int], targets: list[int]) -> None:
-        """Move cached positions ``sources`` of ``slot`` to ``targets`` (a token tree's accepted
-        path, to where a chain would have put it)."""
-        if self.lockstep is not None:
-            self.lockstep.announce("compact", slot, sources, targets)
-        self.local_compact(slot, sources, targets)
-
-    def local_compact(self, slot: int, sources: list[int], targets: list[int]) -> None:
-        if sources == targets:
-            return
-        for cache in (*self.keys, *self.values):
-            src = torch.tensor(sources, device=cache.device)
-            dst = torch.tensor(targets, device=cache.device)
-            cache[slot, :, dst] = cache[slot, :, src]  # the gather copies before writing
-
-    def local_reorder(self, slots: list[int], parents: list[int], length: int) -> None:
         if parents == list(range(len(slots))):
             return
         for cache in (*self.keys, *self.values):
             dst = torch.tensor(slots, device=cache.device)
             src = torch.tensor([slots[p] for p in parents], device=cache.device)
             cache[dst, :, :length] = cache[src, :, :length]  # the gather copies before writing
+
+    def compact(self, slot: int, sources: list[int], targets: list[int]) -> None:
+        """Move cached positions ``sources`` of ``slot`` to ``targets`` (a token tree's accepted
+        path, to where a chain would have put it)."""
+        if sources == targets:
+            return
+        for cache in (*self.keys, *self.values):
+            src = torch.tensor(sources, device=cache.device)
+            dst = torch.tensor(targets, device=cache.device)
+            cache[slot, :, dst] = cache[slot, :, src]  # the gather copies before writing
 
 
 def ragged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -186,26 +186,31 @@ def residual_without_token(target_probs: torch.Tensor, token: int) -> torch.Tens
 
 
 @dataclass(frozen=True)
-class BlockVerdict:
-    """The verifier's reading of one drafted block.
+class Verdict:
+    """The verifier's reading of one drafted block: a chain or a token tree.
 
-    num_accepted: leading drafts accepted. next_token: the recovered or bonus token when it could
-    be drawn without the draft distribution (greedy, one-hot drafts, or all accepted); otherwise
-    None, and ``row`` holds the target's processed probs at the rejected position ([vocab]).
+    num_accepted: drafts accepted (a tree's: the nodes on ``path``). next_token: the recovered or
+    bonus token when it could be drawn without the draft distribution (greedy, one-hot drafts,
+    all accepted, every tree); otherwise None, and ``row`` holds the target's processed probs at
+    the rejected position ([vocab]).
     """
 
     num_accepted: int
-    target_logprobs: torch.Tensor | None  # [k] processed log p_i(x_i); None in greedy mode
-    target_argmax: torch.Tensor | None  # [k + 1]; greedy mode only
+    # processed log p of every draft given what precedes it: a chain's [k] log p_i(x_i), a
+    # tree's [N] log p_parent(node); None in the deterministic modes
+    target_logprobs: torch.Tensor | None
+    target_argmax: torch.Tensor | None  # [k + 1] (a tree's [N + 1]); deterministic modes only
     next_token: int | None
-    row: torch.Tensor | None  # [vocab] probs at the rejected position, for the client's residual
+    row: torch.Tensor | None = None  # [vocab] probs at the rejected position (chains only)
+    path: list[int] | None = None  # a tree's accepted nodes, root's child first
+    top_ids: list[list[int]] | None = None  # the target's best ids of every row, when asked
 
 
-def chosen_verdict(draft_ids: torch.Tensor, target_argmax: torch.Tensor) -> BlockVerdict:
+def chosen_verdict(draft_ids: torch.Tensor, target_argmax: torch.Tensor) -> Verdict:
     """A deterministic mode's verdict from the target's choice at every row.
     draft_ids: [k]; target_argmax: [k + 1]."""
     accepted = accept_greedy(draft_ids, target_argmax)
-    return BlockVerdict(accepted, None, target_argmax, int(target_argmax[accepted].item()), None)
+    return Verdict(accepted, None, target_argmax, int(target_argmax[accepted].item()))
 
 
 def verify_block(
@@ -216,7 +221,7 @@ def verify_block(
     final_uniform: float,
     config: SamplingConfig,
     position: int = 0,  # the sequence index of row 0's token (coupled sampling)
-) -> BlockVerdict:
+) -> Verdict:
     """The verifier's half of a speculative step: find the first rejection, draw what it can."""
     k = draft_ids.shape[0]
     if config.deterministic:
@@ -237,7 +242,7 @@ def verify_block(
         row = None
     else:  # the residual needs q_j, which only the client has: send p_j
         next_token, row = None, probs
-    return BlockVerdict(accepted, target_lp, None, next_token, row)
+    return Verdict(accepted, target_lp, None, next_token, row)
 
 
 def recover_token(
@@ -281,10 +286,6 @@ def tree_children(parents: list[int]) -> list[list[int]]:
     return children
 
 
-def is_chain(parents: list[int]) -> bool:
-    return all(parent == node - 1 for node, parent in enumerate(parents))
-
-
 def accept_tree(
     parents: list[int],
     draft_ids: list[int],
@@ -323,20 +324,12 @@ def accept_tree(
         here = chosen
 
 
-@dataclass(frozen=True)
-class TreeVerdict:
-    path: list[int]  # accepted nodes, root's child first
-    target_logprobs: torch.Tensor | None  # [N] log p_parent(node); None in greedy mode
-    target_argmax: torch.Tensor | None  # [N + 1]; greedy (and coupled) mode only
-    next_token: int  # the recovered / bonus token
-
-
 def chosen_tree_verdict(parents: list[int], draft_ids: list[int],
-                        target_argmax: torch.Tensor) -> TreeVerdict:
+                        target_argmax: torch.Tensor) -> Verdict:
     """A deterministic mode's tree verdict: follow the target's choice ([N + 1], one per row)."""
     path, _ = accept_tree(parents, draft_ids, None, target_argmax=target_argmax.tolist())
     stop = path[-1] + 1 if path else 0
-    return TreeVerdict(path, None, target_argmax, int(target_argmax[stop].item()))
+    return Verdict(len(path), None, target_argmax, int(target_argmax[stop].item()), path=path)
 
 
 def verify_tree(
@@ -347,7 +340,7 @@ def verify_tree(
     final_uniform: float,
     config: SamplingConfig,
     position: int = 0,  # the sequence index of row 0's token (coupled sampling)
-) -> TreeVerdict:
+) -> Verdict:
     """The verifier's half for a tree of one-hot drafts: the longest accepted path and the next
     token, drawn with the client's ``final_uniform``."""
     if config.deterministic:
@@ -363,4 +356,4 @@ def verify_tree(
         kept[torch.tensor(rejected, dtype=torch.long)] = 0.0
         if kept.sum() > 0.0:  # else only rounding rejected a certain child: p is the answer
             probs = kept
-    return TreeVerdict(path, node_lp, None, sample_from_probs(probs, final_uniform))
+    return Verdict(len(path), node_lp, None, sample_from_probs(probs, final_uniform), path=path)

@@ -11,7 +11,7 @@ import torch
 
 from shared.logits import process_rows
 from shared.sampling import SamplingConfig, process_logits, verify_block
-from verifier_service.acceptance import AcceptTask, decide
+from verifier_service.acceptance import Check, decide
 
 VOCAB = 50
 
@@ -28,7 +28,7 @@ CONFIGS = [
 
 
 def random_task(rng: random.Random, gen: torch.Generator,
-                config: SamplingConfig) -> tuple[torch.Tensor, AcceptTask]:
+                config: SamplingConfig) -> tuple[torch.Tensor, Check]:
     """A job's logits and a draft that the target accepts part of the time: drafts are drawn
     from the target's own processed distribution (so acceptances happen), one-hot or not."""
     k = rng.choice([0, 1, 2, 4, 7])
@@ -38,21 +38,21 @@ def random_task(rng: random.Random, gen: torch.Generator,
     if config.greedy:
         best = logits.argmax(-1)
         drafts = [int(best[i]) if rng.random() < 0.7 else rng.randrange(VOCAB) for i in range(k)]
-        return logits, AcceptTask(drafts, None, [], rng.random(), config, rng.choice([0, 3]))
+        return logits, Check(drafts, None, [], rng.random(), config, rng.choice([0, 3]))
     probs = process_logits(logits, config).exp()  # [k + 1, vocab]
     drafts = [int(torch.multinomial(probs[i].double(), 1, generator=gen)) if rng.random() < 0.8
               else rng.randrange(VOCAB) for i in range(k)]
     one_hot = rng.random() < 0.5
     draft_lp = None if one_hot else [math_log(rng.uniform(0.05, 1.0)) for _ in range(k)]
     log_u = [math_log(rng.random() or 1e-12) for _ in range(k)]
-    return logits, AcceptTask(drafts, draft_lp, log_u, rng.random(), config, rng.choice([0, 2]))
+    return logits, Check(drafts, draft_lp, log_u, rng.random(), config, rng.choice([0, 2]))
 
 
 def math_log(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float64).log())
 
 
-def host_verdict(logits: torch.Tensor, task: AcceptTask):  # type: ignore[no-untyped-def]
+def host_verdict(logits: torch.Tensor, task: Check):  # type: ignore[no-untyped-def]
     return verify_block(
         logits, torch.tensor(task.draft_ids, dtype=torch.long),
         torch.tensor(task.draft_logprobs, dtype=torch.float64)
@@ -81,15 +81,20 @@ def test_device_decisions_equal_the_host_path(seed: int, together: int | None) -
     jobs = [random_task(rng, gen, config) for config in configs]
     decisions = decide([logits for logits, _ in jobs], [task for _, task in jobs],
                        together=together or len(jobs))
+    on_host = decide([logits for logits, _ in jobs], [task for _, task in jobs], on_device=False)
     outcomes = set()
-    for (logits, task), decision in zip(jobs, decisions, strict=True):
+    for (logits, task), device, host_path in zip(jobs, decisions, on_host, strict=True):
         host = host_verdict(logits, task)
+        assert host_path.num_accepted == host.num_accepted  # decide's host path: the reference
+        assert host_path.next_token == host.next_token
+        assert host_path.top_ids == device.top_ids
         if task.config.greedy:
-            assert decision.argmax is not None and torch.equal(decision.argmax, host.target_argmax)
+            assert device.target_argmax is not None
+            assert torch.equal(device.target_argmax, host.target_argmax)
+            assert device.num_accepted == host.num_accepted
+            assert device.next_token == host.next_token
             outcomes.add("greedy")
         else:
-            device = decision.verdict
-            assert device is not None
             assert device.num_accepted == host.num_accepted
             assert device.next_token == host.next_token
             assert host.target_logprobs is not None and device.target_logprobs is not None
@@ -102,7 +107,7 @@ def test_device_decisions_equal_the_host_path(seed: int, together: int | None) -
                          "row" if host.row is not None else "recovered")
         if task.top_ids:
             expected = torch.topk(logits, task.top_ids).indices.tolist()
-            assert decision.top_ids == expected
+            assert device.top_ids == expected
     assert outcomes == {"greedy", "all accepted", "row", "recovered"}  # every branch ran
 
 
@@ -111,9 +116,8 @@ def test_certain_one_hot_draft_rejected_by_rounding_falls_back_to_p() -> None:
     residual is empty; both paths draw from p itself."""
     logits = torch.full((2, VOCAB), -1e4)
     logits[0, 9] = logits[1, 4] = 0.0  # rows 0 and 1 are certain of 9 and 4
-    task = AcceptTask([9], None, [0.0], 0.5, SamplingConfig(temperature=1.0))
+    task = Check([9], None, [0.0], 0.5, SamplingConfig(temperature=1.0))
     [decision] = decide([logits], [task])
     host = host_verdict(logits, task)
-    assert decision.verdict is not None
-    assert host.num_accepted == decision.verdict.num_accepted == 0
-    assert host.next_token == decision.verdict.next_token == 9
+    assert host.num_accepted == decision.num_accepted == 0
+    assert host.next_token == decision.next_token == 9

@@ -12,13 +12,13 @@ import torch
 from shared.engine import ForwardItem
 from shared.kv_pool import PADDED_MAX_LENGTH
 from shared.models import load_causal_lm, load_tokenizer
-from verifier_service.target import TargetRunner
+from verifier_service.target import CausalEngine
 
 
 @pytest.fixture(scope="module", params=["gpt2-target", "llama-target"])
-def runner(request: pytest.FixtureRequest, tiny_models: dict[str, Path]) -> TargetRunner:
+def runner(request: pytest.FixtureRequest, tiny_models: dict[str, Path]) -> CausalEngine:
     path = tiny_models[request.param]
-    return TargetRunner(load_causal_lm(str(path), torch.float32, torch.device("cpu")),
+    return CausalEngine(load_causal_lm(str(path), torch.float32, torch.device("cpu")),
                         load_tokenizer(str(path)), str(path), max_context=256,
                         kv_budget_tokens=256 * 8)
 
@@ -27,9 +27,9 @@ def ids(n: int, seed: int) -> list[int]:
     return [(seed * 31 + i * 7) % 64 for i in range(n)]
 
 
-def mixed_batch(runner: TargetRunner) -> list[ForwardItem]:
+def mixed_batch(runner: CausalEngine) -> list[ForwardItem]:
     """Six slots with cached prefixes of different lengths, then one batch of every kind."""
-    slots = [runner.pool.allocate() for _ in range(6)]
+    slots = [runner.allocate() for _ in range(6)]
     assert all(s is not None for s in slots)
     prefixes = [40, 3, 17, 90, 1, 0]
     for slot, n in zip(slots, prefixes, strict=True):
@@ -46,7 +46,7 @@ def mixed_batch(runner: TargetRunner) -> list[ForwardItem]:
     ]
 
 
-def test_padded_attention_equals_per_session_and_alone(runner: TargetRunner) -> None:
+def test_padded_attention_equals_per_session_and_alone(runner: CausalEngine) -> None:
     items = mixed_batch(runner)
     results = {}
     for mode in ("per-session", "padded"):

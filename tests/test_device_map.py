@@ -16,7 +16,8 @@ import torch
 from drafter_client.api import SpecDecClient
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.tiny_models import hf_greedy
-from verifier_service.target import TargetRunner, attention_devices, parse_device_map
+from verifier_service.hf_models import attention_devices, parse_device_map
+from verifier_service.target import CausalEngine, load_engine
 
 DISK_MAPS = {
     "llama-target": {"model.embed_tokens": "cpu", "model.layers.0": "cpu",
@@ -42,7 +43,8 @@ def test_placed_target_serves_the_same_output(tiny_models: dict[str, Path], tmp_
         assert client.baseline([2, 3, 4], max_new_tokens=20).token_ids == reference
         assert client.baseline([2, 3, 4], max_new_tokens=8, num_beams=2).token_ids
     if placement == "disk":  # the offloaded layer's weights really are off the device
-        runner = TargetRunner.from_settings(settings)
+        runner = load_engine(settings)
+        assert isinstance(runner, CausalEngine)
         assert any(p.device.type == "meta" for p in runner.model.parameters())
         assert all(k.device.type == "cpu" for k in runner.pool.keys)
 

@@ -154,7 +154,7 @@ def test_negative_control_fresh_resample_for_one_hot_drafts(
     """The known NASD bug: after a rejected one-hot draft d, drawing a fresh token from p outputs
     d with probability p(d)(2 - p(d)) instead of p(d). The same test must catch it, in the
     verifier's batched device acceptance and in its host path."""
-    monkeypatch.setattr(verifier.runner, "acceptance", path)
+    monkeypatch.setattr(verifier.engine, "acceptance", path)
     if path == "host":
         monkeypatch.setattr(sampling, "residual_without_token", lambda probs, token: probs)
     else:

@@ -15,7 +15,7 @@ from tests.support.live_server import ThreadedServer, fp32_settings
 from verifier_service import fast_verify
 from verifier_service.app import create_app, server_options
 from verifier_service.fast_verify import VERIFY_PATH
-from verifier_service.target import TargetRunner
+from verifier_service.target import load_engine
 
 JSON = {"content-type": "application/json"}
 GOOD = {"position": 3, "last_token": 4, "draft_ids": [5, 6], "log_uniforms": [-0.1, -0.2],
@@ -25,7 +25,7 @@ GOOD = {"position": 3, "last_token": 4, "draft_ids": [5, 6], "log_uniforms": [-0
 @pytest.fixture(scope="module")
 def pair(tiny_models: dict[str, Path]) -> Iterator[tuple[httpx.Client, httpx.Client]]:
     settings = fp32_settings(tiny_models["llama-target"], max_draft_tokens=8, max_context=64)
-    runner = TargetRunner.from_settings(settings)
+    runner = load_engine(settings)
     lean_app = create_app(settings, runner)
     full_app = create_app(settings, runner)
     full_app.router.routes[:] = [r for r in full_app.router.routes

@@ -18,11 +18,11 @@ import torch
 from shared.engine import ForwardItem
 from shared.models import load_causal_lm, load_tokenizer
 from tests.support.live_server import LiveServer, fp32_settings
-from verifier_service.target import TargetRunner
+from verifier_service.target import CausalEngine
 
 
-def load(path: Path) -> TargetRunner:
-    return TargetRunner(load_causal_lm(str(path), torch.float32, torch.device("cpu")),
+def load(path: Path) -> CausalEngine:
+    return CausalEngine(load_causal_lm(str(path), torch.float32, torch.device("cpu")),
                         load_tokenizer(str(path)), str(path), max_context=256,
                         kv_budget_tokens=256 * 10)
 
@@ -38,7 +38,7 @@ def test_static_buckets_equal_the_eager_forward(tiny_models: dict[str, Path], mo
     assert static.static is not None
     slots = []
     for runner in (eager, static):  # the same sessions in both: prefixes of 40, 3, 17, 240
-        taken = [runner.pool.allocate() for _ in range(4)]
+        taken = [runner.allocate() for _ in range(4)]
         for slot, n in zip(taken, (40, 3, 17, 240), strict=True):
             runner.forward([ForwardItem(slot, 0, ids(n, 1 + n), False)])  # type: ignore[arg-type]
         slots.append(taken)
@@ -153,7 +153,7 @@ def test_captures_name_their_device_and_run_one_at_a_time(
     runners = [load(tiny_models["gpt2-target"]) for _ in range(3)]
     errors: list[BaseException] = []
 
-    def build(runner: TargetRunner) -> None:
+    def build(runner: CausalEngine) -> None:
         try:
             runner.enable_static_forwards(max_batch=2, capture=True)
         except BaseException as exc:  # noqa: BLE001 - reported below

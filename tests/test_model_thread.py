@@ -14,7 +14,7 @@ from tests.support.live_server import ThreadedServer, fp32_settings
 from verifier_service import cli
 from verifier_service.app import create_app, server_options
 from verifier_service.state import ModelThread
-from verifier_service.target import TargetRunner
+from verifier_service.target import CausalEngine, load_engine
 
 
 def test_cli_loads_the_target_on_the_thread_it_serves_from(
@@ -23,7 +23,7 @@ def test_cli_loads_the_target_on_the_thread_it_serves_from(
     served: list[ModelThread] = []
 
     class Loaded:
-        lockstep = None
+        pass
 
     def load(settings: Any) -> Loaded:
         loaded_on.append(threading.get_ident())
@@ -40,16 +40,17 @@ def test_cli_loads_the_target_on_the_thread_it_serves_from(
 def test_every_forward_runs_on_the_given_model_thread(tiny_models: dict[str, Path]) -> None:
     settings = fp32_settings(tiny_models["llama-target"], max_context=64)
     thread = ModelThread()
-    runner = thread.call(TargetRunner.from_settings, settings)
+    runner = thread.call(load_engine, settings)
+    assert isinstance(runner, CausalEngine)
     loader = thread.call(threading.get_ident)
     seen: list[int] = []
-    forward = runner.local_forward
+    forward = runner.forward
 
     def recording(items: Any) -> Any:
         seen.append(threading.get_ident())
         return forward(items)
 
-    runner.local_forward = recording  # type: ignore[method-assign]
+    runner.forward = recording  # type: ignore[method-assign]
     app = create_app(settings, runner, thread)
     with ThreadedServer(app, **server_options(settings)) as server, \
             httpx.Client(base_url=server.url, timeout=30) as http:

@@ -14,23 +14,24 @@ import torch.nn.functional as F
 
 from shared.engine import ForwardItem
 from shared.kv_pool import KVPool, RaggedBatch, Segment, ragged_attention
+from verifier_service.engine import Step, StepResult
 from verifier_service.errors import VerifierError
 from verifier_service.scheduler import Scheduler, run_jobs
 
 
-class FakeRunner:
-    """Returns, for each item, a [n, 2] 'logits' block holding its token ids."""
+class FakeEngine:
+    """Returns, for each step, a [n, 2] 'logits' block holding its token ids."""
 
     def __init__(self, fail: bool = False) -> None:
         self.calls: list[list[ForwardItem]] = []
         self.fail = fail
 
-    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
-        self.calls.append(items)
+    def run(self, steps: list[Step]) -> list[StepResult]:
+        self.calls.append([step.item for step in steps])
         if self.fail:
             raise RuntimeError("device lost")
-        return [torch.tensor(item.token_ids, dtype=torch.float32)[:, None].repeat(1, 2)
-                if item.keep_logits else None for item in items]
+        return [torch.tensor(step.item.token_ids, dtype=torch.float32)[:, None].repeat(1, 2)
+                if step.item.keep_logits else None for step in steps]
 
 
 @dataclass
@@ -45,29 +46,26 @@ class FakeJob:
     def num_tokens(self) -> int:
         return len(self.tokens)
 
-    def prepare(self, busy: set[str]) -> ForwardItem | None:
+    def prepare(self, busy: set[str]) -> Step | None:
         if self.bad:
             raise VerifierError(422, "bad", "bad job", "draft_ids")
         self.events.append(f"prepare busy={sorted(busy)}")
-        return ForwardItem(0, 0, self.tokens, keep_logits=True)
+        return Step(ForwardItem(0, 0, self.tokens, keep_logits=True))
 
-    def accept_task(self) -> None:
-        return None
-
-    def finish(self, logits: torch.Tensor | None, decision: Any = None) -> Any:
-        assert logits is not None
-        return logits[:, 0].tolist()
+    def finish(self, result: StepResult) -> Any:
+        assert isinstance(result, torch.Tensor)
+        return result[:, 0].tolist()
 
     def abort(self) -> None:
         self.events.append("abort")
 
 
 def test_run_jobs_one_forward_bad_job_fails_alone_duplicate_deferred() -> None:
-    runner = FakeRunner()
+    engine = FakeEngine()
     jobs = [FakeJob("a", [1, 2]), FakeJob("b", [3], bad=True), FakeJob("a", [4]),
             FakeJob("c", [5, 6, 7])]
-    outcomes = run_jobs(runner, jobs)  # type: ignore[arg-type]
-    assert len(runner.calls) == 1 and [i.token_ids for i in runner.calls[0]] == [[1, 2],
+    outcomes = run_jobs(engine, jobs)  # type: ignore[arg-type]
+    assert len(engine.calls) == 1 and [i.token_ids for i in engine.calls[0]] == [[1, 2],
                                                                                 [5, 6, 7]]
     assert outcomes[0] == (True, [1.0, 2.0])
     assert outcomes[1][0] is False and outcomes[1][1].status == 422
@@ -78,21 +76,21 @@ def test_run_jobs_one_forward_bad_job_fails_alone_duplicate_deferred() -> None:
 
 def test_run_jobs_failed_forward_aborts_every_prepared_job() -> None:
     jobs = [FakeJob("a", [1]), FakeJob("b", [2])]
-    outcomes = run_jobs(FakeRunner(fail=True), jobs)  # type: ignore[arg-type]
+    outcomes = run_jobs(FakeEngine(fail=True), jobs)  # type: ignore[arg-type]
     assert all(ok is False and isinstance(exc, RuntimeError) for ok, exc in outcomes)
     assert all(job.events[-1] == "abort" for job in jobs)
 
 
 def run_scheduler(jobs: list[FakeJob], max_batch_size: int = 16, max_batch_tokens: int = 2048,
-                  max_queue: int = 256) -> tuple[list[Any], FakeRunner, Scheduler]:
+                  max_queue: int = 256) -> tuple[list[Any], FakeEngine, Scheduler]:
     """Submit every job before the batching loop starts, so they all wait in the queue."""
-    runner = FakeRunner()
+    engine = FakeEngine()
 
     async def inline(fn: Any, *args: Any) -> Any:  # the model thread, inline
         return fn(*args)
 
     async def main() -> tuple[list[Any], Scheduler]:
-        scheduler = Scheduler(runner, inline, max_batch_size,  # type: ignore[arg-type]
+        scheduler = Scheduler(engine, inline, max_batch_size,  # type: ignore[arg-type]
                               max_batch_tokens, batch_wait_ms=0.0, max_queue=max_queue)
         futures = [asyncio.ensure_future(scheduler.submit(job)) for job in jobs]
         scheduler.start()
@@ -101,7 +99,7 @@ def run_scheduler(jobs: list[FakeJob], max_batch_size: int = 16, max_batch_token
         return results, scheduler
 
     results, scheduler = asyncio.run(main())
-    return results, runner, scheduler
+    return results, engine, scheduler
 
 
 def test_scheduler_batches_queued_jobs_within_limits() -> None:

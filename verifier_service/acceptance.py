@@ -20,33 +20,43 @@ ratio test, the *recovered* token comes from the residual, the *bonus* token whe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from shared.logits import process_rows
-from shared.sampling import BlockVerdict, SamplingConfig
+from shared.sampling import (
+    SamplingConfig,
+    Verdict,
+    chosen_tree_verdict,
+    chosen_verdict,
+    verify_block,
+    verify_tree,
+)
 
 
 @dataclass(frozen=True)
-class AcceptTask:
-    """What one job needs decided from its logits rows ([k + 1, vocab])."""
+class Check:
+    """What to decide from one block's logits rows ([k + 1, vocab]; a tree's [N + 1, vocab]):
+    the drafts and the client's uniforms of a verify call, or none (a first token drawn from a
+    prefill's last row)."""
 
-    draft_ids: list[int]  # [k]
+    draft_ids: list[int]  # [k] (a tree's [N] nodes)
     draft_logprobs: list[float] | None  # [k] log q_i(x_i); None for one-hot drafts
     log_uniforms: list[float]  # [k]
     final_uniform: float
-    config: SamplingConfig  # greedy or plain sampling (never coupled)
+    config: SamplingConfig
+    position: int = 0  # the sequence index of row 0's token (coupled sampling's noise)
+    tree_parents: list[int] | None = None  # the drafts form this tree below row 0's token
     top_ids: int = 0  # also the top-n ids of every row
 
-
-@dataclass(frozen=True)
-class Decision:
-    """The device's answer for one task: ``argmax`` ([k + 1]) in greedy mode, else ``verdict``."""
-
-    argmax: torch.Tensor | None
-    verdict: BlockVerdict | None
-    top_ids: list[list[int]] | None
+    @property
+    def on_device(self) -> bool:
+        """Decided batched on the model's device; coupled sampling (noise drawn on the host)
+        and sampled trees take the host path."""
+        if self.config.coupled:
+            return False
+        return self.tree_parents is None or self.config.greedy
 
 
 def top_ids(rows: torch.Tensor, n: int) -> list[list[int]]:
@@ -84,37 +94,57 @@ def sample_rows(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.where(index >= vocab, last_supported, index)
 
 
-def decide(rows: list[torch.Tensor], tasks: list[AcceptTask],
-           together: int | None = None) -> list[Decision]:
-    """rows[j]: task j's logits rows on the model's device ([k_j + 1, vocab]); one decision each.
+def decide(rows: list[torch.Tensor], checks: list[Check], on_device: bool = True,
+           together: int | None = None) -> list[Verdict]:
+    """rows[j]: check j's logits rows, where the forward left them; one verdict each.
 
-    ``together``: sampled tasks decided in one step. Default: all of them on an accelerator; on
-    a CPU as many as keep the stacked rows under ``CPU_BLOCK`` values, because there a block
-    that stays in cache wins (16 jobs of Qwen's vocabulary stacked: twice as slow per job as
-    one at a time; 16 jobs of a 16-token vocabulary: 3x faster stacked)."""
-    decisions: list[Decision | None] = [None] * len(tasks)
-    greedy = [j for j, task in enumerate(tasks) if task.config.greedy]
-    sampled = [j for j, task in enumerate(tasks) if not task.config.greedy]
+    ``on_device``: the checks that can be are decided batched next to the rows, the rest (and
+    all of them without it) on the host, one at a time, by the reference functions of
+    ``shared.sampling``. ``together``: sampled checks decided in one step. Default: all of them
+    on an accelerator; on a CPU as many as keep the stacked rows under ``CPU_BLOCK`` values,
+    because there a block that stays in cache wins (16 jobs of Qwen's vocabulary stacked: twice
+    as slow per job as one at a time; 16 jobs of a 16-token vocabulary: 3x faster stacked)."""
+    verdicts: list[Verdict | None] = [None] * len(checks)
+    device = [j for j, check in enumerate(checks) if on_device and check.on_device]
+    greedy = [j for j in device if checks[j].config.greedy]
+    sampled = [j for j in device if not checks[j].config.greedy]
     if greedy:  # the argmax of every row, one small copy back
         argmax = torch.cat([torch.argmax(rows[j], dim=-1) for j in greedy]).cpu()  # [R]
         cursor = 0
         for j in greedy:
             n = rows[j].shape[0]
-            decisions[j] = Decision(argmax[cursor:cursor + n], None, None)  # lowest id on ties
+            verdicts[j] = _chosen(checks[j], argmax[cursor:cursor + n])  # lowest id on ties
             cursor += n
     if sampled:
         for group in _groups(sampled, rows, together):
-            verdicts = _decide_sampled([rows[j] for j in group], [tasks[j] for j in group])
-            for j, verdict in zip(group, verdicts, strict=True):
-                decisions[j] = Decision(None, verdict, None)
-    top = [j for j, task in enumerate(tasks) if task.top_ids]
-    for j in top:  # few callers ask; one topk each
-        ids = top_ids(rows[j], tasks[j].top_ids)
-        done = decisions[j]
-        assert done is not None
-        decisions[j] = Decision(done.argmax, done.verdict, ids)
-    assert all(d is not None for d in decisions)  # every task is greedy or sampled
-    return decisions  # type: ignore[return-value]
+            decided = _decide_sampled([rows[j] for j in group], [checks[j] for j in group])
+            for j, verdict in zip(group, decided, strict=True):
+                verdicts[j] = verdict
+    done: list[Verdict] = []
+    for j, check in enumerate(checks):
+        verdict = verdicts[j] or _on_host(rows[j].float().cpu(), check)
+        if check.top_ids:  # few callers ask; one topk each
+            verdict = replace(verdict, top_ids=top_ids(rows[j], check.top_ids))
+        done.append(verdict)
+    return done
+
+
+def _chosen(check: Check, argmax: torch.Tensor) -> Verdict:
+    if check.tree_parents is not None:
+        return chosen_tree_verdict(check.tree_parents, check.draft_ids, argmax)
+    return chosen_verdict(torch.tensor(check.draft_ids, dtype=torch.long), argmax)
+
+
+def _on_host(rows: torch.Tensor, check: Check) -> Verdict:
+    """The reference path: rows [n, vocab] float32 on the host."""
+    if check.tree_parents is not None:
+        return verify_tree(rows, check.draft_ids, check.tree_parents, check.log_uniforms,
+                           check.final_uniform, check.config, check.position)
+    draft_lp = (torch.tensor(check.draft_logprobs, dtype=torch.float64)
+                if check.draft_logprobs is not None else None)
+    return verify_block(rows, torch.tensor(check.draft_ids, dtype=torch.long), draft_lp,
+                        torch.tensor(check.log_uniforms, dtype=torch.float64),
+                        check.final_uniform, check.config, check.position)
 
 
 CPU_BLOCK = 1 << 20  # logits values decided in one step on a CPU
@@ -136,77 +166,102 @@ def _groups(jobs: list[int], rows: list[torch.Tensor], together: int | None) -> 
     return groups
 
 
-def _decide_sampled(rows: list[torch.Tensor], tasks: list[AcceptTask]) -> list[BlockVerdict]:
-    device = rows[0].device
-    jobs = len(tasks)
-    lengths = [len(task.draft_ids) for task in tasks]  # k_j
-    counts = [k + 1 for k in lengths]
+@dataclass(frozen=True)
+class SampledLayout:
+    """Where each sampled block's pieces sit in the stacked batch, on the model's device.
+
+    The batch stacks J blocks' rows: block j has k_j drafts and k_j + 1 rows, R rows and D
+    drafts in all. Built on the host and sent in two copies (one of integers, one of floats).
+    """
+
+    draft_rows: torch.Tensor  # [D] the row that scores each draft
+    draft_ids: torch.Tensor  # [D + 1] every draft's token, then a 0 for the sentinel
+    # [J, k_max + 1] the index of each block's drafts into the D drafts, padded with D (the
+    # sentinel, which always fails): a block's first failure is its number accepted
+    grid: torch.Tensor
+    first_row: torch.Tensor  # [J] each block's first row
+    first_draft: torch.Tensor  # [J] each block's first draft
+    draft_logprobs: torch.Tensor  # [D] float64 log q_i(x_i) (0 for one-hot drafts)
+    log_uniforms: torch.Tensor  # [D] float64
+    final_uniforms: torch.Tensor  # [J] float64
+
+    @classmethod
+    def build(cls, checks: list[Check], device: torch.device) -> SampledLayout:
+        lengths = [len(check.draft_ids) for check in checks]  # k_j
+        jobs, k_max, drafts = len(checks), max(lengths), sum(lengths)
+        first_row: list[int] = []
+        first_draft: list[int] = []
+        draft_rows: list[int] = []
+        grid: list[int] = []
+        row = draft = 0
+        for k in lengths:
+            first_row.append(row)
+            first_draft.append(draft)
+            draft_rows.extend(range(row, row + k))
+            grid.extend([*range(draft, draft + k), *[drafts] * (k_max + 1 - k)])
+            row, draft = row + k + 1, draft + k
+        ints = torch.tensor([*draft_rows, *(x for c in checks for x in c.draft_ids), 0, *grid,
+                             *first_row, *first_draft]).to(device)
+        floats = torch.tensor([*(lp for c in checks
+                                 for lp in (c.draft_logprobs or [0.0] * len(c.draft_ids))),
+                               *(u for c in checks for u in c.log_uniforms),
+                               *(c.final_uniform for c in checks)],
+                              dtype=torch.float64).to(device)
+        ints_at = _cuts(ints, [drafts, drafts + 1, jobs * (k_max + 1), jobs, jobs])
+        floats_at = _cuts(floats, [drafts, drafts, jobs])
+        return cls(ints_at[0], ints_at[1], ints_at[2].view(jobs, k_max + 1), ints_at[3],
+                   ints_at[4], *floats_at)
+
+
+def _cuts(values: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    return list(torch.split(values, sizes))
+
+
+def _decide_sampled(rows: list[torch.Tensor], checks: list[Check]) -> list[Verdict]:
+    jobs = len(checks)
+    lengths = [len(check.draft_ids) for check in checks]  # k_j
     stacked = torch.cat(rows).float() if jobs > 1 else rows[0].float()  # [R, vocab]
-    configs = [t.config for t, n in zip(tasks, counts, strict=True) for _ in range(n)]
+    configs = [c.config for c, k in zip(checks, lengths, strict=True) for _ in range(k + 1)]
     logprobs = process_rows(stacked, configs)  # [R, vocab]
+    at = SampledLayout.build(checks, rows[0].device)
+    drafts = at.draft_rows.shape[0]
 
-    # The batch's layout, built on the host and sent in two copies (ints, floats):
-    # D drafts in job order; ``grid`` [J, k_max + 1] points at each job's drafts, padded with D
-    # (a sentinel that always fails), so a row's first failure is its number accepted.
-    k_max, drafts = max(lengths), sum(lengths)
-    first_row: list[int] = []
-    first_draft: list[int] = []
-    row_of_draft: list[int] = []
-    grid: list[int] = []
-    row = draft = 0
-    for k in lengths:
-        first_row.append(row)
-        first_draft.append(draft)
-        row_of_draft.extend(range(row, row + k))
-        grid.extend([*range(draft, draft + k), *[drafts] * (k_max + 1 - k)])
-        row, draft = row + k + 1, draft + k
-    ints = torch.tensor([*row_of_draft, *(x for t in tasks for x in t.draft_ids), 0, *grid,
-                         *first_row, *first_draft]).to(device)
-    floats = torch.tensor([*(lp for t in tasks
-                             for lp in (t.draft_logprobs or [0.0] * len(t.draft_ids))),
-                           *(u for t in tasks for u in t.log_uniforms),
-                           *(t.final_uniform for t in tasks)], dtype=torch.float64).to(device)
-    row_of, draft_ids = ints[:drafts], ints[drafts:2 * drafts + 1]  # draft_ids ends in 0
-    at = 2 * drafts + 1
-    grid_t = ints[at:at + jobs * (k_max + 1)].view(jobs, k_max + 1)
-    first_row_t = ints[at + jobs * (k_max + 1):at + jobs * (k_max + 2)]
-    first_draft_t = ints[at + jobs * (k_max + 2):]
-    draft_lp, log_u, uniforms = floats[:drafts], floats[drafts:2 * drafts], floats[2 * drafts:]
-
-    # 1. The ratio test of every draft, all jobs at once: accept x_i while
+    # 1. The ratio test of every draft, all blocks at once: accept x_i while
     #    log u_i < log p_i(x_i) - log q_i(x_i) (log q = 0 for one-hot drafts).
-    target_lp = logprobs[row_of, draft_ids[:drafts]]  # [D] float32
-    passed = ratio_test(target_lp, draft_lp, log_u)  # [D]
+    target_lp = logprobs[at.draft_rows, at.draft_ids[:drafts]]  # [D] float32
+    passed = ratio_test(target_lp, at.draft_logprobs, at.log_uniforms)  # [D]
     failed = torch.cat([~passed, passed.new_ones(1)])  # [D + 1], the sentinel fails
-    accepted = torch.argmax(failed[grid_t].int(), dim=-1)  # [J] the first failure
+    accepted = torch.argmax(failed[at.grid].int(), dim=-1)  # [J] the first failure
 
     # 2. The next token from the stopping row: the bonus from p_{k+1}, the recovered token from
     #    p without a rejected one-hot draft; a rejected model draft's residual needs q_j, which
     #    only the client has, so its row goes back instead.
-    stop_probs = logprobs[first_row_t + accepted].exp()  # [J, vocab] float32
+    stop_probs = logprobs[at.first_row + accepted].exp()  # [J, vocab] float32
     weights = stop_probs.double()
-    one_hot = [t.draft_logprobs is None and bool(t.draft_ids) for t in tasks]
+    one_hot = [c.draft_logprobs is None and bool(c.draft_ids) for c in checks]
     if any(one_hot):  # rows whose one-hot draft was rejected take the residual
-        rejected = grid_t.gather(1, accepted[:, None])[:, 0] < drafts  # [J] stopped on a draft
+        rejected = at.grid.gather(1, accepted[:, None])[:, 0] < drafts  # [J] stopped on a draft
         if not all(one_hot):
-            rejected = rejected & torch.tensor(one_hot).to(device)
-        residual = remove_rejected(weights, draft_ids[first_draft_t + accepted])
+            rejected = rejected & torch.tensor(one_hot).to(weights.device)
+        residual = remove_rejected(weights, at.draft_ids[at.first_draft + accepted])
         weights = torch.where(rejected[:, None], residual, weights)
-    next_token = sample_rows(weights, uniforms)  # [J]
+    next_token = sample_rows(weights, at.final_uniforms)  # [J]
 
     # 3. One copy back: accepted, next token and every log p_i(x_i) (float64 holds them exactly).
     packed = torch.cat([accepted.double(), next_token.double(), target_lp.double()]).cpu()
     accepted_host = packed[:jobs].long().tolist()
     next_host = packed[jobs:2 * jobs].long().tolist()
     lp_host = packed[2 * jobs:].float()
-    row_jobs = [j for j, (t, k) in enumerate(zip(tasks, lengths, strict=True))
-                if t.draft_logprobs is not None and accepted_host[j] < k]
+    row_jobs = [j for j, (c, k) in enumerate(zip(checks, lengths, strict=True))
+                if c.draft_logprobs is not None and accepted_host[j] < k]
     row_host = dict(zip(row_jobs, stop_probs[row_jobs].cpu(), strict=True)) if row_jobs else {}
     verdicts = []
-    for j, (k, start) in enumerate(zip(lengths, first_draft, strict=True)):
+    start = 0
+    for j, k in enumerate(lengths):
         lp = lp_host[start:start + k]
+        start += k
         if j in row_host:
-            verdicts.append(BlockVerdict(accepted_host[j], lp, None, None, row_host[j]))
+            verdicts.append(Verdict(accepted_host[j], lp, None, None, row_host[j]))
         else:
-            verdicts.append(BlockVerdict(accepted_host[j], lp, None, next_host[j], None))
+            verdicts.append(Verdict(accepted_host[j], lp, None, next_host[j]))
     return verdicts

@@ -15,6 +15,7 @@ from starlette.responses import Response
 from shared.http_metrics import RequestMetrics
 from shared.schema import REPLICA_HEADER
 from verifier_service.connections import guarded_protocol
+from verifier_service.engine import Engine
 from verifier_service.errors import (
     VerifierError,
     http_error_handler,
@@ -27,7 +28,6 @@ from verifier_service.lifespan import make_lifespan
 from verifier_service.routes import router
 from verifier_service.settings import Settings
 from verifier_service.state import ModelThread
-from verifier_service.target import TargetRunner
 from verifier_service.telemetry import Telemetry
 
 
@@ -60,13 +60,13 @@ class ReplicaHeader:
         await self.app(scope, receive, send_named)
 
 
-def create_app(settings: Settings, runner: TargetRunner | None = None,
+def create_app(settings: Settings, engine: Engine | None = None,
                model_thread: ModelThread | None = None) -> FastAPI:
-    """Build the verifier. ``runner`` lets tests share one loaded target between apps;
+    """Build the verifier. ``engine`` lets tests share one loaded target between apps;
     ``model_thread``: the thread that loaded it, which then runs all its forwards."""
     telemetry = Telemetry()
     app = FastAPI(title="specdec verifier", version="0.1.0",
-                  lifespan=make_lifespan(settings, runner, observer=telemetry,
+                  lifespan=make_lifespan(settings, engine, observer=telemetry,
                                           model_thread=model_thread),
                   default_response_class=ORJSONResponse)
     app.state.telemetry = telemetry

@@ -32,12 +32,11 @@ from typing import Any
 import torch
 
 from shared.engine import ForwardItem
-from shared.kv_pool import KVPool
 from shared.schema import GenerateRequest, GenerateResponse
+from verifier_service.engine import Engine, Step, StepResult
 from verifier_service.errors import VerifierError
 from verifier_service.jobs import JobContext
 from verifier_service.scheduler import Scheduler
-from verifier_service.seq2seq import Seq2SeqPool
 from verifier_service.sessions import busy_error
 
 NEG = -1.0e9  # transformers' "impossible" score
@@ -171,15 +170,14 @@ class BeamForwardJob:
     def session_key(self) -> Hashable:
         return self.key
 
-    def prepare(self, busy: set[Any]) -> ForwardItem:
-        return ForwardItem(self.slot, self.start, self.tokens, self.keep_logits,
-                           self.encoder_ids)
+    def prepare(self, busy: set[Any]) -> Step:
+        # no check: beam search reads the whole row on the host
+        return Step(ForwardItem(self.slot, self.start, self.tokens, self.keep_logits,
+                                self.encoder_ids))
 
-    def accept_task(self) -> None:
-        return None  # beam search reads the whole row on the host
-
-    def finish(self, logits: torch.Tensor | None, decision: Any = None) -> torch.Tensor | None:
-        return None if logits is None else logits[-1]  # [vocab]
+    def finish(self, result: StepResult) -> torch.Tensor | None:
+        assert result is None or isinstance(result, torch.Tensor)
+        return None if result is None else result[-1]  # [vocab]
 
     def abort(self) -> None:
         pass
@@ -193,7 +191,7 @@ def _claim(ctx: JobContext, owner: str | None, count: int) -> list[int]:
             slots.append(ctx.claim_slot(owner, set()))
     except VerifierError:
         for slot in slots:
-            ctx.pool.release(slot)
+            ctx.engine.release(slot)
         raise busy_error(f"beam search needs {count} KV slots") from None
     return slots
 
@@ -240,7 +238,7 @@ async def beam_generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequ
                 break
             # every beam's slot holds its parent's cache, then scores its new token
             cached = search.cur_len - 1
-            await scheduler.run(ctx.pool.reorder, slots, parents, cached)
+            await scheduler.run(ctx.engine.reorder, slots, parents, cached)
             rows = await asyncio.gather(*(
                 scheduler.submit(BeamForwardJob(slots[j], cached, [tokens[j]], keys[j]))
                 for j in range(n)))
@@ -249,11 +247,11 @@ async def beam_generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequ
     finally:
         for key in keys:
             scheduler.forget(key)
-        await scheduler.run(_release, ctx.pool, slots)
+        await scheduler.run(_release, ctx.engine, slots)
     return GenerateResponse(token_ids=search.result(),
                             forward_ms=1e3 * (time.perf_counter() - started), forward_calls=calls)
 
 
-def _release(pool: KVPool | Seq2SeqPool, slots: list[int]) -> None:
+def _release(engine: Engine, slots: list[int]) -> None:
     for slot in slots:
-        pool.release(slot)
+        engine.release(slot)

@@ -16,10 +16,11 @@ from pydantic import ValidationError
 
 from shared.models import ModelSpecError
 from verifier_service.app import create_app, server_options
+from verifier_service.engine import Engine
 from verifier_service.settings import Settings, SettingsError, check_against_model
 from verifier_service.state import ModelThread
-from verifier_service.target import TargetRunner
-from verifier_service.tensor_parallel import follow, under_torchrun
+from verifier_service.target import load_engine
+from verifier_service.tensor_parallel import TensorParallel, follow, under_torchrun
 
 
 def parse_settings(argv: list[str] | None = None) -> Settings:
@@ -41,17 +42,17 @@ def parse_settings(argv: list[str] | None = None) -> Settings:
         raise SystemExit(2) from None
 
 
-def load_target(settings: Settings) -> TargetRunner:
+def load_target(settings: Settings) -> Engine:
     """Load the target and check the settings against it; a problem is one line, exit 2."""
     if settings.threads:
         torch.set_num_threads(settings.threads)
     try:
-        runner = TargetRunner.from_settings(settings)
-        check_against_model(settings, runner.max_context, runner.model_limit)
+        engine = load_engine(settings)
+        check_against_model(settings, engine.info.max_context, engine.info.model_limit)
     except (SettingsError, ModelSpecError) as exc:
         print(f"specdec-verifier: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    return runner
+    return engine
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,19 +66,20 @@ def main(argv: list[str] | None = None) -> None:
     # Loaded before listening (a bad setting never serves a request), on the thread that will
     # run every forward (ModelThread says why one thread).
     model_thread = ModelThread()
-    runner = model_thread.call(load_target, settings)
-    if runner.lockstep is not None and not runner.lockstep.leader:
-        # ranks > 0: run rank 0's forwards on this shard until it stops
-        model_thread.call(follow, runner)
+    engine = model_thread.call(load_target, settings)
+    sharded = engine if isinstance(engine, TensorParallel) else None
+    if sharded is not None and not sharded.leader:
+        # ranks > 0: run rank 0's model operations on this shard until it stops
+        model_thread.call(follow, sharded)
         return
     try:
-        serve(settings, runner, model_thread)
+        serve(settings, engine, model_thread)
     finally:
-        if runner.lockstep is not None:
-            runner.lockstep.stop()
+        if sharded is not None:
+            sharded.stop()
 
 
-def serve(settings: Settings, runner: TargetRunner, model_thread: ModelThread) -> None:
+def serve(settings: Settings, engine: Engine, model_thread: ModelThread) -> None:
     if settings.key_list():
         logging.getLogger(__name__).info("API keys required (%d configured)",
                                          len(settings.key_list()))
@@ -86,7 +88,7 @@ def serve(settings: Settings, runner: TargetRunner, model_thread: ModelThread) -
     # whatever handler was there before it; these no-op handlers make a drained shutdown exit 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    uvicorn.run(create_app(settings, runner, model_thread), host=settings.host, port=settings.port,
+    uvicorn.run(create_app(settings, engine, model_thread), host=settings.host, port=settings.port,
                 log_level="warning", **server_options(settings))
 
 

@@ -4,13 +4,43 @@ or beam search (``num_beams`` > 1, :mod:`verifier_service.beam`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from shared.sampling import draw_uniforms
-from shared.schema import CreateSessionRequest, GenerateRequest, GenerateResponse, VerifyRequest
+from shared.engine import ForwardItem
+from shared.sampling import Verdict, draw_uniforms
+from shared.schema import (
+    CreateSessionRequest,
+    CreateSessionResponse,
+    GenerateRequest,
+    GenerateResponse,
+    VerifyRequest,
+)
+from verifier_service.acceptance import Check
 from verifier_service.beam import beam_generate, check_beam_request
+from verifier_service.engine import Step, StepResult
 from verifier_service.jobs import CreateSessionJob, JobContext, VerifyJob
 from verifier_service.scheduler import Scheduler
+
+
+@dataclass
+class FirstTokenJob(CreateSessionJob):
+    """Prefill the whole prompt and draw the first token from its last row with ``uniform``, as
+    generate() does, instead of leaving the last prompt token to the first step (one forward
+    fewer per generation). Answers (the created session, the first token)."""
+
+    uniform: float = 0.0
+
+    def step(self, slot: int) -> Step:
+        ids = self.req.prompt_ids
+        return Step(ForwardItem(slot, 0, ids, keep_logits=True, keep_from=len(ids) - 1),
+                    Check([], None, [], self.uniform, self.req.sampling.to_config(), len(ids)))
+
+    def finish(self, result: StepResult) -> tuple[CreateSessionResponse, int]:  # type: ignore[override]
+        assert isinstance(result, Verdict) and result.next_token is not None
+        # the cache holds the prompt; the first token is committed
+        return self.open(len(self.req.prompt_ids) + 1), result.next_token
 
 
 async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
@@ -22,19 +52,21 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
         return await beam_generate(ctx, scheduler, req, eos_token_ids, owner)
     generator = torch.Generator().manual_seed(req.seed)
     fused = req.encoder_ids is None  # decoder-only: the prefill draws the first token
-    create = CreateSessionJob(
-        ctx, CreateSessionRequest(prompt_ids=req.prompt_ids, sampling=req.sampling,
-                                  encoder_ids=req.encoder_ids), owner,
-        first_uniform=float(draw_uniforms(generator, 1)[0]) if fused else None)
-    created = await scheduler.submit(create)
+    create_req = CreateSessionRequest(prompt_ids=req.prompt_ids, sampling=req.sampling,
+                                      encoder_ids=req.encoder_ids)
+    first: int | None = None
+    if fused:
+        created, first = await scheduler.submit(FirstTokenJob(
+            ctx, create_req, owner, uniform=float(draw_uniforms(generator, 1)[0])))
+    else:
+        created = await scheduler.submit(CreateSessionJob(ctx, create_req, owner))
     session_id, position, last = created.session_id, created.position, req.prompt_ids[-1]
     tokens: list[int] = []
     forward_ms = 0.0
     try:
         steps = min(req.max_new_tokens, ctx.validator.max_context - len(req.prompt_ids) + 1)
-        if fused and steps:
-            assert create.first_token is not None
-            last = create.first_token
+        if first is not None and steps:
+            last = first
             tokens.append(last)
             steps -= 1
             if req.stop_at_eos and last in eos_token_ids:

@@ -12,35 +12,37 @@ from typing import Any
 import torch
 from fastapi import FastAPI
 
+from verifier_service.engine import Engine
 from verifier_service.jobs import JobContext
 from verifier_service.scheduler import BatchObserver, Scheduler
 from verifier_service.sessions import SessionStore
 from verifier_service.settings import Settings, check_against_model
 from verifier_service.state import ModelThread, VerifierState
-from verifier_service.target import TargetRunner
+from verifier_service.target import load_engine
 from verifier_service.validation import RequestValidator
 
 log = logging.getLogger(__name__)
 
 
-def build_jobs(runner: TargetRunner, settings: Settings) -> JobContext:
+def build_jobs(engine: Engine, settings: Settings) -> JobContext:
     sessions = SessionStore(settings.max_sessions, settings.session_ttl_s,
-                            on_drop=lambda s: runner.pool.release(s.slot),
+                            on_drop=lambda s: engine.release(s.slot),
                             max_per_owner=settings.max_sessions_per_key)
+    info = engine.info
     validator = RequestValidator(
-        vocab_size=runner.vocab_size, max_context=runner.max_context,
-        max_prompt=settings.max_prompt_tokens or runner.max_context - 1,
+        vocab_size=info.vocab_size, max_context=info.max_context,
+        max_prompt=settings.max_prompt_tokens or info.max_context - 1,
         max_draft_tokens=settings.max_draft_tokens, max_new_tokens=settings.max_new_tokens,
-        encoder_decoder=runner.is_encoder_decoder)
-    return JobContext(sessions, validator, runner.pool)
+        encoder_decoder=info.encoder_decoder, trees=engine.trees)
+    return JobContext(sessions, validator, engine)
 
 
-def make_lifespan(settings: Settings, runner: TargetRunner | None = None,
+def make_lifespan(settings: Settings, engine: Engine | None = None,
                   observer: BatchObserver | None = None,
                   model_thread: ModelThread | None = None) -> Callable[[FastAPI], Any]:
-    """``runner``: a loaded target to serve (tests share one between apps); else it is loaded
+    """``engine``: a loaded target to serve (tests share one between apps); else it is loaded
     from ``settings.model`` on the model thread. ``observer``: sees every batch (metrics).
-    ``model_thread``: the thread that loaded ``runner`` (the CLI's), so that one thread runs
+    ``model_thread``: the thread that loaded ``engine`` (the CLI's), so that one thread runs
     all of its forwards; else a new one."""
 
     @contextlib.asynccontextmanager
@@ -48,10 +50,10 @@ def make_lifespan(settings: Settings, runner: TargetRunner | None = None,
         if settings.threads:
             torch.set_num_threads(settings.threads)
         thread = model_thread or ModelThread()
-        target = runner
+        target = engine
         if target is None:
-            target = await thread.run(TargetRunner.from_settings, settings)
-        check_against_model(settings, target.max_context, target.model_limit)
+            target = await thread.run(load_engine, settings)
+        check_against_model(settings, target.info.max_context, target.info.model_limit)
         scheduler = Scheduler(
             target, thread.run,
             max_batch_size=settings.max_batch_size if settings.batching else 1,

@@ -51,7 +51,7 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(state: StateDep) -> dict[str, Any]:
-    return {"status": "ready", "model": state.runner.name,
+    return {"status": "ready", "model": state.engine.info.name,
             "sessions": len(state.jobs.sessions)}
 
 
@@ -102,4 +102,4 @@ async def delete_session(session_id: str, state: StateDep, owner: OwnerDep) -> R
 async def generate(body: GenerateRequest, state: StateDep, owner: OwnerDep) -> GenerateResponse:
     """Target-only decoding with the same sampling math: the baseline of every speedup."""
     return await target_alone.generate(state.jobs, state.scheduler, body,
-                                       state.runner.eos_token_ids, owner)
+                                       state.engine.info.eos_token_ids, owner)

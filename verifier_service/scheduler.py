@@ -19,12 +19,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-
-from shared.engine import ForwardItem
-from verifier_service.acceptance import AcceptTask, Decision, decide
+from verifier_service.engine import Engine, Step, StepResult
 from verifier_service.errors import VerifierError
-from verifier_service.target import TargetRunner, host_rows
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +36,14 @@ class Job(Protocol):
     def session_key(self) -> Hashable | None:
         """The session it works on ((owner, id)); at most one job per session in a batch."""
 
-    def prepare(self, busy: set[Any]) -> ForwardItem | None:
-        """Validate and claim resources (model thread); None when nothing needs a forward.
-        ``busy``: sessions with a job in this batch, which must not be evicted."""
+    def prepare(self, busy: set[Any]) -> Step | None:
+        """Validate and claim resources (model thread): what the engine should run for it, or
+        None when nothing needs to run. ``busy``: sessions with a job in this batch, which must
+        not be evicted."""
 
-    def accept_task(self) -> AcceptTask | None:
-        """After ``prepare``: what the batched device acceptance should decide for this job, or
-        None to get its logits rows on the host instead."""
-
-    def finish(self, logits: torch.Tensor | None, decision: Decision | None = None) -> Any:
-        """Turn the job's logits rows ([n, vocab] float32, on the host) or the device's
-        decision into its answer (model thread)."""
+    def finish(self, result: StepResult) -> Any:
+        """Turn the engine's result for its step (None without one) into its answer (model
+        thread)."""
 
     def abort(self) -> None:
         """Undo ``prepare`` after a failed forward."""
@@ -92,10 +85,10 @@ class BatchObserver(Protocol):
 
 
 class Scheduler:
-    def __init__(self, runner: TargetRunner, run_on_model_thread: Any, max_batch_size: int,
+    def __init__(self, engine: Engine, run_on_model_thread: Any, max_batch_size: int,
                  max_batch_tokens: int, batch_wait_ms: float, max_queue: int,
                  observer: BatchObserver | None = None) -> None:
-        self.runner, self.run, self.observer = runner, run_on_model_thread, observer
+        self.engine, self.run, self.observer = engine, run_on_model_thread, observer
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
         self.batch_wait_s = batch_wait_ms / 1e3
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=max_queue)
@@ -169,7 +162,7 @@ class Scheduler:
             started = time.perf_counter()
             for pending in batch:
                 self.stats.queue_wait_s += started - pending.queued_at
-            outcomes = await self.run(run_jobs, self.runner, [p.job for p in batch])
+            outcomes = await self.run(run_jobs, self.engine, [p.job for p in batch])
             ended = time.perf_counter()
             self.stats.forward_s += ended - started
             if self.observer is not None:
@@ -189,73 +182,39 @@ class Scheduler:
                     pending.future.set_exception(value)
 
 
-class Forward(Protocol):
-    acceptance: str  # "device": jobs with an accept task are decided by acceptance.decide
-
-    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
-        """One forward over every item's new tokens; a logits row block per item that asked."""
-
-
-def needs_forward(item: ForwardItem) -> bool:
-    """New tokens, or a new encoder-decoder session's encoder input."""
-    return bool(item.token_ids) or item.encoder_ids is not None
-
-
-def run_jobs(runner: Forward, jobs: list[Job]) -> list[tuple[bool | None, Any]]:
-    """Model thread: prepare every job, one forward for all, then finish each. Outcomes in job
-    order: (True, answer), (False, exception) for a job that failed alone, or (None, None) for a
-    second job of a session already in this batch (deferred to the next batch)."""
+def run_jobs(engine: Engine, jobs: list[Job]) -> list[tuple[bool | None, Any]]:
+    """Model thread: prepare every job, one engine run for all, then finish each. Outcomes in
+    job order: (True, answer), (False, exception) for a job that failed alone, or (None, None)
+    for a second job of a session already in this batch (deferred to the next batch)."""
     outcomes: list[tuple[bool | None, Any] | None] = [None] * len(jobs)
-    prepared: list[tuple[int, ForwardItem | None]] = []
+    prepared: list[tuple[int, Step | None]] = []
     sessions: set[Any] = set()
     for i, job in enumerate(jobs):
         if job.session_key is not None and job.session_key in sessions:
             outcomes[i] = (None, None)  # one job per session per forward
             continue
         try:
-            item = job.prepare(sessions)
+            step = job.prepare(sessions)
         except VerifierError as exc:
             outcomes[i] = (False, exc)
             continue
         if job.session_key is not None:
             sessions.add(job.session_key)
-        prepared.append((i, item))
-    items = [item for _, item in prepared if item is not None and needs_forward(item)]
+        prepared.append((i, step))
+    steps = [step for _, step in prepared if step is not None]
     try:
-        rows = iter(runner.forward(items) if items else [])
-        scored = [(i, next(rows) if item is not None and needs_forward(item) else None)
-                  for i, item in prepared]
-        decisions = (decide_jobs(jobs, scored) if getattr(runner, "acceptance", "host")
-                     == "device" else {})
+        results = iter(engine.run(steps) if steps else [])
+        answered = [(i, next(results) if step is not None else None) for i, step in prepared]
     except Exception as exc:  # the forward failed: every prepared job fails with it
         log.exception("batched forward failed")
         for i, _ in prepared:
             jobs[i].abort()
             outcomes[i] = (False, exc)
         return [o for o in outcomes if o is not None]
-    for i, logits in scored:
-        decision = decisions.get(i)
+    for i, result in answered:
         try:
-            if decision is not None:
-                outcomes[i] = (True, jobs[i].finish(None, decision))
-            else:
-                outcomes[i] = (True, jobs[i].finish(
-                    None if logits is None else host_rows(logits)))
+            outcomes[i] = (True, jobs[i].finish(result))
         except Exception as exc:  # noqa: BLE001 - reported to that job's caller only
             jobs[i].abort()
             outcomes[i] = (False, exc)
     return [o for o in outcomes if o is not None]
-
-
-def decide_jobs(jobs: list[Job], scored: list[tuple[int, torch.Tensor | None]]
-                ) -> dict[int, Decision]:
-    """The device acceptance for every job of the batch that has a task, in one step."""
-    picked: list[tuple[int, torch.Tensor, AcceptTask]] = []
-    for i, logits in scored:
-        task = jobs[i].accept_task() if logits is not None else None
-        if task is not None and logits is not None:
-            picked.append((i, logits, task))
-    if not picked:
-        return {}
-    decided = decide([rows for _, rows, _ in picked], [task for _, _, task in picked])
-    return {i: decision for (i, _, _), decision in zip(picked, decided, strict=True)}

@@ -20,8 +20,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
+from shared.engine import ForwardItem
 from shared.kv_cache import crop_cache, with_cache
 from shared.kv_pool import SlotAllocator
+from verifier_service.engine import BatchForward
+from verifier_service.hf_models import describe_model, input_device
 
 
 @dataclass
@@ -72,26 +75,80 @@ class Seq2SeqPool(SlotAllocator):
             self.states[slot] = state
 
 
-@torch.inference_mode()
-def seq2seq_forward(model: Any, pool: Seq2SeqPool, items: list[Any],
-                    device: torch.device) -> list[torch.Tensor | None]:
-    """Each item: encode (when it carries ``encoder_ids``: a new session), crop the decoder
-    cache to ``start`` (drafts rejected last time), then one decoder forward over its tokens."""
-    rows: list[torch.Tensor | None] = []
-    for item in items:
-        if item.encoder_ids is not None:
-            encoded = model.get_encoder()(
-                input_ids=torch.tensor([item.encoder_ids], device=device))
-            pool.states[item.slot] = Seq2SeqState(
-                encoded, EncoderDecoderCache(DynamicCache(), DynamicCache()))
-        state = pool.states[item.slot]
-        assert state is not None, f"slot {item.slot} holds no session"
-        crop_cache(state.cache, item.start)
-        if not item.token_ids:
-            rows.append(None)
-            continue
-        out = model(encoder_outputs=state.encoder_outputs,
-                    decoder_input_ids=torch.tensor([item.token_ids], device=device),
-                    **with_cache(model, state.cache))
-        rows.append(out.logits[0].float().cpu() if item.keep_logits else None)  # [n, vocab]
-    return rows
+class Seq2SeqEngine(BatchForward):
+    """An encoder-decoder target over per-session states (no token trees)."""
+
+    trees = False
+
+    def __init__(self, model: Any, tokenizer: Any, name: str, max_context: int = 0,
+                 kv_budget_tokens: int = 32768) -> None:
+        self.model = model
+        self.device = input_device(model)
+        self.info, num_slots = describe_model(model, tokenizer, name, max_context,
+                                              kv_budget_tokens, self.device)
+        self.pool = Seq2SeqPool(num_slots, self.info.max_context)
+
+    @property
+    def num_slots(self) -> int:
+        return self.pool.num_slots
+
+    @property
+    def free_slots(self) -> int:
+        return self.pool.free_slots
+
+    @property
+    def slot_tokens(self) -> int:
+        return self.pool.slot_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.nbytes
+
+    def allocate(self) -> int | None:
+        return self.pool.allocate()
+
+    def release(self, slot: int) -> None:
+        self.pool.release(slot)
+
+    def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
+        self.pool.reorder(slots, parents, length)
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+    def keep_path(self, slot: int, root: int, path: list[int]) -> None:
+        raise NotImplementedError("token trees are refused for encoder-decoder targets")
+
+    def warm_up(self) -> None:
+        """One small encode and decode, so the first client does not pay for them."""
+        slot = self.pool.allocate()
+        if slot is None:
+            return
+        ids = [i % self.info.vocab_size for i in range(16)]
+        self.forward([ForwardItem(slot, 0, ids, False, ids)])
+        self.forward([ForwardItem(slot, 16, ids[:5], True)])
+        self.pool.release(slot)
+
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
+        """Each item: encode (when it carries ``encoder_ids``: a new session), crop the decoder
+        cache to ``start`` (drafts rejected last time), then one decoder forward over its
+        tokens."""
+        rows: list[torch.Tensor | None] = []
+        for item in items:
+            if item.encoder_ids is not None:
+                encoded = self.model.get_encoder()(
+                    input_ids=torch.tensor([item.encoder_ids], device=self.device))
+                self.pool.states[item.slot] = Seq2SeqState(
+                    encoded, EncoderDecoderCache(DynamicCache(), DynamicCache()))
+            state = self.pool.states[item.slot]
+            assert state is not None, f"slot {item.slot} holds no session"
+            crop_cache(state.cache, item.start)
+            if not item.token_ids:
+                rows.append(None)
+                continue
+            out = self.model(encoder_outputs=state.encoder_outputs,
+                             decoder_input_ids=torch.tensor([item.token_ids], device=self.device),
+                             **with_cache(self.model, state.cache))
+            rows.append(out.logits[0] if item.keep_logits else None)  # [n, vocab]
+        return rows

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from shared.schema import PROTOCOL_VERSION, InfoResponse
+from verifier_service.engine import Engine
 from verifier_service.jobs import JobContext
 from verifier_service.scheduler import Scheduler
 from verifier_service.settings import Settings
-from verifier_service.target import TargetRunner
 
 T = TypeVar("T")
 
@@ -41,17 +41,17 @@ class ModelThread:
         self._executor.shutdown(wait=True)
 
 
-def describe(runner: TargetRunner, settings: Settings) -> InfoResponse:
+def describe(engine: Engine, settings: Settings) -> InfoResponse:
     """``GET /v1/info``: what a client must know before its first call."""
+    info = engine.info
     return InfoResponse(
-        protocol_version=PROTOCOL_VERSION, model=runner.name, vocab_size=runner.vocab_size,
-        tokenizer_fingerprint=runner.fingerprint, eos_token_ids=runner.eos_token_ids,
-        max_context=runner.max_context, max_draft_tokens=settings.max_draft_tokens,
-        max_new_tokens=settings.max_new_tokens,
-        dtype=str(runner.dtype).removeprefix("torch."), device=str(runner.device),
-        is_encoder_decoder=runner.is_encoder_decoder,
-        decoder_start_token_id=runner.decoder_start_token_id,
-        verify_ms=[(k, ms) for k, ms in runner.verify_ms if k <= settings.max_draft_tokens]
+        protocol_version=PROTOCOL_VERSION, model=info.name, vocab_size=info.vocab_size,
+        tokenizer_fingerprint=info.fingerprint, eos_token_ids=info.eos_token_ids,
+        max_context=info.max_context, max_draft_tokens=settings.max_draft_tokens,
+        max_new_tokens=settings.max_new_tokens, dtype=info.dtype, device=info.device,
+        is_encoder_decoder=info.encoder_decoder,
+        decoder_start_token_id=info.decoder_start_token_id,
+        verify_ms=[(k, ms) for k, ms in info.verify_ms if k <= settings.max_draft_tokens]
         or None,
     )
 
@@ -59,28 +59,27 @@ def describe(runner: TargetRunner, settings: Settings) -> InfoResponse:
 @dataclass
 class VerifierState:
     settings: Settings
-    runner: TargetRunner
-    jobs: JobContext  # session table, validator, KV pool, counters
+    engine: Engine
+    jobs: JobContext  # session table, validator, the engine's slots, counters
     scheduler: Scheduler
     model_thread: ModelThread
 
     def info(self) -> InfoResponse:
-        return describe(self.runner, self.settings)
+        return describe(self.engine, self.settings)
 
     def metrics(self) -> dict[str, Any]:
-        pool, sessions, counters = self.runner.pool, self.jobs.sessions, self.jobs.counters
+        engine, sessions, counters = self.engine, self.jobs.sessions, self.jobs.counters
         return {
             "batching": self.settings.batching, **self.scheduler.stats.to_dict(),
             "queued": self.scheduler.queue.qsize(), "sessions": len(sessions),
             "evicted_sessions": sessions.evicted, "expired_sessions": sessions.expired,
-            "kv_slots": pool.num_slots, "kv_slots_free": pool.free_slots,
-            "kv_slot_tokens": pool.slot_tokens, "kv_pool_bytes": pool.nbytes,
+            "kv_slots": engine.num_slots, "kv_slots_free": engine.free_slots,
+            "kv_slot_tokens": engine.slot_tokens, "kv_pool_bytes": engine.nbytes,
             "verify_calls": counters.verify_calls, "replayed_calls": counters.replayed_calls,
             "scored_tokens": counters.scored_tokens, "drafted_tokens": counters.drafted_tokens,
             "accepted_tokens": counters.accepted_tokens,
             "acceptance_rate": round(counters.accepted_tokens / counters.drafted_tokens, 4)
             if counters.drafted_tokens else 0.0,
             "prefill_tokens": counters.prefill_tokens,
-            "static_forwards": self.runner.static.replays if self.runner.static else 0,
-            "static_fallbacks": self.runner.static.fallbacks if self.runner.static else 0,
+            "static_forwards": 0, "static_fallbacks": 0, **engine.counters(),
         }

@@ -3,9 +3,10 @@
 transformers shards the model (``from_pretrained(tp_plan="auto")``: attention heads and MLP
 columns per rank, collectives inside the forward), so every rank must run every forward, with the
 same inputs, in the same order. Rank 0 is the verifier (HTTP, sessions, scheduler); before each
-model operation it broadcasts what it is about to run, and the other ranks, in
-:func:`follow`, run the same operation on their own shard and their own KV pool (which holds
-their share of the KV heads). Only rank 0 listens on the port.
+model operation (a forward, a tree's path kept, a beam reorder) it broadcasts what it is about
+to run, and the other ranks, in :func:`follow`, run the same operation on their own shard and
+their own KV pool (which holds their share of the KV heads). Only rank 0 listens on the port.
+:class:`TensorParallel` is that, as a wrapper around the rank's engine.
 
     torchrun --nproc-per-node 2 -m verifier_service.cli --model MODEL --tp-plan auto
 """
@@ -16,7 +17,11 @@ import logging
 import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
+
+from shared.engine import ForwardItem
+from verifier_service.engine import BatchForward
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +48,63 @@ class Lockstep:
         self.announce("stop")
 
 
-def follow(runner: Any) -> None:
+class TensorParallel(BatchForward):
+    """An engine whose model operations every rank runs: rank 0 announces each one first."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner  # this rank's CausalEngine
+        self.lockstep = Lockstep()
+        self.info, self.trees, self.acceptance = inner.info, inner.trees, inner.acceptance
+
+    @property
+    def leader(self) -> bool:
+        return self.lockstep.leader
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.inner.num_slots)
+
+    @property
+    def free_slots(self) -> int:
+        return int(self.inner.free_slots)
+
+    @property
+    def slot_tokens(self) -> int:
+        return int(self.inner.slot_tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.inner.nbytes)
+
+    def allocate(self) -> int | None:
+        return self.inner.allocate()  # type: ignore[no-any-return]
+
+    def release(self, slot: int) -> None:
+        self.inner.release(slot)
+
+    def counters(self) -> dict[str, int]:
+        return self.inner.counters()  # type: ignore[no-any-return]
+
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
+        self.lockstep.announce("forward", items)
+        return self.inner.forward(items)  # type: ignore[no-any-return]
+
+    def keep_path(self, slot: int, root: int, path: list[int]) -> None:
+        self.lockstep.announce("keep_path", slot, root, path)
+        self.inner.keep_path(slot, root, path)
+
+    def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
+        self.lockstep.announce("reorder", slots, parents, length)
+        self.inner.reorder(slots, parents, length)
+
+    def stop(self) -> None:
+        self.lockstep.stop()
+
+
+def follow(engine: TensorParallel) -> None:
     """Ranks > 0: run what rank 0 announces until it says stop."""
+    operations = {"forward": engine.inner.forward, "keep_path": engine.inner.keep_path,
+                  "reorder": engine.inner.reorder}
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)
@@ -52,11 +112,6 @@ def follow(runner: Any) -> None:
         if op == "stop":
             log.info("rank %d: stop", dist.get_rank())
             return
-        if op == "forward":
-            runner.local_forward(*args)
-        elif op == "reorder":
-            runner.pool.local_reorder(*args)
-        elif op == "compact":
-            runner.pool.local_compact(*args)
-        else:
+        if op not in operations:
             raise RuntimeError(f"unknown lockstep operation {op!r}")
+        operations[op](*args)

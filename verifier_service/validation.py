@@ -17,6 +17,7 @@ class RequestValidator:
     max_draft_tokens: int
     max_new_tokens: int  # /v1/generate's cap
     encoder_decoder: bool = False  # the target takes encoder_ids with every new session
+    trees: bool = True  # the engine verifies token trees
 
     def check_protocol(self, version: int) -> None:
         if version != PROTOCOL_VERSION:
@@ -94,10 +95,10 @@ class RequestValidator:
         if len(parents) != len(req.draft_ids):
             raise VerifierError(422, "length_mismatch", f"tree_parents has {len(parents)} "
                                 f"entries for {len(req.draft_ids)} drafts", "tree_parents")
-        if self.encoder_decoder:
-            raise VerifierError(422, "tree_unsupported", "token trees are verified for "
-                                "decoder-only targets only; send a chain (tree_parents null)",
-                                "tree_parents")
+        if not self.trees:
+            raise VerifierError(422, "tree_unsupported", "this verifier's engine does not "
+                                "verify token trees (encoder-decoder targets do not); send a "
+                                "chain (tree_parents null)", "tree_parents")
         bad = next((i for i, p in enumerate(parents) if not -1 <= p < i), None)
         if bad is not None:
             raise VerifierError(422, "invalid_tree", f"tree_parents[{bad}] = {parents[bad]}: a "

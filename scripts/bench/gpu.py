@@ -5,7 +5,7 @@ drafter; real weights are not needed for speed) unless ``--target`` / ``--drafte
 ones, then prints tables and writes one JSON:
 
 1. raw forward ms per block size (1, 5, 17 new tokens on a 512-token context): plain
-   transformers with a DynamicCache, and the verifier's engine (TargetRunner over the KV pool);
+   transformers with a DynamicCache, and the verifier's engine (CausalEngine over the KV pool);
 2. served verify call ms per k (round trip, and inside the server), one client, eager and with
    ``--cuda-graphs`` (static-shape buckets replayed as CUDA graphs);
 3. target alone: ``/v1/generate`` tok/s next to transformers' ``generate()``;
@@ -56,12 +56,12 @@ from scripts.bench.common import (
 )
 from shared.engine import ForwardItem
 from shared.models import load_causal_lm, load_tokenizer, pick_dtype
-from shared.sampling import SamplingConfig, verify_block
+from shared.sampling import SamplingConfig
 from shared.schema import CreateSessionRequest, GenerateRequest, VerifyRequest
 from tests.support.process import VerifierProcess
 from tests.support.tiny_models import build_tokenizer
-from verifier_service.acceptance import AcceptTask, decide
-from verifier_service.target import TargetRunner, host_rows
+from verifier_service.acceptance import Check, decide
+from verifier_service.target import CausalEngine
 
 # Qwen2.5-Coder-1.5B / 0.5B (their config.json), and a tiny one for smoke runs.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -128,9 +128,9 @@ def raw_forwards(target: str, args: argparse.Namespace, device: torch.device,
     context = [(i * 7919) % vocab for i in range(CONTEXT)]
     rows = []
     plain = {n: plain_step_ms(model, context, n, REPEATS, warm=2) for n in args.blocks}
-    runner = TargetRunner(model, load_tokenizer(target), target, max_context=CONTEXT + 64,
+    runner = CausalEngine(model, load_tokenizer(target), target, max_context=CONTEXT + 64,
                           kv_budget_tokens=CONTEXT + 64)
-    slot = runner.pool.allocate()
+    slot = runner.allocate()
     assert slot is not None
     runner.forward([ForwardItem(slot, 0, context, False)])
     for n in args.blocks:
@@ -139,7 +139,7 @@ def raw_forwards(target: str, args: argparse.Namespace, device: torch.device,
         rows.append({"new_tokens": n, "plain_hf_ms": round(plain[n], 2),
                      "engine_ms": round(ours, 2)})
     one_token = plain[min(args.blocks)]
-    runner.pool.release(slot)
+    runner.release(slot)
     model.set_attn_implementation("sdpa")  # back to transformers' own, for generate() below
     return rows, one_token, model
 
@@ -152,10 +152,10 @@ def batched_engine(model: Any, target: str, args: argparse.Namespace,
     copied, decided alone) vs on the device (one batched step), greedy and sampled."""
     vocab = int(model.config.vocab_size)
     most = max(args.batches)
-    runner = TargetRunner(model, load_tokenizer(target), target, max_context=CONTEXT + 64,
+    runner = CausalEngine(model, load_tokenizer(target), target, max_context=CONTEXT + 64,
                           kv_budget_tokens=(CONTEXT + 64) * most)
     context = [(i * 7919) % vocab for i in range(CONTEXT)]
-    slots = [runner.pool.allocate() for _ in range(most)]
+    slots = [runner.allocate() for _ in range(most)]
     for slot in slots:
         runner.forward([ForwardItem(slot, 0, context, False)])  # type: ignore[arg-type]
     rows = []
@@ -170,17 +170,14 @@ def batched_engine(model: Any, target: str, args: argparse.Namespace,
         logits = [r for r in runner.forward(items) if r is not None]
         for name, config in (("greedy", SamplingConfig()),
                              ("sampled", SamplingConfig(temperature=0.7, top_p=0.95))):
-            tasks = [AcceptTask(item.token_ids[1:], None, [-0.7] * 4, 0.5, config)
+            tasks = [Check(item.token_ids[1:], None, [-0.7] * 4, 0.5, config)
                      for item in items]
 
-            def on_host(tasks: list[AcceptTask] = tasks,
+            def on_host(tasks: list[Check] = tasks,
                         logits: list[torch.Tensor] = logits) -> None:
-                for rows_of, task in zip(logits, tasks, strict=True):
-                    verify_block(host_rows(rows_of), torch.tensor(task.draft_ids), None,
-                                 torch.tensor(task.log_uniforms, dtype=torch.float64),
-                                 task.final_uniform, task.config)
+                decide(logits, tasks, on_device=False)  # each job's rows copied, decided alone
 
-            def on_device(tasks: list[AcceptTask] = tasks,
+            def on_device(tasks: list[Check] = tasks,
                           logits: list[torch.Tensor] = logits) -> None:
                 decide(logits, tasks)
 
@@ -189,7 +186,7 @@ def batched_engine(model: Any, target: str, args: argparse.Namespace,
         print(row, flush=True)
         rows.append(row)
     for slot in slots:
-        runner.pool.release(slot)  # type: ignore[arg-type]
+        runner.release(slot)  # type: ignore[arg-type]
     return rows
 
 

@@ -4,7 +4,7 @@ Times, on the same models, dtype and threads as the benchmarks (medians of repea
 
   * the drafter: one plain transformers decode step (KV cache, logits of the last position) vs
     specdec's ``HFDrafter`` per drafted token (its processing of the row included);
-  * the target: plain transformers with a DynamicCache vs specdec's ``TargetRunner`` (KV slot
+  * the target: plain transformers with a DynamicCache vs specdec's ``CausalEngine`` (KV slot
     pool + ragged attention), for 1 and for k + 1 new tokens; then one token on a second thread,
     and on the first thread again (a second thread running the model slows both: see
     ``verifier_service/state.py: ModelThread``).
@@ -35,7 +35,7 @@ from scripts.bench.common import (
 from shared.engine import ForwardItem
 from shared.models import load_causal_lm, load_tokenizer, pick_dtype
 from shared.sampling import SamplingConfig
-from verifier_service.target import TargetRunner
+from verifier_service.target import CausalEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,9 +72,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for new in (1, args.k + 1):
         results[f"target: plain HF, {new} new token(s)"] = plain_step_ms(target, context, new,
                                                                         args.repeats)
-    runner = TargetRunner(target, load_tokenizer(args.target), args.target,
+    runner = CausalEngine(target, load_tokenizer(args.target), args.target,
                           max_context=args.context + 64, kv_budget_tokens=args.context + 64)
-    slot = runner.pool.allocate()
+    slot = runner.allocate()
     assert slot is not None
     runner.forward([ForwardItem(slot, 0, context, False)])
 
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runner.forward([ForwardItem(slot, len(context), context[:new], True)])
 
     for new in (1, args.k + 1):
-        results[f"target: specdec TargetRunner, {new} new token(s)"] = median_ms(
+        results[f"target: specdec engine, {new} new token(s)"] = median_ms(
             lambda n=new: step(n), args.repeats)
     # Why the verifier runs all model work on one thread (verifier_service/state.py):
     # a second thread running the model gives the process a second OpenMP team.

@@ -23,13 +23,14 @@ from shared.schema import (
     VerifyRequest,
     VerifyResponse,
 )
+from verifier_service.engine import Engine
 from verifier_service.errors import VerifierError
 from verifier_service.jobs import CreateSessionJob, VerifyJob
 from verifier_service.lifespan import build_jobs
 from verifier_service.scheduler import Job, run_jobs
 from verifier_service.settings import Settings
 from verifier_service.state import describe
-from verifier_service.target import TargetRunner
+from verifier_service.target import load_engine
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -46,29 +47,28 @@ def _as_client_error(exc: BaseException) -> BaseException:
 
 
 class InProcessVerifier:
-    """Implements the client's ``Verifier`` protocol on a :class:`TargetRunner` in this
+    """Implements the client's ``Verifier`` protocol on an :class:`Engine` in this
     process. Each call runs as a batch of one job (``run_jobs``, the scheduler's own step)."""
 
-    def __init__(self, runner: TargetRunner, settings: Settings) -> None:
-        self.runner, self.settings = runner, settings
-        self.jobs = build_jobs(runner, settings)
+    def __init__(self, engine: Engine, settings: Settings) -> None:
+        self.engine, self.settings = engine, settings
+        self.jobs = build_jobs(engine, settings)
         self.bytes_sent = self.bytes_received = self.retries = 0
         self.simulated_rtt_s = 0.0
 
     @classmethod
     def load(cls, settings: Settings) -> InProcessVerifier:
         """Load ``settings.model`` as the verifier's lifespan would."""
-        runner = TargetRunner.from_settings(settings)
-        return cls(runner, settings)
+        return cls(load_engine(settings), settings)
 
     def _run(self, job: Job, reply_model: type[M]) -> M:
-        [(ok, value)] = run_jobs(self.runner, [job])
+        [(ok, value)] = run_jobs(self.engine, [job])
         if not ok:
             raise _as_client_error(value)
         return _over_the_wire(value, reply_model)
 
     def info(self, budget_s: float | None = None) -> InfoResponse:
-        return describe(self.runner, self.settings)
+        return describe(self.engine, self.settings)
 
     def create_session(self, req: CreateSessionRequest) -> CreateSessionResponse:
         req = _over_the_wire(req, CreateSessionRequest)

@@ -12,8 +12,8 @@ import uvicorn
 
 from tests.support.process import free_port
 from verifier_service.app import create_app, server_options
+from verifier_service.engine import Engine
 from verifier_service.settings import Settings
-from verifier_service.target import TargetRunner
 
 S = TypeVar("S", bound="ThreadedServer")
 
@@ -48,10 +48,10 @@ class ThreadedServer:
 
 
 class LiveServer(ThreadedServer):
-    """The verifier for these settings (``runner``: an already loaded target to share)."""
+    """The verifier for these settings (``engine``: an already loaded target to share)."""
 
-    def __init__(self, settings: Settings, runner: TargetRunner | None = None) -> None:
-        super().__init__(create_app(settings, runner), **server_options(settings))
+    def __init__(self, settings: Settings, engine: Engine | None = None) -> None:
+        super().__init__(create_app(settings, engine), **server_options(settings))
 
 
 def fp32_settings(model: Path, **overrides: object) -> Settings:

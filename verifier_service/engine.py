@@ -1,0 +1,131 @@
+"""What the verifier's jobs need from a target model: the engine interface.
+
+An engine holds the model and the sessions' caches, one *slot* per session. The scheduler hands
+it a batch of :class:`Step` s - new tokens for some slots, and for a verify block what to decide
+from their rows - and gets back one :class:`StepResult` per step: a verdict (a tree's accepted
+path already moved to where a chain would have put it), the rows themselves (beam search), or
+nothing (a prefill). Jobs never see logits, pools or devices; they only turn a verdict into a
+response.
+
+Implementations: the causal slot-pool engine (``target.py``), the encoder-decoder engine
+(``seq2seq.py``), and tensor parallelism as a wrapper around the first
+(``tensor_parallel.py``). An engine that scores with another library (llama.cpp) implements
+:class:`BatchForward`'s two model operations, or the whole protocol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from shared.engine import ForwardItem
+from shared.sampling import Verdict
+from verifier_service.acceptance import Check, decide
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a client and the request validator must know about the target."""
+
+    name: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    fingerprint: str  # of the tokenizer
+    max_context: int  # tokens one session may hold
+    model_limit: int  # the model's own context length
+    dtype: str
+    device: str
+    encoder_decoder: bool = False
+    decoder_start_token_id: int | None = None
+    verify_ms: list[tuple[int, float]] = field(default_factory=list)  # [k, ms] measured at start
+
+
+@dataclass(frozen=True)
+class Step:
+    """One job's share of a batched forward. With a ``check``, the result is its verdict;
+    without one, the item's logits rows on the host ([n, vocab] float32) when it kept them."""
+
+    item: ForwardItem
+    check: Check | None = None
+
+
+StepResult = Verdict | torch.Tensor | None
+
+
+class Engine(Protocol):
+    info: ModelInfo
+    trees: bool  # verifies token trees (a verify call with ``tree_parents``)
+
+    @property
+    def num_slots(self) -> int: ...
+
+    @property
+    def free_slots(self) -> int: ...
+
+    @property
+    def slot_tokens(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its caches hold."""
+
+    def allocate(self) -> int | None:
+        """A free slot, or None when all are taken."""
+
+    def release(self, slot: int) -> None: ...
+
+    def run(self, steps: list[Step]) -> list[StepResult]:
+        """One forward over every step's new tokens (written into their slots), then each
+        step's result, in step order."""
+
+    def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
+        """Slot j takes the first ``length`` cached positions of slot parents[j] (beam search
+        following its parents)."""
+
+    def counters(self) -> dict[str, int]:
+        """Engine-specific counts for ``/metrics`` (e.g. static-shape replays)."""
+
+
+def needs_forward(item: ForwardItem) -> bool:
+    """New tokens, or a new encoder-decoder session's encoder input."""
+    return bool(item.token_ids) or item.encoder_ids is not None
+
+
+class BatchForward:
+    """:meth:`Engine.run` from two model operations a subclass provides: ``forward`` (rows left
+    on the model's device) and ``keep_path`` (a tree's accepted nodes moved in the cache).
+    Acceptance runs next to the rows (``acceptance = "device"``) or on the host (``"host"``,
+    the reference path)."""
+
+    acceptance = "device"
+
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
+        """One forward over the new tokens of every item; [n, vocab] logits rows for the items
+        that asked, on the model's device in its dtype."""
+        raise NotImplementedError
+
+    def keep_path(self, slot: int, root: int, path: list[int]) -> None:
+        """A tree's root is cached at ``root`` and node i at ``root + 1 + i``: move the nodes
+        of ``path`` to ``root + 1``, ``root + 2``, ... (where a chain would have put them)."""
+        raise NotImplementedError
+
+    def run(self, steps: list[Step]) -> list[StepResult]:
+        items = [step.item for step in steps if needs_forward(step.item)]
+        scored = iter(self.forward(items) if items else [])
+        rows = [next(scored) if needs_forward(step.item) else None for step in steps]
+        checked = [j for j, step in enumerate(steps)
+                   if step.check is not None and rows[j] is not None]
+        verdicts = decide([rows[j] for j in checked],  # type: ignore[misc]
+                          [steps[j].check for j in checked],  # type: ignore[misc]
+                          on_device=self.acceptance == "device")
+        results: list[StepResult] = [  # rows asked for without a check: to the host
+            None if block is None or step.check is not None else block.float().cpu()
+            for step, block in zip(steps, rows, strict=True)]
+        for j, verdict in zip(checked, verdicts, strict=True):
+            item = steps[j].item
+            if verdict.path is not None:
+                self.keep_path(item.slot, item.start, verdict.path)
+            results[j] = verdict
+        return results
