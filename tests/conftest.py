@@ -7,9 +7,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.tiny_models import build_tiny_set
+
+# One intra-op thread per test process, and per server it starts: pytest-xdist runs a worker on
+# every core, and two OpenMP teams per core spin against each other while the tiny models gain
+# nothing from a second thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -163,8 +163,9 @@ def test_negative_control_accept_everything(peaky_client: SpecDecClient,
     """The same test catches a wrong acceptance rule on this path too."""
     accept_everything(monkeypatch)
     params = {"temperature": 1.0}
-    p_value, tv = chi_square_p(sample_pairs(peaky_client, params, 2000, PEAKY_SOURCE),
-                               exact_for(peaky_client, tiny_models, params))
+    exact = exact_for(peaky_client, tiny_models, params)
+    p_value, tv = chi_square_p(sample_pairs(peaky_client, params, 2000, PEAKY_SOURCE,
+                                            exact=exact), exact)
     assert p_value < 1e-6, f"wrong rule not caught: p = {p_value:.2e}, TV = {tv:.3f}"
 
 

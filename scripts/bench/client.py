@@ -148,11 +148,11 @@ class Runner:
                                         reproducible=s.reproducible, **kw)  # type: ignore[arg-type]
         else:
             result = self.clients[s.text].generate(
-                ids, num_draft_tokens=s.k or "4", max_new_tokens=max_new,
+                ids, num_draft_tokens=s.k or DEFAULT_K, max_new_tokens=max_new,
                 reproducible=s.reproducible, **kw)  # type: ignore[arg-type]
         m = result.metrics
         return {"tokens": result.token_ids, "wall_s": m.wall_s,
-                "mean_acceptance_length": m.to_dict().get("mean_acceptance_length"),
+                "mean_tokens_per_call": m.to_dict().get("mean_tokens_per_call"),
                 "verify_calls": m.verify_calls}
 
     def _hf(self, s: System, ids: list[int], sampling: Sampling,

@@ -75,27 +75,65 @@ def accept_everything(monkeypatch: Any) -> None:
     monkeypatch.setattr(reply_checks, "accept_drafts", accept_all)
 
 
+def first_pair(client: SpecDecClient, prompt: list[int], seed: int, k: int | str,
+               params: dict[str, Any]) -> tuple[int, int]:
+    """One seeded draw of the first two tokens ((eos, -1) when the first ends the sequence).
+
+    It asks for 3 tokens, so the first block drafts k = 2 (a block leaves room for its bonus
+    token), and stops once two are committed: the tokens after the counted ones are never
+    drawn. Stopping on a count of committed tokens leaves their distribution unchanged."""
+    committed = 0
+
+    def counted(outcome: Any) -> bool:
+        nonlocal committed
+        committed += len(outcome.tokens)
+        return committed >= 2
+
+    ids = client.generate(prompt, num_draft_tokens=k, max_new_tokens=3, seed=seed,
+                          on_block=counted, **params).token_ids
+    return (ids[0], ids[1] if len(ids) > 1 else -1)
+
+
 def sample_pairs(client: SpecDecClient, params: dict[str, float], runs: int,
-                 prompt: list[int] = PROMPT, k: int | str = 2) -> Counter:
+                 prompt: list[int] = PROMPT, k: int | str = 2, seeds: range | None = None,
+                 exact: dict[tuple[int, int], float] | None = None,
+                 stop_below: float = 1e-6, every: int = 250) -> Counter:
+    """``runs`` seeded draws of the first two tokens (seeds 0..runs - 1, or ``seeds``).
+
+    With ``exact`` (a negative control): a chi-square test every ``every`` draws, stopping as
+    soon as its p-value is below ``stop_below`` - the wrong rule is caught, and more draws
+    could only make p smaller. A correct rule never stops early (its tests take no ``exact``),
+    so their power and error rate are those of all ``runs`` draws."""
     counts: Counter = Counter()
-    for seed in range(runs):
-        ids = client.generate(prompt, num_draft_tokens=k, max_new_tokens=3, seed=seed,
-                              **params).token_ids  # type: ignore[arg-type]
-        counts[(ids[0], ids[1] if len(ids) > 1 else -1)] += 1
+    for n, seed in enumerate(seeds if seeds is not None else range(runs), start=1):
+        counts[first_pair(client, prompt, seed, k, params)] += 1
+        if exact is not None and n % every == 0 and n < runs:
+            if _p_value(counts, exact) < stop_below:
+                break
     return counts
 
 
-def chi_square_p(counts: Counter, exact: dict[tuple[int, int], float]) -> tuple[float, float]:
-    """(p-value, total variation) of the observed counts against the exact distribution."""
+def _pooled(counts: Counter, exact: dict[tuple[int, int], float]) -> tuple[np.ndarray, np.ndarray]:
+    """Observed and expected counts per cell, cells with expected count < 5 pooled in one."""
     assert set(counts) <= set(exact), "a pair outside the target's support was generated"
     runs = sum(counts.values())
     expected = np.array([exact[c] * runs for c in exact])
     observed = np.array([counts.get(c, 0) for c in exact], dtype=float)
     small = expected < 5
-    expected = np.append(expected[~small], expected[small].sum())
-    observed = np.append(observed[~small], observed[small].sum())
+    return (np.append(observed[~small], observed[small].sum()),
+            np.append(expected[~small], expected[small].sum()))
+
+
+def _p_value(counts: Counter, exact: dict[tuple[int, int], float]) -> float:
+    observed, expected = _pooled(counts, exact)
     statistic = float(((observed - expected) ** 2 / np.maximum(expected, 1e-12)).sum())
-    p_value = float(stats.chi2.sf(statistic, len(expected) - 1))
+    return float(stats.chi2.sf(statistic, len(expected) - 1))
+
+
+def chi_square_p(counts: Counter, exact: dict[tuple[int, int], float]) -> tuple[float, float]:
+    """(p-value, total variation) of the observed counts against the exact distribution."""
+    p_value = _p_value(counts, exact)
+    runs = sum(counts.values())
     tv = 0.5 * sum(abs(counts.get(c, 0) / runs - p) for c, p in exact.items())
     print(f"\n{runs} draws: chi-square p = {p_value:.3g}, total variation = {tv:.4f}")
     return p_value, tv
