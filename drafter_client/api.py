@@ -147,7 +147,8 @@ class SpecDecClient:
             raise SpecDecError(f"cannot load a tokenizer: {exc}") from exc
         self.tokenizer = tokenizer
         self.options = options
-        self.drafter_name = drafter if isinstance(drafter, str) else getattr(drafter, "name", None)
+        self.drafter_name = (drafter if isinstance(drafter, str) or drafter is None
+                             else getattr(drafter, "name", None))
         self._check_tokenizer()
         # How to build one more drafter of the same kind (fork): None for a ready Drafter.
         self._new_drafter: Callable[[], Drafter] | None = None
@@ -181,6 +182,10 @@ class SpecDecClient:
             self._model_drafter = (model, drafter, seq2seq)
             drafter = self._build_model_drafter(options)
             drafter.warm_up()  # type: ignore[attr-defined]  # HFDrafter or HybridDrafter
+        elif drafter is not None and not isinstance(drafter, Drafter):
+            raise SpecDecError(f"drafter must be a model, a model-free drafter's name or a "
+                               f"drafter_client.drafters.Drafter (got {type(drafter).__name__}: "
+                               "subclass Drafter)")
         self.drafter: Drafter | None = drafter
 
     def _build_model_drafter(self, options: DrafterOptions) -> Drafter:

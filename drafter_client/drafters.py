@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
@@ -18,6 +18,9 @@ from shared.sampling import (
     sample_from_probs,
     tree_depths,
 )
+
+if TYPE_CHECKING:
+    from drafter_client.draft_length import DraftLength
 
 
 @dataclass
@@ -65,26 +68,53 @@ class Draft:
         return max(tree_depths(self.parents), default=0) if self.parents else len(self.ids)
 
 
-class Drafter(Protocol):
-    """What the speculative loop needs from a drafter."""
+class Drafter:
+    """What the speculative loop needs from a drafter: subclass it.
 
-    name: str
-    # Optional capability (NASD filler): how many of the target's top ids per scored position
-    # the drafter wants back with each verify reply; 0 asks for none.
-    top_k_filler: int
+    ``reset``, ``propose`` and ``commit`` are required. The rest are optional capabilities,
+    declared here with defaults that say "not supported", so the loop never probes for them:
+    ``top_k_filler`` / ``observe_top_k`` (NASD: the target's top ids per scored position),
+    ``speculate`` (drafting the next block while this one is verified, ``--overlap``),
+    ``advise`` / ``free_draft`` (a drafter whose proposals may cost nothing to make, told the
+    loop's draft-length policy so it can judge how long such a proposal should be)."""
+
+    name: str = "drafter"
+    top_k_filler: int = 0  # how many of the target's top ids it wants back; 0: none
 
     def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
         """Start a new sequence (``encoder_ids``: the source, for an encoder-decoder target;
         ``prompt_ids`` is then the decoder's prompt)."""
+        raise NotImplementedError
 
     def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
         """Draft k tokens after the committed sequence."""
+        raise NotImplementedError
 
     def commit(self, tokens: list[int]) -> None:
         """The committed sequence grew by ``tokens``; forget any draft not among them."""
+        raise NotImplementedError
 
     def observe_top_k(self, context: list[int], top_ids: list[int]) -> None:
         """The target's top ids after ``context`` (only called when ``top_k_filler`` > 0)."""
+        raise NotImplementedError(f"{type(self).__name__} asks for top ids but does not "
+                                  "take them")
+
+    def speculate(self, assumed: list[int], k: int, config: SamplingConfig,
+                  generator: torch.Generator) -> tuple[int, Draft] | None:
+        """While a block is in flight: (guess, the draft for the block after it) if the
+        verifier accepts ``assumed`` and then outputs ``guess``; None: nothing drafted ahead."""
+        return None
+
+    overlaps: bool = False  # ``speculate`` drafts ahead (worth a thread for ``--overlap``)
+
+    def advise(self, schedule: DraftLength) -> None:
+        """The loop's draft-length policy for this generation (set before the first block)."""
+
+    @property
+    def free_draft(self) -> bool:
+        """The last proposal cost nothing to make (its block must not teach the draft-length
+        policy what drafting costs)."""
+        return False
 
 
 class TreeBuilder:
@@ -138,13 +168,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-class HFDrafter:
+class HFDrafter(Drafter):
     """A Hugging Face causal LM drafting with its own KV cache.
 
     ``cached`` mirrors the ids in the KV cache. After a block it is cropped to its common prefix
     with the committed sequence (always leaving the last committed token out), so a fully accepted
     block feeds the last draft and the bonus token before drafting again.
     """
+
+    overlaps = True
 
     def __init__(self, model: Any, vocab_size: int, name: str = "hf",
                  min_prob: float = 0.0, tree_width: int = 1,
@@ -157,7 +189,6 @@ class HFDrafter:
         if tree_width < 1:
             raise ValueError("tree_width must be at least 1")
         self.tree_width, self.alternative_min_prob = tree_width, alternative_min_prob
-        self.top_k_filler = 0
         self.device = next(model.parameters()).device
         self.committed: list[int] = []
         self.cached: list[int] = []
@@ -243,9 +274,6 @@ class HFDrafter:
         if not ids:
             return Draft([], torch.empty(0), torch.empty(0, self.vocab_size))
         return Draft(ids, torch.stack(logprobs), torch.stack(rows))  # [k], [k, vocab]
-
-    def observe_top_k(self, context: list[int], top_ids: list[int]) -> None:
-        pass  # a model drafter has its own distribution
 
     def speculate(self, assumed: list[int], k: int, config: SamplingConfig,
                   generator: torch.Generator) -> tuple[int, Draft] | None:

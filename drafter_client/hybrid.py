@@ -24,15 +24,15 @@ from __future__ import annotations
 import torch
 
 from drafter_client.draft_length import DraftLength
-from drafter_client.drafters import Draft, HFDrafter, TreeBuilder, common_prefix
+from drafter_client.drafters import Draft, Drafter, HFDrafter, TreeBuilder, common_prefix
 from drafter_client.model_free import PromptLookupDrafter
 from shared.sampling import SamplingConfig
 
 SCORE_TOKENS = 2  # the shortest lookup proposal scored in a block (free: no forward)
 
 
-class HybridDrafter:
-    top_k_filler = 0
+class HybridDrafter(Drafter):
+    overlaps = True
 
     def __init__(self, model: HFDrafter, lookup: PromptLookupDrafter | None = None,
                  lookup_tokens: int = 0, min_trust: float = 0.3, margin: float = 0.1,
@@ -118,6 +118,10 @@ class HybridDrafter:
         self.model.commit(tokens)
         self.lookup.commit(tokens)
 
-    def observe_top_k(self, context: list[int], top_ids: list[int]) -> None:
-        pass
+    def advise(self, schedule: DraftLength) -> None:
+        self.advisor = schedule
+
+    @property
+    def free_draft(self) -> bool:
+        return self.sent_lookup
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter_client.drafters import Draft
+from drafter_client.drafters import Draft, Drafter
 from shared.sampling import SamplingConfig
 
 
@@ -42,11 +42,10 @@ class _Continuations:
         return max(options, key=lambda t: (options[t], seen[t]))
 
 
-class _SequenceDrafter:
+class _SequenceDrafter(Drafter):
     """Shared bookkeeping: the committed sequence, and drafts of up to k tokens."""
 
     name = "model-free"
-    top_k_filler = 0
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -68,9 +67,6 @@ class _SequenceDrafter:
 
     def _learn(self, index: int) -> None:
         """The token at ``index`` was committed."""
-
-    def observe_top_k(self, context: list[int], top_ids: list[int]) -> None:
-        """Only the n-gram drafter uses the target's top ids."""
 
     def _next(self, sequence: list[int]) -> int | None:
         raise NotImplementedError

@@ -23,7 +23,6 @@ import torch
 
 from drafter_client.draft_length import DraftLength, FixedLength
 from drafter_client.drafters import Draft, Drafter
-from drafter_client.hybrid import HybridDrafter
 from drafter_client.metrics import GenerationMetrics, MetricsRecorder
 from drafter_client.reply_checks import check_reply, check_verdict
 from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
@@ -92,12 +91,9 @@ class InFlight:
     drafting_s: float = 0.0
 
     def work(self, draft: Draft) -> None:
-        speculate = getattr(self.drafter, "speculate", None)
-        if speculate is None:
-            return
         t0 = time.perf_counter()
         assumed = draft.first_chain()  # what the block outputs if every first test passes
-        made = speculate(assumed, self.k, self.config, self.generator)
+        made = self.drafter.speculate(assumed, self.k, self.config, self.generator)
         if made is not None:
             guess, next_draft = made
             self.ahead = ([*assumed, guess], next_draft)
@@ -269,8 +265,7 @@ def speculative_generate(
     :class:`SpecDecError` carries what was generated (``exc.partial``)."""
     config = settings.sampling.to_config()
     schedule = settings.draft_schedule()
-    if isinstance(drafter, HybridDrafter):  # free lookup drafts judged by this schedule's costs
-        drafter.advisor = schedule
+    drafter.advise(schedule)  # e.g. free lookup drafts judged by this schedule's costs
     generator = torch.Generator().manual_seed(settings.seed)
     recorder = MetricsRecorder(verifier)
     session = VerifierSession(verifier, settings.sampling, prompt_ids, settings.encoder_ids)
@@ -286,7 +281,7 @@ def speculative_generate(
                                 finish_reason=reason)
 
     pool = (ThreadPoolExecutor(1, thread_name_prefix="specdec-verify")
-            if settings.overlap and hasattr(drafter, "speculate") else None)
+            if settings.overlap and drafter.overlaps else None)
     ahead: Draft | None = None
     try:
         session.open()
@@ -313,8 +308,8 @@ def speculative_generate(
             recorder.block(outcome.draft_ids, outcome.num_accepted, outcome.drafting_s,
                            outcome.round_trip_s, outcome.verifier_s)
             schedule.update(outcome.depth, outcome.num_accepted, outcome.drafting_s,
-                            outcome.round_trip_s, free=isinstance(drafter, HybridDrafter)
-                            and drafter.sent_lookup and not outcome.drafted_ahead)
+                            outcome.round_trip_s,
+                            free=drafter.free_draft and not outcome.drafted_ahead)
             if on_block is not None and on_block(outcome):
                 stopped = True
                 break

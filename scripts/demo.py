@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter_client import SpecDecClient  # noqa: E402
 from drafter_client.api import DEFAULT_K, DEFAULT_OPTIONS  # noqa: E402
-from drafter_client.cli import TextStream  # noqa: E402
+from drafter_client.apps.output import TextStream  # noqa: E402
 from scripts.bench.common import fetch_offline_models  # noqa: E402
 from tests.support.process import VerifierProcess  # noqa: E402
 
@@ -78,7 +78,7 @@ def main() -> None:
         lines = []
         for name, prompt in TASKS:
             print(f"\n=== {name} ===\n{prompt}\n\n--- speculative ---", flush=True)
-            stream = TextStream(client)
+            stream = TextStream(client.decode)
             spec = client.generate(prompt, chat=True, num_draft_tokens=args.num_draft_tokens,
                                    max_new_tokens=args.max_new_tokens, on_tokens=stream)
             stream.finish()

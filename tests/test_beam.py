@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from drafter_client.api import SpecDecClient
-from drafter_client.cli import run
+from drafter_client.apps.cli import run
 from tests.support.live_server import LiveServer, fp32_settings
 from verifier_service.beam import BeamSearch
 

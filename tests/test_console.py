@@ -18,7 +18,8 @@ PROMPT = "> "
 
 
 def spawn(url: str, drafter: Path, *extra: str) -> pexpect.spawn:
-    child = pexpect.spawn(sys.executable, ["-m", "drafter_client.cli", "chat", "--verifier-url",
+    child = pexpect.spawn(sys.executable, ["-m", "drafter_client.apps.cli", "chat",
+                                           "--verifier-url",
                                            url, "--drafter", str(drafter), "--max-new-tokens",
                                            "16", *extra], encoding="utf-8", timeout=60,
                           dimensions=(50, 400), env={"PYTHONUNBUFFERED": "1", "TERM": "xterm",
@@ -92,7 +93,8 @@ def test_no_color_and_end_of_input(gpt2_server: LiveServer,
 @pytest.mark.parametrize("flag", [["-k", "0.5"], ["--temperature", "-1"]])
 def test_bad_flags_exit_2(gpt2_server: LiveServer, tiny_models: dict[str, Path],
                           flag: list[str]) -> None:
-    child = pexpect.spawn(sys.executable, ["-m", "drafter_client.cli", "chat", "--verifier-url",
+    child = pexpect.spawn(sys.executable, ["-m", "drafter_client.apps.cli", "chat",
+                                           "--verifier-url",
                                            gpt2_server.url, "--drafter", "ngram", *flag],
                           encoding="utf-8", timeout=60)
     child.expect(pexpect.EOF)

@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from drafter_client.api import SpecDecClient
-from drafter_client.cli import run
+from drafter_client.apps.cli import run
 from drafter_client.gateway import GatewaySettings, create_gateway
 from tests.support.live_server import LiveServer, ThreadedServer, fp32_settings
 from tests.support.prometheus import scrape

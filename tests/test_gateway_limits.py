@@ -17,7 +17,7 @@ import pytest
 
 from drafter_client.api import SpecDecClient
 from drafter_client.gateway import GatewaySettings, create_gateway
-from drafter_client.gateway_engine import WHITESPACE, visible_chars
+from drafter_client.gateway.engine import WHITESPACE, visible_chars
 from tests.support.live_server import LiveServer, ThreadedServer
 
 MODEL = "tiny-gpt2"

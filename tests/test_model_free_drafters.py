@@ -13,6 +13,7 @@ from drafter_client.draft_length import (
     HeuristicLength,
     make_draft_length,
 )
+from drafter_client.drafters import Drafter
 from drafter_client.hybrid import HybridDrafter
 from drafter_client.model_free import (
     BigramDrafter,
@@ -218,8 +219,8 @@ def test_free_drafts_are_sized_by_the_verify_cost_of_each_length() -> None:
 
 
 def test_the_hybrid_drafts_free_lookup_matches_at_the_cost_models_length() -> None:
-    class Model:  # a model drafter that must not run while the lookup is trusted
-        name, top_k_filler = "m", 0
+    class Model(Drafter):  # a model drafter that must not run while the lookup is trusted
+        name = "m"
 
         def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
             pass

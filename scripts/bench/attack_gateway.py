@@ -33,7 +33,7 @@ BODY_LIMIT = 1 << 20  # the gateway's default --max-body-bytes
 def start_gateway(verifier_url: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     launcher = ([str(BIN / "specdec")] if (BIN / "specdec").exists()
-                else [sys.executable, "-m", "drafter_client.cli"])
+                else [sys.executable, "-m", "drafter_client.apps.cli"])
     proc = subprocess.Popen([*launcher, "serve", "--verifier-url", verifier_url, "--drafter",
                              "ngram", "--port", str(port), "--max-concurrency", "8"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

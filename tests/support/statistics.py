@@ -107,9 +107,9 @@ def sample_pairs(client: SpecDecClient, params: dict[str, float], runs: int,
     counts: Counter = Counter()
     for n, seed in enumerate(seeds if seeds is not None else range(runs), start=1):
         counts[first_pair(client, prompt, seed, k, params)] += 1
-        if exact is not None and n % every == 0 and n < runs:
-            if _p_value(counts, exact) < stop_below:
-                break
+        if (exact is not None and n % every == 0 and n < runs
+                and _p_value(counts, exact) < stop_below):
+            break
     return counts
 
 

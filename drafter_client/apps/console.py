@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from drafter_client.api import SpecDecClient
+from drafter_client.apps.output import TextStream, summary
 from drafter_client.draft_length import make_draft_length
 from drafter_client.drafters import HFDrafter
 from drafter_client.hybrid import HybridDrafter
-from drafter_client.speculative import BlockOutcome, GenerationResult
-from drafter_client.text import TextTracker
+from drafter_client.speculative import GenerationResult
 from drafter_client.transport import SpecDecError
 from shared.schema import SamplingParams
 
@@ -73,6 +73,11 @@ class Console:
     # -- output ------------------------------------------------------------------------------
     def say(self, text: str, kind: str = "dim") -> None:
         self.out.write(self._paint(text, kind) + "\n")
+        self.out.flush()
+
+    def _show(self, piece: str, kind: str) -> None:
+        """Answer text as it is verified, coloured by the kind of its token."""
+        self.out.write(self._paint(piece, kind))
         self.out.flush()
 
     def _paint(self, text: str, kind: str) -> str:
@@ -167,12 +172,10 @@ class Console:
         self.say(f"compare with the target alone: {'on' if self.settings.compare else 'off'}")
 
     def _show_metrics(self, _: str) -> None:
-        from drafter_client.cli import _summary
-
         if self.last is None:
             self.say("no answer yet")
         else:
-            self.say(_summary(self.last, "last answer"))
+            self.say(summary(self.last, "last answer"))
 
     def _set_system(self, arg: str) -> None:
         self.settings.system = arg or None
@@ -201,12 +204,12 @@ class Console:
     def answer(self, text: str) -> None:
         s = self.settings
         ids = self.prompt_ids(text)
-        stream = ColorStream(self)
+        stream = TextStream(self.client.decode, self._show)
         sampling: dict[str, Any] = {"max_new_tokens": s.max_tokens, "temperature": s.temperature,
                     "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed + self.turn,
                     "reproducible": s.reproducible}
         try:
-            result = self.client.generate(ids, num_draft_tokens=s.k, on_block=stream,
+            result = self.client.generate(ids, num_draft_tokens=s.k, on_block=stream.block,
                                           **sampling)
             stream.finish()
         except SpecDecError as exc:
@@ -245,34 +248,6 @@ class Console:
                    " - greedy outputs should match"))
         self.say(f"[target alone: {slow['tokens_per_s']:.1f} tok/s; speculative "
                  f"{speedup:.2f}x; {note}]")
-
-
-class ColorStream:
-    """Prints each block's tokens as they are verified, coloured by kind (``TextTracker``: a
-    trailing incomplete UTF-8 sequence waits for the token that completes it); ``finish``
-    prints what is still held when the answer ends."""
-
-    def __init__(self, console: Console) -> None:
-        self.console = console
-        self.tracker = TextTracker(console.client.decode)
-        self.kind = "target"
-
-    def __call__(self, outcome: BlockOutcome) -> None:
-        k, accepted = len(outcome.draft_ids), outcome.num_accepted
-        for i, token in enumerate(outcome.tokens):
-            self.kind = ("accepted" if i < accepted else "target" if k == 0
-                         else "bonus" if accepted == k else "recovered")
-            self.tracker.add([token])
-            self._write(self.tracker.delta())
-        self.console.out.flush()
-
-    def finish(self) -> None:
-        self._write(self.tracker.delta(final=True))
-        self.console.out.flush()
-
-    def _write(self, piece: str) -> None:
-        if piece:
-            self.console.out.write(self.console._paint(piece, self.kind))
 
 
 def run_console(client: SpecDecClient, args: argparse.Namespace) -> int:

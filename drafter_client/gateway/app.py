@@ -30,8 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
 from drafter_client.api import SpecDecClient
-from drafter_client.gateway_engine import Finished, Gateway, GatewaySettings, Job
-from drafter_client.openai_schema import (
+from drafter_client.gateway.engine import Finished, Gateway, GatewaySettings, Job
+from drafter_client.gateway.schema import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,

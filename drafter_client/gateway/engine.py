@@ -23,8 +23,8 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from drafter_client.api import DEFAULT_K, SpecDecClient
-from drafter_client.gateway_metrics import GatewayMetrics
-from drafter_client.openai_schema import ChatCompletionRequest, CompletionRequest, OpenAIError
+from drafter_client.gateway.metrics import GatewayMetrics
+from drafter_client.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIError
 from drafter_client.speculative import BlockOutcome, GenerationResult
 from drafter_client.text import TextTracker
 from drafter_client.transport import SpecDecError, VerifierHTTPError, VerifierUnavailable

@@ -18,9 +18,10 @@ import torch
 from pydantic import ValidationError
 
 from drafter_client.api import DEFAULT_K, DEFAULT_OPTIONS, DrafterOptions, SpecDecClient
+from drafter_client.apps.console import run_console
+from drafter_client.apps.output import TextStream, summary
 from drafter_client.draft_length import make_draft_length
 from drafter_client.speculative import GenerationResult
-from drafter_client.text import TextTracker
 from drafter_client.transport import SpecDecError
 from shared.schema import GenerateRequest, SamplingParams
 
@@ -167,50 +168,6 @@ def _read_prompt(args: argparse.Namespace) -> str:
         return handle.read()
 
 
-class TextStream:
-    """Prints decoded text as tokens arrive (``TextTracker``: an incomplete UTF-8 sequence at
-    the end is held back until a later token completes it); ``finish`` prints what is still
-    held when the generation ends."""
-
-    def __init__(self, client: SpecDecClient) -> None:
-        self.tracker = TextTracker(client.decode)
-
-    def __call__(self, new_ids: list[int]) -> None:
-        self.tracker.add(new_ids)
-        self._write(self.tracker.delta())
-
-    def finish(self) -> None:
-        self._write(self.tracker.delta(final=True))
-
-    @staticmethod
-    def _write(piece: str) -> None:
-        if piece:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-
-
-def _summary(result: GenerationResult, label: str) -> str:
-    m: dict[str, Any] = result.metrics.to_dict()
-    lines = [f"--- {label}: {m['new_tokens']} tokens in {m['wall_s']:.2f} s = "
-             f"{m['tokens_per_s']:.2f} tok/s"]
-    if m["verify_calls"]:
-        per_pos = " ".join(f"{a:.2f}" for a in m["per_position_acceptance"])
-        t = m["time_s"]
-        lines += [
-            f"verify calls {m['verify_calls']}, drafted {m['drafted_tokens']}, accepted "
-            f"{m['accepted_tokens']} (rate {m['acceptance_rate']:.3f}), "
-            f"{m['mean_tokens_per_call']:.2f} tokens/call, "
-            f"target forwards saved {m['target_forwards_saved']}",
-            f"per-position acceptance: {per_pos}",
-            f"bytes sent {m['bytes_sent']}, received {m['bytes_received']} "
-            f"({m['bytes_per_token']} B/token)",
-            f"time: prefill {t['prefill_rtt']:.2f} s, drafting {t['drafting']:.2f} s, verify "
-            f"round trips {t['verify_rtt']:.2f} s (forward {t['verify_forward']:.2f} s), client "
-            f"{t['client']:.2f} s",
-        ]
-    return "\n".join(lines)
-
-
 EXIT_ERROR = 2  # nothing was generated
 EXIT_PARTIAL = 3  # some tokens were generated (printed), then an unrecoverable error
 
@@ -330,7 +287,6 @@ def run(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return _serve(args)
     if args.command == "chat":
-        from drafter_client.console import run_console
 
         try:
             client = make_client(args)
@@ -345,7 +301,7 @@ def run(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             client = make_client(args)
-            stream = None if args.json else TextStream(client)
+            stream = None if args.json else TextStream(client.decode)
             result = client.generate(prompt, num_draft_tokens=args.num_draft_tokens,
                                      on_tokens=stream, **sampling)
             if stream is not None:
@@ -374,7 +330,7 @@ def run(argv: list[str] | None = None) -> int:
     if args.json:
         _print_json(result)
     else:
-        print("\n" + _summary(result, args.command))
+        print("\n" + summary(result, args.command))
     if result.finish_reason == "context":
         print(f"specdec: notice: stopped at the verifier's context limit of "
               f"{client.info.max_context} tokens after {len(result.token_ids)} new tokens "

@@ -1,0 +1,76 @@
+"""What the command line and the chat console print: generated text as it is verified, and a
+generation's summary."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from drafter_client.speculative import BlockOutcome, GenerationResult
+from drafter_client.text import TextTracker
+
+
+def stdout_write(piece: str, kind: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+class TextStream:
+    """Writes decoded text as tokens arrive (``TextTracker``: a trailing incomplete UTF-8
+    sequence waits for the token that completes it); ``finish`` writes what is still held when
+    the generation ends. ``write(piece, kind)`` gets each piece with the kind of the token that
+    completed it: "accepted" (a draft the target accepted), "recovered", "bonus", or "target"
+    (no drafts in its block, or fed as plain ids)."""
+
+    def __init__(self, decode: Callable[[list[int]], str],
+                 write: Callable[[str, str], None] = stdout_write) -> None:
+        self.tracker = TextTracker(decode)
+        self.write = write
+        self.kind = "target"
+
+    def __call__(self, new_ids: list[int]) -> None:
+        """A block's new ids (``on_tokens``)."""
+        self.kind = "target"
+        self.tracker.add(new_ids)
+        self._emit()
+
+    def block(self, outcome: BlockOutcome) -> None:
+        """A verified block (``on_block``), token by token, each with its kind."""
+        k, accepted = len(outcome.draft_ids), outcome.num_accepted
+        for i, token in enumerate(outcome.tokens):
+            self.kind = ("accepted" if i < accepted else "target" if k == 0
+                         else "bonus" if accepted == k else "recovered")
+            self.tracker.add([token])
+            self._emit()
+
+    def finish(self) -> None:
+        self._emit(final=True)
+
+    def _emit(self, final: bool = False) -> None:
+        piece = self.tracker.delta(final=final)
+        if piece:
+            self.write(piece, self.kind)
+
+
+def summary(result: GenerationResult, label: str) -> str:
+    """A generation's figures in a few lines: speed, acceptance, bytes and where time went."""
+    m: dict[str, Any] = result.metrics.to_dict()
+    lines = [f"--- {label}: {m['new_tokens']} tokens in {m['wall_s']:.2f} s = "
+             f"{m['tokens_per_s']:.2f} tok/s"]
+    if m["verify_calls"]:
+        per_pos = " ".join(f"{a:.2f}" for a in m["per_position_acceptance"])
+        t = m["time_s"]
+        lines += [
+            f"verify calls {m['verify_calls']}, drafted {m['drafted_tokens']}, accepted "
+            f"{m['accepted_tokens']} (rate {m['acceptance_rate']:.3f}), "
+            f"{m['mean_tokens_per_call']:.2f} tokens/call, "
+            f"target forwards saved {m['target_forwards_saved']}",
+            f"per-position acceptance: {per_pos}",
+            f"bytes sent {m['bytes_sent']}, received {m['bytes_received']} "
+            f"({m['bytes_per_token']} B/token)",
+            f"time: prefill {t['prefill_rtt']:.2f} s, drafting {t['drafting']:.2f} s, verify "
+            f"round trips {t['verify_rtt']:.2f} s (forward {t['verify_forward']:.2f} s), client "
+            f"{t['client']:.2f} s",
+        ]
+    return "\n".join(lines)
