@@ -22,7 +22,7 @@ from drafter_client import SpecDecClient  # noqa: E402
 from drafter_client.api import DEFAULT_K, DEFAULT_OPTIONS  # noqa: E402
 from drafter_client.apps.output import TextStream  # noqa: E402
 from scripts.bench.common import fetch_offline_models  # noqa: E402
-from tests.support.process import VerifierProcess  # noqa: E402
+from scripts.harness.process import VerifierProcess  # noqa: E402
 
 SNIPPET = '''def load_scores(path):
     scores = {}

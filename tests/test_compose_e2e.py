@@ -23,10 +23,10 @@ import pytest
 import yaml
 
 from drafter_client.api import SpecDecClient
+from scripts.harness.process import free_port
+from scripts.harness.tiny_models import build_tiny_set
 from tests.support.containers import HealthTrigger, Podman, missing_tools
 from tests.support.live_server import LiveServer, fp32_settings
-from tests.support.process import free_port
-from tests.support.tiny_models import build_tiny_set
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = "specdec-compose-test"

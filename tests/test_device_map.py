@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from drafter_client.api import SpecDecClient
+from scripts.harness.tiny_models import hf_greedy
 from tests.support.live_server import LiveServer, fp32_settings
-from tests.support.tiny_models import hf_greedy
 from verifier_service.hf_models import attention_devices, parse_device_map
 from verifier_service.target import CausalEngine, load_engine
 

@@ -12,11 +12,11 @@ import orjson
 import pytest
 import torch
 
+from scripts.harness.tiny_models import build_model, build_tokenizer
 from shared.dtype_choice import block_ms, cache_path, load_fastest, load_lm_auto
 from shared.models import load_causal_lm
 from shared.schema import InfoResponse
 from tests.support.live_server import LiveServer
-from tests.support.tiny_models import build_model, build_tokenizer
 
 CPU = torch.device("cpu")
 

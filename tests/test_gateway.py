@@ -20,7 +20,8 @@ import pytest
 from drafter_client.api import SpecDecClient
 from drafter_client.apps.cli import run
 from drafter_client.gateway import GatewaySettings, create_gateway
-from tests.support.live_server import LiveServer, ThreadedServer, fp32_settings
+from scripts.harness.servers import ThreadedServer
+from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.prometheus import scrape
 
 MODEL = "tiny-gpt2"

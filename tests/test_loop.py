@@ -10,11 +10,11 @@ import torch
 
 from drafter_client import SpecDecClient
 from drafter_client.speculative import VerifierSession, speculative_block
+from scripts.harness.tiny_models import hf_greedy
 from shared.sampling import SamplingConfig
 from shared.schema import SamplingParams
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import fp32_settings
-from tests.support.tiny_models import hf_greedy
 
 
 @pytest.fixture(scope="module")

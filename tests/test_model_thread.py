@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.live_server import ThreadedServer, fp32_settings
+from scripts.harness.servers import ThreadedServer
+from tests.support.live_server import fp32_settings
 from verifier_service import cli
 from verifier_service.app import create_app, server_options
 from verifier_service.state import ModelThread

@@ -10,8 +10,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.support import netns
-from tests.support.process import VerifierProcess
+from scripts.harness import netns
+from scripts.harness.process import VerifierProcess
 
 WHY_NOT = netns.available()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(WHY_NOT is not None,

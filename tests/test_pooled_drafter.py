@@ -14,9 +14,9 @@ from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
 from drafter_client.drafters import HFDrafter
 from drafter_client.pooled import DrafterContextError, PooledDrafter
+from scripts.harness.tiny_models import hf_greedy
 from shared.models import load_causal_lm
 from shared.sampling import SamplingConfig
-from tests.support.tiny_models import hf_greedy
 
 PROMPT = [5, 9, 14, 3, 22, 7]
 

@@ -15,6 +15,7 @@ from transformers import AutoModelForSeq2SeqLM
 
 from drafter_client import SpecDecClient
 from drafter_client.transport import SpecDecError
+from scripts.harness.servers import ThreadedServer
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.statistics import (
@@ -175,7 +176,6 @@ def test_openai_completions_on_an_encoder_decoder_target(pair: Any,
     import openai
 
     from drafter_client.gateway import GatewaySettings, create_gateway
-    from tests.support.live_server import ThreadedServer
 
     arch, server = pair
     client = SpecDecClient(server.url, str(tiny_models[f"{arch}-drafter"]), dtype="float32")

@@ -17,8 +17,9 @@ import pytest
 from drafter_client.api import SpecDecClient
 from drafter_client.apps.cli import run
 from drafter_client.gateway import GatewaySettings, create_gateway
-from tests.support.live_server import LiveServer, ThreadedServer, fp32_settings
-from tests.support.tiny_models import save_byte_level
+from scripts.harness.servers import ThreadedServer
+from scripts.harness.tiny_models import save_byte_level
+from tests.support.live_server import LiveServer, fp32_settings
 
 MODEL = "tiny-bytes"
 SEEDS = range(16)

@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from scripts.bench.common import machine_record, markdown_table, write_json
-from tests.support.process import VerifierProcess, one_session
+from scripts.harness.process import VerifierProcess, one_session
 
 
 def rss_mib(pid: int) -> float:
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if url is None:
         target = args.target
         if target == "tiny":
-            from tests.support.tiny_models import save_tiny
+            from scripts.harness.tiny_models import save_tiny
 
             target = str(save_tiny(Path(tempfile.mkdtemp()) / "tiny", "llama", 64, seed=3))
         process = VerifierProcess(["--model", target, "--dtype", "float32"],

@@ -32,8 +32,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from scripts.bench.common import machine_record, markdown_table, write_json
-from tests.support.process import VerifierProcess
-from tests.support.tiny_models import build_tokenizer
+from scripts.harness.process import VerifierProcess
+from scripts.harness.tiny_models import build_tokenizer
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -45,8 +45,8 @@ from scripts.bench.common import (
     write_json,
 )
 from scripts.bench.suite import Prompt, workloads
+from scripts.harness.process import VerifierProcess
 from shared.models import load_causal_lm, pick_dtype
-from tests.support.process import VerifierProcess
 
 SECTIONS = ("greedy", "sampling", "two-host")
 DEFAULT_SYSTEMS = ["hf", "hf assisted k=4", "hf lookup k=10", "specdec alone",

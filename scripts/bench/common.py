@@ -16,9 +16,9 @@ import torch
 import transformers
 
 from scripts.fetch_models import fetch
+from scripts.harness.process import VerifierProcess
 from shared.models import OFFLINE_MODELS
 from shared.timing import median_ms, plain_step_ms, sync  # noqa: F401 - the benchmarks' own
-from tests.support.process import VerifierProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT_DIR = ROOT / "benchmarks" / "prompts"

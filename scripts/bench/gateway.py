@@ -30,7 +30,7 @@ from scripts.bench.common import (
     verifier,
     write_json,
 )
-from tests.support.live_server import ThreadedServer
+from scripts.harness.servers import ThreadedServer
 
 NAME = "bench-model"
 

@@ -54,12 +54,12 @@ from scripts.bench.common import (
     sync,
     write_json,
 )
+from scripts.harness.process import VerifierProcess
+from scripts.harness.tiny_models import build_tokenizer
 from shared.engine import ForwardItem
 from shared.models import load_causal_lm, load_tokenizer, pick_dtype
 from shared.sampling import SamplingConfig
 from shared.schema import CreateSessionRequest, GenerateRequest, VerifyRequest
-from tests.support.process import VerifierProcess
-from tests.support.tiny_models import build_tokenizer
 from verifier_service.acceptance import Check, decide
 from verifier_service.target import CausalEngine
 

@@ -1,8 +1,9 @@
-"""Helpers shared by the tests and the benchmark tool (``scripts/bench``).
+"""What only the tests use (what the benchmarks share with them is in ``scripts/harness``).
 
-* :mod:`tests.support.process` - a free port, one readiness poller, a verifier subprocess;
-* :mod:`tests.support.live_server` - a verifier app served by uvicorn in a thread;
-* :mod:`tests.support.tiny_models` - tiny random models + an offline tokenizer, a greedy reference;
+* :mod:`tests.support.live_server` - the verifier app served by uvicorn in a thread;
+* :mod:`tests.support.in_process` - the client's ``Verifier`` protocol on the verifier's own
+  jobs, without sockets;
+* :mod:`tests.support.statistics` - exact distributions and the chi-square comparison;
 * :mod:`tests.support.fault_proxy` - an HTTP proxy that delays or drops responses;
-* :mod:`tests.support.netns` - client and verifier in two network namespaces.
+* :mod:`tests.support.containers`, ``prometheus``, ``min_transformers_check``, ``no_openai``.
 """

@@ -17,9 +17,9 @@ import torch
 import transformers
 
 from drafter_client.drafters import HFDrafter, HFSeq2SeqDrafter
+from scripts.harness.tiny_models import build_model, build_seq2seq
 from shared.sampling import SamplingConfig
 from shared.timing import plain_step_ms
-from tests.support.tiny_models import build_model, build_seq2seq
 
 
 def full_argmax(model: torch.nn.Module, ids: list[int], source: list[int] | None) -> int:
