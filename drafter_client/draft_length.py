@@ -120,9 +120,9 @@ class CostModelLength:
         # is judged by its own times, and the others from their measured neighbours (rtt()).
         self._rtt_at: dict[int, list[float]] = {}
         self.min_samples = 0.5  # decayed weight (one block ~13 blocks ago) to count as measured
-        # The first block's drafting includes the drafter's prefill of the whole prompt (548 ms
-        # next to 90 ms per drafted token for the 0.5B drafter on a 150-token prompt): as a
-        # per-token cost it made k = 1 look best for the next 20 blocks. It is not counted; and
+        # The first block's drafting includes the drafter's prefill of the whole prompt, several
+        # drafted tokens' worth: as a per-token cost it would make k = 1 look best for many
+        # blocks. It is not counted; and
         # the cost is the median of the last few blocks' per-token times, so a block that also
         # paid for something else - the model's prefill after lookup-only blocks, its catch-up
         # on the tokens of plain steps - does not stand for the drafter's speed.

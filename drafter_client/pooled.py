@@ -1,11 +1,12 @@
 """A model drafter for a GPU client (``--cuda-graphs``): its KV cache in a preallocated slot and
 its one-token steps in a static-shape bucket, captured once as a CUDA graph and replayed.
 
-On a GPU an eager drafter step is launch-bound: the 0.5B Qwen drafter took 16.8 ms per token next
-to 19.2 ms for a 1.5B target forward on an H200 (issue #13), so drafting cost almost as much as
-verifying. This drafter runs on the verifier's engine (``shared/engine.py``): one slot of a
-``KVPool`` for the drafted sequence (plus the buckets' scratch slot), attention over the slot in
-place, and rollback by moving a length instead of cropping a ``DynamicCache``.
+On a GPU an eager drafter step is launch-bound (one kernel launch per op, whatever the model's
+size), so an eager small drafter costs nearly what the target's forward does (figures:
+docs/benchmarks.md, GPU section). This drafter runs on the verifier's engine
+(``shared/engine.py``): one slot of a ``KVPool`` for the drafted sequence (plus the buckets'
+scratch slot), attention over the slot in place, and rollback by moving a length instead of
+cropping a ``DynamicCache``.
 
 Greedy chains never leave the device while they are drafted: each step's argmax is fed to the
 next step as a device tensor, and the k ids come back to the host in one copy at the end. Other

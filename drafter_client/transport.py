@@ -11,6 +11,7 @@ import httpx
 import orjson
 from pydantic import BaseModel, ValidationError
 
+from shared.auth import bearer_header
 from shared.schema import (
     SESSION_HEADER,
     CreateSessionRequest,
@@ -108,7 +109,7 @@ class HttpVerifier:
         self.owns_client = client is None  # a client passed in is closed by its owner
         self.client = client or httpx.Client(base_url=self.url, timeout=timeout_s)
         self.api_key = api_key
-        self.auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.auth = bearer_header(api_key) if api_key else {}
         self.bytes_sent = 0
         self.bytes_received = 0
 

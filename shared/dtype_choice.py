@@ -1,12 +1,12 @@
 """``--dtype auto``: the dtype a causal LM runs fastest in on this machine, measured.
 
 On CUDA it is bfloat16. On a CPU it depends on the chip: with native bf16 (AVX512-BF16, AMX)
-bfloat16 decodes about twice as fast as float32 and a block of k tokens costs little more than
-one; without it bfloat16 matmuls are emulated and float32 wins. So the first load of a model on a
-machine times forwards of the blocks the speculative loop runs (1, 3 and 5 new tokens on a short
-cache) in both dtypes, keeps the faster (lower sum), and records the choice in
-``$SPECDEC_HOME/dtype-choices.json`` under the model folder, the CPU, the thread count and the
-torch version, so later starts load straight into it.
+bfloat16 can decode much faster than float32; without it bfloat16 matmuls are emulated and
+float32 wins; and what a block of k tokens costs next to one differs between the two. So the
+first load of a model on a machine times forwards of the blocks the speculative loop runs (1, 3
+and 5 new tokens on a short cache) in both dtypes, keeps the faster (lower sum), and records the
+choice in ``$SPECDEC_HOME/dtype-choices.json`` under the model folder, the CPU, the thread count
+and the torch version, so later starts load straight into it.
 
 The two candidates are the same weights: a bf16 / fp16 checkpoint is loaded in bfloat16 and
 widened to float32 (exact), a float32 checkpoint is loaded in float32 and narrowed; when float32

@@ -1,7 +1,7 @@
 """Static-shape forwards of short batches, replayed as CUDA graphs (``--cuda-graphs``).
 
-An eager forward of a 1.5B model on a GPU is launch-bound: ~19 ms for one token where reading the
-weights takes under 1 ms (issue #13). A CUDA graph replays a captured forward with one launch,
+An eager forward of a small model on a GPU is launch-bound: one kernel launch per op takes longer
+than reading the weights. A CUDA graph replays a captured forward with one launch,
 but only for fixed shapes and fixed buffers. Batches of short segments (verify blocks and decode
 steps) are laid out so their shapes depend on a bucket alone:
 

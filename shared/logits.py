@@ -18,7 +18,7 @@ NUCLEUS_CANDIDATES = 1024  # top-p looks at the best 1024 tokens first; the rest
 def nucleus_drop(scores: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Top-p: [R, vocab] scores, [R] float64 top_p (< 1) -> [R, vocab] True where a token is
     dropped. A token stays while the mass of the better tokens is below top_p (the smallest set
-    reaching top_p; always the best token). Sorting a 151,936-token row costs ~15 ms on a CPU,
+    reaching top_p; always the best token). Sorting a large vocabulary's row is slow on a CPU,
     so the best ``NUCLEUS_CANDIDATES`` come first; only rows where they hold less than top_p are
     sorted whole. A row's answer depends on that row alone (the batched acceptance needs it)."""
     probs = torch.softmax(scores.double(), dim=-1)  # [R, vocab]

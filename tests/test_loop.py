@@ -4,6 +4,7 @@ greedy exactness, and a session lost mid-generation."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -53,14 +54,25 @@ def test_greedy_equals_target_and_survives_a_lost_session(
     cut = next((i + 1 for i, t in enumerate(expected) if t in client.info.eos_token_ids),
                len(expected))
     lost = []
+    created: list[str] = []
+    create = verifier.create_session
+
+    def record(req: Any) -> Any:
+        reply = create(req)
+        created.append(reply.session_id)
+        return reply
+
+    verifier.create_session = record  # type: ignore[method-assign]
 
     def lose_session(_: list[int]) -> None:  # the verifier forgets it after the 2nd block
         lost.append(True)
         if len(lost) == 2:
-            (session_id,) = verifier.jobs.sessions.ids()
-            verifier.jobs.sessions.discard(session_id)
+            verifier.jobs.sessions.discard(created[-1])
 
-    result = client.generate(prompt, num_draft_tokens=3, max_new_tokens=24,
-                             on_tokens=lose_session)
+    try:
+        result = client.generate(prompt, num_draft_tokens=3, max_new_tokens=24,
+                                 on_tokens=lose_session)
+    finally:
+        del verifier.create_session
     assert result.token_ids == expected[:cut]
     assert result.metrics.session_reopens == 1

@@ -12,8 +12,8 @@ connection beyond the bound instead closes the connection that has waited longes
 head (408), so clients that send requests keep being served. Only when every connection is busy
 with a request does the newcomer get 503.
 
-Two HTTP parsers carry the same guards: httptools (C, the default where it is installed: about
-0.15 ms less Python per call than h11, ``python -m scripts.bench calls``) and h11 (pure Python).
+Two HTTP parsers carry the same guards: httptools (C, the default where it is installed: less
+Python per call than h11, ``python -m scripts.bench calls``) and h11 (pure Python).
 h11 bounds a request head at 16 KiB by itself; with httptools the guard counts the bytes of a
 head that has not completed and answers 431 beyond the same bound.
 """

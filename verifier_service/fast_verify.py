@@ -2,8 +2,8 @@
 drafted block by every client.
 
 FastAPI's route decodes the body with ``json``, validates the dict, solves the dependencies,
-re-validates the returned model against ``response_model`` and serialises it: about 0.25 ms of
-Python per call (``python -m scripts.bench calls``). This endpoint decodes with orjson and
+re-validates the returned model against ``response_model`` and serialises it, in Python, per
+call (``python -m scripts.bench calls`` measures it). This endpoint decodes with orjson and
 validates the dict (python mode, so the messages read as FastAPI's), reads the state and the
 key's owner straight from the request, and writes the reply with orjson - the same bodies,
 status codes and error shapes (``tests/test_fast_verify.py`` compares them with the FastAPI

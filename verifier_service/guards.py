@@ -13,6 +13,7 @@ import hashlib
 import hmac
 from typing import Any
 
+from shared.auth import bearer_token
 from shared.body_limit import BodyLimit
 from verifier_service.errors import error_response
 
@@ -59,11 +60,8 @@ class ApiKeyAuth:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers", []))
-        presented: str | None = None
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        if auth[:7].lower() == "bearer ":
-            presented = auth[7:].strip()
-        elif b"x-api-key" in headers:
+        presented = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
+        if presented is None and b"x-api-key" in headers:
             presented = headers[b"x-api-key"].decode("latin-1").strip()
         owner = self.owner_of(presented)
         if owner is None and scope.get("path") not in OPEN_PATHS:

@@ -25,7 +25,7 @@ from verifier_service.state import VerifierState
 from verifier_service.telemetry import CONTENT_TYPE_LATEST
 
 
-# Dependencies are async so FastAPI does not hop to a worker thread for each (about 0.5 ms).
+# Dependencies are async so FastAPI does not hop to a worker thread for each.
 async def get_state(request: Request) -> VerifierState:
     return request.app.state.verifier  # type: ignore[no-any-return]
 

@@ -107,10 +107,6 @@ class SessionStore:
         with self._lock:
             return (owner, session_id) in self._sessions
 
-    def ids(self, owner: str | None = None) -> list[str]:
-        with self._lock:
-            return [sid for o, sid in self._sessions if o == owner]
-
     # -- creates ------------------------------------------------------------------------------
     def reserve(self, owner: str | None) -> None:
         """Admit one create for ``owner``: 429 when its open sessions plus its creates in

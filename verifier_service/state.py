@@ -22,10 +22,8 @@ class ModelThread:
 
     All of a process's model work - loading, warm-up and every forward - belongs on this one
     thread. Each thread that runs a parallel torch op gets its own OpenMP thread team, and while
-    two teams live in one process every forward is slower: a 1.5B decode step on a 2-core CPU
-    measured 230-234 ms with one team and 247-253 ms with two (``python -m scripts.bench
-    profile``; ``docs/benchmarks.md``). The CLI used to load on the main thread and serve from
-    this one."""
+    two teams live in one process every forward is slower (``python -m scripts.bench profile``;
+    figures in ``docs/benchmarks.md``)."""
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")

@@ -28,6 +28,7 @@ from drafter_client.gateway.schema import ChatCompletionRequest, CompletionReque
 from drafter_client.speculative import BlockOutcome, GenerationResult
 from drafter_client.text import TextTracker
 from drafter_client.transport import SpecDecError, VerifierHTTPError, VerifierUnavailable
+from shared.auth import bearer_token
 from shared.schema import SamplingParams
 
 
@@ -116,8 +117,7 @@ class Gateway:
         key = self.settings.api_key
         if key is None:
             return
-        auth = request.headers.get("authorization", "")
-        presented = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        presented = bearer_token(request.headers.get("authorization", "")) or ""
         if not hmac.compare_digest(presented.encode(), key.encode()):
             raise OpenAIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
                               code="invalid_api_key")
