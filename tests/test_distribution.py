@@ -35,6 +35,7 @@ from shared.models import load_causal_lm
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.statistics import (
+    MODEL_FREE_WORKERS,
     PROMPT,
     accept_everything,
     chi_square_p,
@@ -142,7 +143,7 @@ def test_model_free_drafters_follow_the_target(name: str, verifier: InProcessVer
     params = CONFIGS["T=1"] if name != "ngram-multi+filler" else CONFIGS["T=0.7,top-k=5"]
     exact = exact_pair_distribution(tiny_models["peaky-target"], params,
                                      client.info.eos_token_ids, repeat_prompt)
-    counts = sample_pairs(client, params, RUNS, repeat_prompt, k=2)
+    counts = sample_pairs(client, params, RUNS, repeat_prompt, k=2, workers=MODEL_FREE_WORKERS)
     p_value, tv = chi_square_p(counts, exact)
     assert p_value > 1e-3, f"{name}: chi-square p = {p_value:.2e}, TV = {tv:.3f}"
     assert tv < 0.1, f"{name}: TV = {tv:.3f}"
@@ -164,7 +165,8 @@ def test_negative_control_fresh_resample_for_one_hot_drafts(
     params = CONFIGS["T=1"]
     exact = exact_pair_distribution(tiny_models["peaky-target"], params,
                                      client.info.eos_token_ids, repeat_prompt)
-    counts = sample_pairs(client, params, CONTROL_RUNS, repeat_prompt, k=2, exact=exact)
+    counts = sample_pairs(client, params, CONTROL_RUNS, repeat_prompt, k=2, exact=exact,
+                          workers=MODEL_FREE_WORKERS)
     p_value, tv = chi_square_p(counts, exact)
     assert p_value < 1e-6, f"fresh resample not caught: p = {p_value:.2e}, TV = {tv:.3f}"
 

@@ -4,12 +4,15 @@ For tests that need many thousands of generations (the statistical tests): the c
 loop and the verifier's whole request path after parsing run as in production, and every
 request and reply still goes through its JSON form (the wire codec: -inf as null, base64 rows),
 but no socket, event loop or thread hand-off is paid. The HTTP path itself is tested elsewhere
-(every other end-to-end test).
+(every other end-to-end test). Clients on several threads can share one verifier through a
+:class:`CallGroup`: their calls then run together, one batched forward per round, as the
+scheduler batches concurrent clients.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+import threading
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -46,6 +49,42 @@ def _as_client_error(exc: BaseException) -> BaseException:
     return exc
 
 
+class CallGroup:
+    """The calls of ``members`` client threads, run together: a call waits until every member
+    that is still generating has one waiting, and the last to arrive runs them all as one
+    ``run_jobs`` batch (the scheduler's own step). Which calls share a batch does not depend on
+    timing, only on how many members there are."""
+
+    def __init__(self, engine: Engine, members: int) -> None:
+        self.engine, self.members = engine, members
+        self._cond = threading.Condition()
+        self._waiting: list[list[Any]] = []  # [job, outcome or None]
+
+    def run(self, job: Job) -> tuple[bool | None, Any]:
+        with self._cond:
+            entry: list[Any] = [job, None]
+            self._waiting.append(entry)
+            self._flush_if_complete()
+            while entry[1] is None:
+                self._cond.wait()
+            return entry[1]  # type: ignore[no-any-return]
+
+    def leave(self) -> None:
+        """A member is done: the others no longer wait for it."""
+        with self._cond:
+            self.members -= 1
+            self._flush_if_complete()
+
+    def _flush_if_complete(self) -> None:  # under the lock
+        if not self._waiting or len(self._waiting) < self.members:
+            return
+        batch, self._waiting = self._waiting, []
+        outcomes = run_jobs(self.engine, [job for job, _ in batch])
+        for entry, outcome in zip(batch, outcomes, strict=True):
+            entry[1] = outcome
+        self._cond.notify_all()
+
+
 class InProcessVerifier:
     """Implements the client's ``Verifier`` protocol on an :class:`Engine` in this
     process. Each call runs as a batch of one job (``run_jobs``, the scheduler's own step)."""
@@ -55,6 +94,7 @@ class InProcessVerifier:
         self.jobs = build_jobs(engine, settings)
         self.bytes_sent = self.bytes_received = self.retries = 0
         self.simulated_rtt_s = 0.0
+        self.group: CallGroup | None = None  # set while clients on several threads share it
 
     @classmethod
     def load(cls, settings: Settings) -> InProcessVerifier:
@@ -62,7 +102,10 @@ class InProcessVerifier:
         return cls(load_engine(settings), settings)
 
     def _run(self, job: Job, reply_model: type[M]) -> M:
-        [(ok, value)] = run_jobs(self.engine, [job])
+        if self.group is not None:
+            ok, value = self.group.run(job)
+        else:
+            [(ok, value)] = run_jobs(self.engine, [job])
         if not ok:
             raise _as_client_error(value)
         return _over_the_wire(value, reply_model)

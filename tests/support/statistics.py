@@ -4,6 +4,7 @@ implementation), seeded speculative draws, and the chi-square / total-variation 
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,13 @@ import shared.sampling as sampling
 import verifier_service.acceptance as acceptance
 from drafter_client import SpecDecClient
 from shared.models import load_causal_lm
+from tests.support.in_process import CallGroup, InProcessVerifier
 
 PROMPT = [2, 3, 4]  # "the cat sat"
+# Client threads whose draws share the in-process verifier's forwards: worth it for model-free
+# drafters, whose drafting costs next to nothing; a model drafter's forwards on 8 threads under
+# one GIL cost what the shared verifier forwards save.
+MODEL_FREE_WORKERS = 8
 
 
 def reference_probs(logits: torch.Tensor, params: dict[str, float]) -> torch.Tensor:
@@ -97,20 +103,65 @@ def first_pair(client: SpecDecClient, prompt: list[int], seed: int, k: int | str
 def sample_pairs(client: SpecDecClient, params: dict[str, float], runs: int,
                  prompt: list[int] = PROMPT, k: int | str = 2, seeds: range | None = None,
                  exact: dict[tuple[int, int], float] | None = None,
-                 stop_below: float = 1e-6, every: int = 250) -> Counter:
+                 stop_below: float = 1e-6, every: int = 250, workers: int = 1) -> Counter:
     """``runs`` seeded draws of the first two tokens (seeds 0..runs - 1, or ``seeds``).
+
+    Against an in-process verifier the draws run on ``workers`` forks of the client, one thread
+    each, whose calls share the verifier's batched forwards (``CallGroup``); each seed's draw
+    is the same whichever fork makes it, up to the rounding of a batched forward.
 
     With ``exact`` (a negative control): a chi-square test every ``every`` draws, stopping as
     soon as its p-value is below ``stop_below`` - the wrong rule is caught, and more draws
     could only make p smaller. A correct rule never stops early (its tests take no ``exact``),
     so their power and error rate are those of all ``runs`` draws."""
+    order = list(seeds if seeds is not None else range(runs))
+    verifier = client.verifier
+    forks = ([client, *(client.fork() for _ in range(workers - 1))]
+             if isinstance(verifier, InProcessVerifier) and workers > 1 else [client])
     counts: Counter = Counter()
-    for n, seed in enumerate(seeds if seeds is not None else range(runs), start=1):
-        counts[first_pair(client, prompt, seed, k, params)] += 1
-        if (exact is not None and n % every == 0 and n < runs
+    step = every if exact is not None else len(order)
+    for start in range(0, len(order), step):
+        chunk = order[start:start + step]
+        if len(forks) == 1:
+            counts.update(first_pair(client, prompt, seed, k, params) for seed in chunk)
+        else:
+            counts.update(_draw_together(forks, verifier, chunk, prompt, k, params))
+        if (exact is not None and start + step < len(order)
                 and _p_value(counts, exact) < stop_below):
             break
     return counts
+
+
+def _draw_together(forks: list[SpecDecClient], verifier: Any, seeds: list[int],
+                   prompt: list[int], k: int | str, params: dict[str, Any]) -> Counter:
+    members = min(len(forks), len(seeds))
+    verifier.group = CallGroup(verifier.engine, members)
+    found: list[Counter] = [Counter() for _ in range(members)]
+    errors: list[BaseException] = []
+
+    def work(index: int) -> None:
+        try:
+            for seed in seeds[index::members]:
+                found[index][first_pair(forks[index], prompt, seed, k, params)] += 1
+        except BaseException as exc:  # reported below, after the others finish
+            errors.append(exc)
+        finally:
+            verifier.group.leave()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(members)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        verifier.group = None
+    if errors:
+        raise errors[0]
+    total: Counter = Counter()
+    for part in found:
+        total.update(part)
+    return total
 
 
 def _pooled(counts: Counter, exact: dict[tuple[int, int], float]) -> tuple[np.ndarray, np.ndarray]:
