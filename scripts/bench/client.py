@@ -11,11 +11,9 @@ Three sections, every system interleaved per prompt, speedup = tok/s over transf
                  thread each, with ``--rtts`` ms added per round trip; ``--two-host-systems``
                  (with and without ``overlap``) over the first prompt of each workload.
 
-A system is a name plus settings: ``hf`` (target alone), ``hf assisted k=4`` (a constant
-4-token draft; without k transformers' default schedule), ``hf lookup k=10``; ``specdec alone``
-(the verifier's ``/v1/generate``); ``specdec model k=4``, ``specdec model k=auto lookup tree=2
-overlap``, ``specdec ngram k=auto`` ... (``min_prob=0.4``, ``reproducible`` also parse).
-``specdec default`` is the CLI's default setting.
+Systems are strings parsed by ``scripts.bench.systems`` (``hf``, ``hf assisted k=4``,
+``specdec alone``, ``specdec model k=auto lookup``, ``specdec default``, ...), run by its
+``Runner``, the same as the ``suite`` harness's.
 
   python -m scripts.bench client                                      # the full table
   python -m scripts.bench client --sections greedy --prompts-per-workload 1 --max-new-tokens 48
@@ -24,29 +22,23 @@ overlap``, ``specdec ngram k=auto`` ... (``min_prob=0.4``, ``reproducible`` also
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import os
 import statistics
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from drafter_client import SpecDecClient
-from drafter_client.api import DEFAULT_K, DEFAULT_OPTIONS, MODEL_FREE_DRAFTERS, DrafterOptions
 from scripts.bench.common import (
     add_base_arguments,
-    assistant_defaults,
     fetch_offline_models,
-    hf_generate,
     machine_record,
     markdown_table,
     write_json,
 )
 from scripts.bench.suite import Prompt, workloads
+from scripts.bench.systems import Runner, Sampling, System
 from scripts.harness.process import VerifierProcess
-from shared.models import load_causal_lm, pick_dtype
 
 SECTIONS = ("greedy", "sampling", "two-host")
 DEFAULT_SYSTEMS = ["hf", "hf assisted k=4", "hf lookup k=10", "specdec alone",
@@ -57,134 +49,29 @@ DEFAULT_SAMPLING = ["hf", "hf assisted k=4", "specdec model k=4", "specdec defau
 DEFAULT_TWO_HOST = ["hf", "specdec default", "specdec default overlap"]
 
 
-@dataclass(frozen=True)
-class System:
-    """One parsed system string."""
-
-    text: str
-    kind: str  # "hf" or "specdec"
-    method: str  # hf: alone / assisted / lookup; specdec: alone / model / a model-free drafter
-    k: str | None = None
-    options: DrafterOptions = field(default_factory=DrafterOptions)
-    reproducible: bool = False
-
-    @classmethod
-    def parse(cls, text: str) -> System:
-        words = text.split()
-        kind, method, rest = words[0], words[1] if len(words) > 1 else "alone", words[2:]
-        if kind not in ("hf", "specdec"):
-            raise SystemExit(f"system {text!r}: starts with hf or specdec")
-        k, reproducible = None, False
-        opts: dict[str, Any] = {"lookup": False}  # a named method alone unless it says lookup
-        if method == "default":
-            method, k, opts = "model", DEFAULT_K, dataclasses.asdict(DEFAULT_OPTIONS)
-        for word in rest:
-            key, _, value = word.partition("=")
-            if key == "k":
-                k = value
-            elif key in ("lookup", "overlap"):
-                opts[key] = True
-            elif key == "no-lookup":
-                opts["lookup"] = False
-            elif key == "tree":
-                opts["tree_width"] = int(value)
-            elif key == "min_prob":
-                opts["draft_min_prob"] = float(value)
-            elif key == "reproducible":
-                reproducible = True
-            else:
-                raise SystemExit(f"system {text!r}: unknown setting {word!r}")
-        return cls(text, kind, method, k, DrafterOptions(**opts), reproducible)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-
-
-class Runner:
-    """The verifier clients and transformers' models of one section; runs a system on a prompt."""
-
-    def __init__(self, url: str, args: argparse.Namespace, systems: list[System]) -> None:
-        self.args = args
-        self.clients: dict[str, SpecDecClient] = {}
-        self.base = SpecDecClient(url, None, tokenizer=args.drafter)
-        model_client: SpecDecClient | None = None  # one drafter model for every setting
-        for s in systems:
-            if s.kind != "specdec" or s.method == "alone":
-                continue
-            if s.method in MODEL_FREE_DRAFTERS:
-                self.clients[s.text] = SpecDecClient(url, s.method, tokenizer=args.drafter,
-                                                     options=s.options)
-            elif model_client is None:
-                model_client = self.clients[s.text] = SpecDecClient(
-                    url, args.drafter, dtype=args.dtype, options=s.options)
-            else:
-                self.clients[s.text] = model_client.with_options(s.options)
-        dtype = pick_dtype(args.dtype, torch.device("cpu"))
-        self.hf_target = load_causal_lm(args.target, dtype, torch.device("cpu"))
-        self.hf_drafter = load_causal_lm(args.drafter, dtype, torch.device("cpu"))
-        self.hf_defaults = assistant_defaults(self.hf_drafter)
-
-    def encode(self, prompt: Prompt) -> list[int]:
-        chat = prompt.chat and getattr(self.base.tokenizer, "chat_template", None) is not None
-        return self.base.encode(prompt.text, chat=chat)
-
-    def set_rtt(self, rtt_ms: float) -> None:
-        for client in (self.base, *self.clients.values()):
-            client.verifier.simulated_rtt_s = rtt_ms / 1e3
-
-    def run(self, s: System, ids: list[int], sampling: Sampling,
-            max_new: int | None = None) -> dict[str, Any]:
-        max_new = max_new or self.args.max_new_tokens
-        kw = {"temperature": sampling.temperature, "top_p": sampling.top_p,
-              "seed": sampling.seed}
-        if s.kind == "hf":
-            return self._hf(s, ids, sampling, max_new)
-        if s.method == "alone":
-            result = self.base.baseline(ids, max_new_tokens=max_new,
-                                        reproducible=s.reproducible, **kw)  # type: ignore[arg-type]
-        else:
-            result = self.clients[s.text].generate(
-                ids, num_draft_tokens=s.k or DEFAULT_K, max_new_tokens=max_new,
-                reproducible=s.reproducible, **kw)  # type: ignore[arg-type]
-        m = result.metrics
-        return {"tokens": result.token_ids, "wall_s": m.wall_s,
-                "mean_tokens_per_call": m.to_dict().get("mean_tokens_per_call"),
-                "verify_calls": m.verify_calls}
-
-    def _hf(self, s: System, ids: list[int], sampling: Sampling,
-            max_new: int) -> dict[str, Any]:
-        tokens, wall = hf_generate(
-            self.hf_target, ids, max_new, self.base.info.eos_token_ids, method=s.method,
-            k=int(s.k) if s.k is not None else None, drafter=self.hf_drafter,
-            defaults=self.hf_defaults, temperature=sampling.temperature, top_p=sampling.top_p,
-            seed=sampling.seed)
-        return {"tokens": tokens, "wall_s": wall}
-
-
 def pick_prompts(args: argparse.Namespace) -> list[Prompt]:
     work = workloads(args.prompts_per_workload)
     return [p for w in args.workloads for p in work[w]]
 
 
 def run_section(name: str, runner: Runner, systems: list[System], prompts: list[Prompt],
-                sampling: Sampling, rtt_ms: float = 0.0) -> list[dict[str, Any]]:
+                sampling: Sampling, runner_max_new: int,
+                rtt_ms: float = 0.0) -> list[dict[str, Any]]:
     """Every system on every prompt, interleaved; one record per run."""
-    records = []
+    records: list[dict[str, Any]] = []
     runner.set_rtt(rtt_ms)
     for prompt in prompts:
-        ids = runner.encode(prompt)
-        runs = {}
+        ids = runner.encode(prompt.text, prompt.chat)
+        runs: dict[str, dict[str, Any]] = {}
         for s in systems:
-            result = runner.run(s, ids, sampling)
-            tokens = result.pop("tokens")
+            run = runner.run(s, ids, sampling, runner_max_new)
+            tokens = run.tokens
             runs[s.text] = {"section": name, "workload": prompt.workload,
                             "prompt": prompt.name, "system": s.text, "rtt_ms": rtt_ms,
-                            "new_tokens": len(tokens),
-                            "tok_s": len(tokens) / result["wall_s"], **result,
+                            "new_tokens": len(tokens), "tok_s": len(tokens) / run.wall_s,
+                            "wall_s": run.wall_s,
+                            "mean_tokens_per_call": run.metrics.get("mean_tokens_per_call"),
+                            "verify_calls": run.metrics.get("verify_calls"),
                             "tokens": tokens}
             print(f"  {name} rtt={rtt_ms:g} {prompt.name:18s} {s.text:42s} "
                   f"{runs[s.text]['tok_s']:6.2f} tok/s", flush=True)
@@ -259,18 +146,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "greedy" in args.sections or "sampling" in args.sections:
         every = parse(args.systems) + parse(args.sampling_systems)
         with _verifier(args, args.threads, None) as process:
-            runner = Runner(process.url, args, every)
-            warm = runner.encode(Prompt("warm", "warm", "def f(x):", chat=False))
-            for s in {s.text: s for s in every}.values():
-                runner.run(s, warm, Sampling(), max_new=8)
+            runner = Runner(process.url, args.target, args.drafter, args.dtype, every)
+            runner.warm(every)
             if "greedy" in args.sections:
                 records += run_section("greedy", runner, parse(args.systems), prompts,
-                                       Sampling())
+                                       Sampling(), args.max_new_tokens)
             if "sampling" in args.sections:
                 few = [p for w in args.workloads for p in [q for q in prompts
                        if q.workload == w][:args.sampling_prompts_per_workload]]
                 records += run_section("sampling", runner, parse(args.sampling_systems),
-                                       few, Sampling(args.temperature, args.top_p, 1))
+                                       few, Sampling(args.temperature, args.top_p, 1),
+                                       args.max_new_tokens)
             del runner
         gc.collect()  # the next section loads its own models
     if "two-host" in args.sections:
@@ -279,18 +165,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit("two-host needs two cores")
         os.sched_setaffinity(0, {cpus[0]})  # this process: the client and transformers
         torch.set_num_threads(1)
-        max_new, args.max_new_tokens = args.max_new_tokens, args.two_host_max_new_tokens
         systems = parse(args.two_host_systems)
         work = workloads(1)
         first = [work[w][0] for w in args.two_host_workloads]
         with _verifier(args, 1, str(cpus[1])) as process:
-            runner = Runner(process.url, args, systems)
-            warm = runner.encode(Prompt("warm", "warm", "def f(x):", chat=False))
-            for s in systems:
-                runner.run(s, warm, Sampling(), max_new=8)
+            runner = Runner(process.url, args.target, args.drafter, args.dtype, systems)
+            runner.warm(systems)
             for rtt in args.rtts:
-                records += run_section("two-host", runner, systems, first, Sampling(), rtt)
-        args.max_new_tokens = max_new
+                records += run_section("two-host", runner, systems, first, Sampling(),
+                                       args.two_host_max_new_tokens, rtt)
         os.sched_setaffinity(0, set(cpus))
     rows = summarise(records, args.workloads)
     columns = [("section", "section"), ("rtt_ms", "rtt ms"), ("system", "system"),

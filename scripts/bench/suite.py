@@ -30,25 +30,23 @@ Workloads: ``code`` (HumanEval completions), and the prompt files of ``benchmark
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import importlib.util
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from drafter_client import SpecDecClient
-from drafter_client.api import MODEL_FREE_DRAFTERS, DrafterOptions
+from drafter_client.api import MODEL_FREE_DRAFTERS
 from scripts.bench.common import (
     PROMPT_DIR,
     add_base_arguments,
-    assistant_defaults,
     fetch_offline_models,
-    hf_generate,
     load_prompts,
     machine_record,
     verifier,
@@ -62,7 +60,7 @@ from scripts.bench.report import (
     first_mismatch,
     write_outputs,
 )
-from shared.models import load_causal_lm, pick_device, pick_dtype
+from scripts.bench.systems import Run, Runner, Sampling, System
 
 WORKLOADS = ("code", "english", "input-grounded", "code-chat")
 
@@ -101,81 +99,54 @@ def workloads(n: int) -> dict[str, list[Prompt]]:
 
 
 # -- systems -----------------------------------------------------------------------------------
-@dataclass
-class Run:
-    tokens: list[int]
-    wall_s: float
-    metrics: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    seed: int = 0
+HF_METHODS = {"HF generate": "hf", "HF assisted": "hf assisted", "HF prompt lookup": "hf lookup"}
 
 
 class Systems:
-    """Holds the verifier clients and the in-process HF models; runs one system on one prompt."""
+    """The suite's systems by their report names, run by the benchmarks' one ``Runner``
+    (``scripts.bench.systems``): "target alone", "target beam", "specdec <drafter>" and the
+    ``HF_METHODS``, each with a k."""
 
     def __init__(self, url: str, target: str, drafter: str, drafters: list[str], dtype: str,
                  hf: bool, draft_min_prob: float = 0.4) -> None:
-        self.clients: dict[str, SpecDecClient] = {}
-        for name in drafters:
-            is_model = name.startswith("model")
-            options = DrafterOptions(draft_min_prob=draft_min_prob if name == "model-confident"
-                                     else 0.0, lookup=False)  # the suite's "model": alone
-            self.clients[name] = SpecDecClient(url, drafter if is_model else name,
-                                               tokenizer=None if is_model else drafter,
-                                               options=options)
-        self.base_client = next(iter(self.clients.values()))
-        self.tokenizer = self.base_client.tokenizer
-        self.hf_target: Any = None
-        self.hf_drafter: Any = None
-        if hf:
-            device = pick_device("auto")
-            torch_dtype = pick_dtype(dtype, device)
-            self.hf_target = load_causal_lm(target, torch_dtype, device)
-            self.hf_drafter = load_causal_lm(drafter, torch_dtype, device)
-            self.hf_assistant_defaults = assistant_defaults(self.hf_drafter)
+        self.draft_min_prob = draft_min_prob
+        known = [self.system(f"specdec {name}", None) for name in drafters]
+        self.runner = Runner(url, target, drafter, dtype, known, hf=hf, device="auto")
+        self.base_client = self.runner.base
+
+    def system(self, name: str, k: int | str | None) -> System:
+        """The system string of a report name and k. The suite's "model" drafts alone
+        (no prompt lookup); "model-confident" stops a block below ``draft_min_prob``."""
+        with_k = f" k={k}" if k is not None else ""
+        if name == TARGET:
+            return System.parse("specdec alone")
+        if name == BEAM:
+            return System.parse(f"specdec beam beams={int(k or 4)}")
+        if name in HF_METHODS:
+            return System.parse(HF_METHODS[name] + (with_k if isinstance(k, int) else ""))
+        drafter = name.removeprefix("specdec ")
+        settings = {"model": "model", "model-auto": "model",
+                    "model-confident": f"model min_prob={self.draft_min_prob}"}
+        method = settings.get(drafter, drafter)
+        # one client per drafter, whatever the k: the k is the run's, not the client's
+        return dataclasses.replace(System.parse(f"specdec {method}"), text=name)
 
     def encode(self, prompt: Prompt) -> list[int]:
-        chat = prompt.chat and getattr(self.tokenizer, "chat_template", None) is not None
-        return self.base_client.encode(prompt.text, chat=chat)
+        return self.runner.encode(prompt.text, prompt.chat)
 
     def set_rtt(self, rtt_ms: float) -> None:
-        for client in self.clients.values():
-            client.verifier.simulated_rtt_s = rtt_ms / 1e3
+        self.runner.set_rtt(rtt_ms)
 
-    def run(self, system: str, k: int | str | None, ids: list[int], max_new: int,
+    def run(self, name: str, k: int | str | None, ids: list[int], max_new: int,
             sampling: Sampling) -> Run:
-        t = sampling.temperature
-        if system == TARGET:
-            result = self.base_client.baseline(ids, max_new_tokens=max_new, temperature=t,
-                                               seed=sampling.seed)
-            return Run(result.token_ids, result.metrics.wall_s,
-                       {**result.metrics.to_dict(), "text": result.text})
-        if system == BEAM:
-            result = self.base_client.baseline(ids, max_new_tokens=max_new,
-                                               num_beams=int(k or 4))
-            return Run(result.token_ids, result.metrics.wall_s,
-                       {**result.metrics.to_dict(), "text": result.text})
-        if system.startswith("specdec "):
-            client = self.clients[system.removeprefix("specdec ")]
-            result = client.generate(ids, num_draft_tokens=k if k is not None else 4,
-                                     max_new_tokens=max_new, temperature=t, seed=sampling.seed)
-            return Run(result.token_ids, result.metrics.wall_s, result.metrics.to_dict())
-        return self._run_hf(system, k, ids, max_new, sampling)
+        system = self.system(name, k)
+        if system.kind == "specdec" and system.method not in ("alone", "beam"):
+            system = dataclasses.replace(system, k=str(k if k is not None else 4))
+        return self.runner.run(system, ids, sampling, max_new)
 
-    def _run_hf(self, system: str, k: int | str | None, ids: list[int], max_new: int,
-                sampling: Sampling) -> Run:
-        method = {"HF assisted": "assisted", "HF prompt lookup": "lookup"}.get(system, "alone")
-        tokens, wall = hf_generate(
-            self.hf_target, ids, max_new, self.base_client.info.eos_token_ids, method=method,
-            k=k if isinstance(k, int) else None, drafter=self.hf_drafter,
-            defaults=self.hf_assistant_defaults, temperature=sampling.temperature,
-            seed=sampling.seed)
-        return Run(tokens, wall, {"new_tokens": len(tokens),
-                                  "tokens_per_s": round(len(tokens) / wall, 3)})
+    @property
+    def hf_assistant_defaults(self) -> dict[str, Any]:
+        return self.runner.hf_defaults
 
 
 # -- plan --------------------------------------------------------------------------------------
@@ -342,6 +313,8 @@ def run_cell(systems: Systems, cell: Cell, repeat: int, max_new: int,
                "system": system, "k": k, "temperature": cell.sampling.temperature,
                "context": cell.context, "rtt_ms": cell.rtt_ms, "repeat": repeat,
                "wall_s": round(result.wall_s, 4), **result.metrics, "tokens": result.tokens}
+        if result.text is not None:
+            rec["text"] = result.text
         rec["tokens_per_s"] = round(len(result.tokens) / result.wall_s, 4)
         cell_runs[(system, str(k))] = rec
         bar.update()
