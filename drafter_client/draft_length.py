@@ -277,6 +277,8 @@ class CostModelLength:
                 self._draft_samples = [*self._draft_samples[-(DRAFT_SAMPLES - 1):],
                                        drafting_s / proposed]
                 self.draft_s_per_token = statistics.median(self._draft_samples)
+        if self.blocks == 1:
+            return  # its round trip also paid for the prompt's prefill
         for entry in self._rtt_at.values():
             entry[0] *= d
             entry[1] *= d

@@ -60,7 +60,9 @@ def pooled_forward(model: Any, pool: KVPool, items: list[ForwardItem], device: t
             shaped.append(Shaped(item.slot, item.start, item.token_ids, at,
                                  segments[-1].visible,
                                  item.keep_from if item.keep_logits else None))
-    if static is not None and all(s.token_ids for s in shaped):
+    # A slot twice in one batch (a deferred prompt before its block) runs eagerly.
+    if (static is not None and all(s.token_ids for s in shaped)
+            and len({s.slot for s in shaped}) == len(shaped)):
         static_rows = static.forward(shaped)
         if static_rows is not None:
             return static_rows

@@ -49,6 +49,9 @@ class Step:
 
     item: ForwardItem
     check: Check | None = None
+    # tokens to write into the same slot before ``item`` in the same forward (a session's
+    # prompt, deferred from its create to its first verify): no rows, no result of their own
+    prefill: ForwardItem | None = None
 
 
 StepResult = Verdict | torch.Tensor | None
@@ -112,9 +115,16 @@ class BatchForward:
         raise NotImplementedError
 
     def run(self, steps: list[Step]) -> list[StepResult]:
-        items = [step.item for step in steps if needs_forward(step.item)]
+        # A step's prefill goes just before its item: every layer writes all new keys and values
+        # into their slots before any segment attends, so the item sees them.
+        items = [item for step in steps
+                 for item in (step.prefill, step.item) if item is not None and needs_forward(item)]
         scored = iter(self.forward(items) if items else [])
-        rows = [next(scored) if needs_forward(step.item) else None for step in steps]
+        rows = []
+        for step in steps:
+            if step.prefill is not None and needs_forward(step.prefill):
+                next(scored)  # kept no rows
+            rows.append(next(scored) if needs_forward(step.item) else None)
         checked = [j for j, step in enumerate(steps)
                    if step.check is not None and rows[j] is not None]
         verdicts = decide([rows[j] for j in checked],  # type: ignore[misc]

@@ -107,7 +107,11 @@ class CreateSessionJob:
             raise
         return self.step(self.slot)
 
-    def step(self, slot: int) -> Step:
+    def step(self, slot: int) -> Step | None:
+        """A decoder-only prompt waits in the session for its first verify, which writes it in
+        the same forward as its block; an encoder-decoder session's source is encoded now."""
+        if self.req.encoder_ids is None:
+            return None
         return Step(ForwardItem(slot, 0, self.req.prompt_ids[:-1], keep_logits=False,
                                 encoder_ids=self.req.encoder_ids))
 
@@ -115,13 +119,16 @@ class CreateSessionJob:
         if self.replay is not None:
             return CreateSessionResponse(session_id=self.replay.id,
                                          position=self.replay.position, prefill_ms=0.0)
-        return self.open(len(self.req.prompt_ids))
+        deferred = self.req.prompt_ids[:-1] if self.req.encoder_ids is None else []
+        return self.open(len(self.req.prompt_ids), pending=deferred)
 
-    def open(self, position: int) -> CreateSessionResponse:
-        """The session, its cache filled up to ``position``, joins the table."""
+    def open(self, position: int, pending: list[int] | None = None) -> CreateSessionResponse:
+        """The session joins the table, its cache filled up to ``position`` once ``pending``
+        is written."""
         assert self.slot is not None
         session = Session(slot=self.slot, position=position, config=self.req.sampling.to_config(),
-                          id=self.session_id, owner=self.owner, create_digest=self.digest)
+                          id=self.session_id, owner=self.owner, create_digest=self.digest,
+                          pending=list(pending or []))
         self.ctx.sessions.add(session)
         self.reserved = False
         self.ctx.counters.prefill_tokens += self.num_tokens
@@ -157,7 +164,8 @@ class VerifyJob:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.req.draft_ids) + 1
+        session = self.ctx.sessions.peek(self.session_id, self.owner)
+        return len(self.req.draft_ids) + 1 + (len(session.pending) if session else 0)
 
     @property
     def session_key(self) -> SessionKey:
@@ -171,11 +179,14 @@ class VerifyJob:
             self.replay = session.last_reply  # a retry: same answer, the cache moves once
             return None
         self.ctx.validator.check_verify(session, req)
+        prefill = (ForwardItem(session.slot, 0, session.pending, keep_logits=False)
+                   if session.pending else None)
         return Step(
             ForwardItem(session.slot, session.position - 1, [req.last_token, *req.draft_ids],
                         keep_logits=True, tree_parents=req.tree_parents),
             Check(req.draft_ids, req.draft_logprobs, req.log_uniforms, req.final_uniform,
-                  session.config, req.position, req.tree_parents, req.return_top_ids))
+                  session.config, req.position, req.tree_parents, req.return_top_ids),
+            prefill)
 
     def finish(self, verdict: StepResult) -> VerifyResponse:
         if self.replay is not None:
@@ -183,6 +194,7 @@ class VerifyJob:
             return self.replay
         session, req = self.session, self.req
         assert session is not None and isinstance(verdict, Verdict)
+        session.pending = []  # the forward wrote the deferred prompt, if any
         # The slot holds position + k tokens now (a tree's accepted path already where a chain
         # would have put it); the session keeps the last token and the accepted drafts.
         session.position += verdict.num_accepted + 1

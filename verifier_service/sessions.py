@@ -34,9 +34,12 @@ SessionKey = tuple[str | None, str]  # (owner, session id)
 
 @dataclass
 class Session:
-    slot: int  # KV pool slot holding position - 1 tokens
+    slot: int  # KV pool slot holding position - 1 tokens (less ``pending``)
     position: int  # committed tokens (prompt + generated)
     config: SamplingConfig
+    # Prompt tokens accepted by the create but not yet in the slot: the session's first verify
+    # writes them in the same forward as its block (one forward fewer per generation).
+    pending: list[int] = field(default_factory=list)
     id: str = field(default_factory=lambda: secrets.token_urlsafe(12))
     last_used: float = 0.0
     mean_gap: float | None = None  # running mean of the time between its calls

@@ -114,7 +114,7 @@ class StateCollector:
                               m["scored_tokens"]),
             "drafted_tokens": ("Draft tokens received in verify calls", m["drafted_tokens"]),
             "accepted_tokens": ("Draft tokens accepted", m["accepted_tokens"]),
-            "prefill_tokens": ("Prompt tokens prefilled into new sessions", m["prefill_tokens"]),
+            "prefill_tokens": ("Prompt tokens of new sessions (written with their first block)", m["prefill_tokens"]),
             "sessions_evicted": ("Sessions evicted to make room", m["evicted_sessions"]),
             "sessions_expired": ("Sessions dropped after their idle TTL", m["expired_sessions"]),
             "queue_full_rejections": ("Calls answered 429 because the job queue was full",
