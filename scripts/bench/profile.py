@@ -84,6 +84,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for new in (1, args.k + 1):
         results[f"target: specdec engine, {new} new token(s)"] = median_ms(
             lambda n=new: step(n), args.repeats)
+    # A session's first block: its prompt written by a forward of its own (as creates did),
+    # or in the block's forward (the deferred prefill, verifier_service/jobs.py).
+    prompt, first = context[:-1], [context[-1], *context[:args.k]]
+    results[f"target: prompt, then a {args.k + 1}-token block (two forwards)"] = median_ms(
+        lambda: (runner.forward([ForwardItem(slot, 0, prompt, False)]),
+                 runner.forward([ForwardItem(slot, len(prompt), first, True)])), args.repeats)
+    results[f"target: prompt and a {args.k + 1}-token block in one forward"] = median_ms(
+        lambda: runner.forward([ForwardItem(slot, 0, prompt, False),
+                                ForwardItem(slot, len(prompt), first, True)]), args.repeats)
+    runner.forward([ForwardItem(slot, 0, context, False)])  # the context again, for what follows
     # Why the verifier runs all model work on one thread (verifier_service/state.py):
     # a second thread running the model gives the process a second OpenMP team.
     # (The old verifier's case: the loading thread lived on next to the serving one. The
