@@ -11,6 +11,7 @@ import torch
 
 from drafter_client import SpecDecClient
 from drafter_client.speculative import VerifierSession, speculative_block
+from drafter_client.transport import SpecDecError
 from scripts.harness.tiny_models import hf_greedy
 from shared.sampling import SamplingConfig
 from shared.schema import SamplingParams
@@ -76,3 +77,34 @@ def test_greedy_equals_target_and_survives_a_lost_session(
         del verifier.create_session
     assert result.token_ids == expected[:cut]
     assert result.metrics.session_reopens == 1
+
+
+def test_a_drafter_must_subclass_drafter(verifier: InProcessVerifier,
+                                         tiny_models: dict[str, Path]) -> None:
+    """Optional drafter features are declared on the Drafter base class, never probed: an
+    object that only looks like a drafter is refused when the client is built."""
+    class Lookalike:
+        name = "lookalike"
+
+        def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
+            pass
+
+    with pytest.raises(SpecDecError, match="subclass Drafter"):
+        SpecDecClient(verifier, Lookalike(), tokenizer=str(tiny_models["llama-target"]))  # type: ignore[arg-type]
+
+
+def test_a_new_session_writes_its_prompt_with_its_first_block(
+        client: SpecDecClient, verifier: InProcessVerifier) -> None:
+    """A create runs no forward; the first verify writes the prompt in the same forward as its
+    block (that the output is still the target's is what the greedy tests check)."""
+    session = VerifierSession(verifier, SamplingParams(), [2, 3, 4, 5, 6])
+    session.open()
+    assert session.session_id is not None
+    stored = verifier.jobs.sessions.peek(session.session_id)
+    assert stored is not None and stored.pending == [2, 3, 4, 5]
+    assert client.drafter is not None
+    client.drafter.reset(session.committed)
+    speculative_block(session, client.drafter, 2, SamplingConfig(), torch.Generator(),
+                      client.info)
+    assert stored.pending == []
+    session.close()
