@@ -98,7 +98,7 @@ def test_batching_and_profile_run_on_tiny_models(tiny_models: dict[str, Path],
                      "--context", "20", "-k", "2", "--repeats", "2",
                      "--out", str(tmp_path / "profile.json")])
     components = [r["component"] for r in profile["rows"]]
-    assert len(components) == 9 and all(r["ms"] > 0 for r in profile["rows"])
+    assert len(components) == 11 and all(r["ms"] > 0 for r in profile["rows"])
 
 
 def test_gateway_bench_runs_on_tiny_models(tiny_models: dict[str, Path], tmp_path: Path) -> None:
