@@ -16,7 +16,7 @@ Implementations: the causal slot-pool engine (``target.py``), the encoder-decode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -94,6 +94,38 @@ class Engine(Protocol):
 def needs_forward(item: ForwardItem) -> bool:
     """New tokens, or a new encoder-decoder session's encoder input."""
     return bool(item.token_ids) or item.encoder_ids is not None
+
+
+class PoolSlots:
+    """The slot half of :class:`Engine` for an engine whose ``pool`` hands out the slots
+    (``SlotAllocator``: the KV pool, the encoder-decoder states) and moves them for beams."""
+
+    pool: Any
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.pool.num_slots)
+
+    @property
+    def free_slots(self) -> int:
+        return int(self.pool.free_slots)
+
+    @property
+    def slot_tokens(self) -> int:
+        return int(self.pool.slot_tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.pool.nbytes)
+
+    def allocate(self) -> int | None:
+        return self.pool.allocate()  # type: ignore[no-any-return]
+
+    def release(self, slot: int) -> None:
+        self.pool.release(slot)
+
+    def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
+        self.pool.reorder(slots, parents, length)
 
 
 class BatchForward:

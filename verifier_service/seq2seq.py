@@ -23,7 +23,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 from shared.engine import ForwardItem
 from shared.kv_cache import crop_cache, with_cache
 from shared.kv_pool import SlotAllocator
-from verifier_service.engine import BatchForward
+from verifier_service.engine import BatchForward, PoolSlots
 from verifier_service.hf_models import describe_model, input_device
 
 
@@ -75,7 +75,7 @@ class Seq2SeqPool(SlotAllocator):
             self.states[slot] = state
 
 
-class Seq2SeqEngine(BatchForward):
+class Seq2SeqEngine(PoolSlots, BatchForward):
     """An encoder-decoder target over per-session states (no token trees)."""
 
     trees = False
@@ -87,31 +87,6 @@ class Seq2SeqEngine(BatchForward):
         self.info, num_slots = describe_model(model, tokenizer, name, max_context,
                                               kv_budget_tokens, self.device)
         self.pool = Seq2SeqPool(num_slots, self.info.max_context)
-
-    @property
-    def num_slots(self) -> int:
-        return self.pool.num_slots
-
-    @property
-    def free_slots(self) -> int:
-        return self.pool.free_slots
-
-    @property
-    def slot_tokens(self) -> int:
-        return self.pool.slot_tokens
-
-    @property
-    def nbytes(self) -> int:
-        return self.pool.nbytes
-
-    def allocate(self) -> int | None:
-        return self.pool.allocate()
-
-    def release(self, slot: int) -> None:
-        self.pool.release(slot)
-
-    def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
-        self.pool.reorder(slots, parents, length)
 
     def counters(self) -> dict[str, int]:
         return {}

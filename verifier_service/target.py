@@ -16,7 +16,7 @@ from shared.engine import ForwardItem, pooled_forward
 from shared.graphs import StaticForwards
 from shared.kv_pool import ATTENTION_NAME, KVPool
 from shared.models import ModelSpecError, load_tokenizer, pick_device
-from verifier_service.engine import BatchForward, Engine
+from verifier_service.engine import BatchForward, Engine, PoolSlots
 from verifier_service.hf_models import (
     attention_devices,
     describe_model,
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 VERIFY_KS = (0, 1, 2, 3, 4, 6, 8)  # drafts per block timed at start (``verify_ms``)
 
 
-class CausalEngine(BatchForward):
+class CausalEngine(PoolSlots, BatchForward):
     """A decoder-only target and a pool of KV slots; one ``forward`` serves many sessions."""
 
     trees = True
@@ -55,29 +55,6 @@ class CausalEngine(BatchForward):
         log.info("KV pool: %d slots x %d tokens (%.0f MiB)", num_slots, self.info.max_context,
                  self.pool.nbytes / 2**20)
 
-    # -- slots
-    @property
-    def num_slots(self) -> int:
-        return self.pool.num_slots
-
-    @property
-    def free_slots(self) -> int:
-        return self.pool.free_slots
-
-    @property
-    def slot_tokens(self) -> int:
-        return self.pool.slot_tokens
-
-    @property
-    def nbytes(self) -> int:
-        return self.pool.nbytes
-
-    def allocate(self) -> int | None:
-        return self.pool.allocate()
-
-    def release(self, slot: int) -> None:
-        self.pool.release(slot)
-
     # -- model operations
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
@@ -87,9 +64,6 @@ class CausalEngine(BatchForward):
     def keep_path(self, slot: int, root: int, path: list[int]) -> None:
         self.pool.compact(slot, [root + 1 + node for node in path],
                           list(range(root + 1, root + 1 + len(path))))
-
-    def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
-        self.pool.reorder(slots, parents, length)
 
     def counters(self) -> dict[str, int]:
         static = self.static
