@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from shared.engine import ForwardItem
-from verifier_service.engine import BatchForward
+from verifier_service.engine import BatchForward, PoolSlots
 
 log = logging.getLogger(__name__)
 
@@ -48,39 +48,18 @@ class Lockstep:
         self.announce("stop")
 
 
-class TensorParallel(BatchForward):
+class TensorParallel(PoolSlots, BatchForward):
     """An engine whose model operations every rank runs: rank 0 announces each one first."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner  # this rank's CausalEngine
+        self.pool = inner.pool  # slots are the leader's own business; only reorders are shared
         self.lockstep = Lockstep()
         self.info, self.trees, self.acceptance = inner.info, inner.trees, inner.acceptance
 
     @property
     def leader(self) -> bool:
         return self.lockstep.leader
-
-    @property
-    def num_slots(self) -> int:
-        return int(self.inner.num_slots)
-
-    @property
-    def free_slots(self) -> int:
-        return int(self.inner.free_slots)
-
-    @property
-    def slot_tokens(self) -> int:
-        return int(self.inner.slot_tokens)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.inner.nbytes)
-
-    def allocate(self) -> int | None:
-        return self.inner.allocate()  # type: ignore[no-any-return]
-
-    def release(self, slot: int) -> None:
-        self.inner.release(slot)
 
     def counters(self) -> dict[str, int]:
         return self.inner.counters()  # type: ignore[no-any-return]
