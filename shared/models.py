@@ -123,6 +123,8 @@ def load_tokenizer(spec: str) -> Any:
 
     path, gguf_file = resolve_model_spec(spec)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    if gguf_file and (Path(path) / "tokenizer.json").is_file():
+        kwargs = {}  # a tokenizer saved beside the GGUF file wins over its embedded vocabulary
     with _LOAD_LOCK:
         return AutoTokenizer.from_pretrained(path, **kwargs)
 

@@ -16,6 +16,7 @@ Implementations: the causal slot-pool engine (``target.py``), the encoder-decode
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import time
 from typing import Any, Protocol
 
 import torch
@@ -23,6 +24,8 @@ import torch
 from shared.engine import ForwardItem
 from shared.sampling import Verdict
 from verifier_service.acceptance import Check, decide
+
+VERIFY_KS = (0, 1, 2, 3, 4, 6, 8)  # drafts per block timed at start (``verify_ms``)
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ class BatchForward:
     the reference path)."""
 
     acceptance = "device"
+    info: ModelInfo
 
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
         """One forward over the new tokens of every item; [n, vocab] logits rows for the items
@@ -171,3 +175,23 @@ class BatchForward:
                 self.keep_path(item.slot, item.start, verdict.path)
             results[j] = verdict
         return results
+
+    def time_verify_blocks(self, slot: int, ids: list[int], ks: tuple[int, ...] = VERIFY_KS,
+                           repeats: int = 2) -> list[tuple[int, float]]:
+        """[k, ms] of a verify forward of k drafts on the 16-token warm-up cache (the fastest
+        of ``repeats``, after one untimed): what ``/v1/info`` reports as ``verify_ms``."""
+        timings = []
+        for k in ks:
+            if 16 + k + 1 > self.info.max_context:
+                break
+            block = [ids[i % len(ids)] for i in range(k + 1)]
+            times = []
+            for i in range(repeats + 1):
+                started = time.perf_counter()
+                rows = self.forward([ForwardItem(slot, 16, block, True)])
+                if rows[0] is not None:
+                    rows[0].cpu()  # the logits are ready (a GPU forward returns early)
+                if i:
+                    times.append(time.perf_counter() - started)
+            timings.append((k, round(1e3 * min(times), 3)))
+        return timings

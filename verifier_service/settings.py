@@ -23,6 +23,10 @@ class Settings(BaseSettings):
 
     model: str = Field("qwen2.5-coder-1.5b", description="the target: short name of the "
                        "offline pair, local folder, .gguf file or hub id")
+    engine: Literal["auto", "transformers", "llama-cpp"] = Field(
+        "auto", description="what runs the target: transformers (any device), or llama.cpp "
+        "for a .gguf file or a short name whose GGUF is kept (CPU; needs the [llama] extra); "
+        "auto: transformers")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: on a CPU the faster of float32 and bfloat16 for this "
         "model, measured at its first load here and cached in $SPECDEC_DTYPE_CACHE (default "
@@ -36,7 +40,8 @@ class Settings(BaseSettings):
                                 "\"disk\" are kept")
     tp_plan: str = Field("", description="tensor parallel: \"auto\" shards the target over "
                          "the ranks of a torchrun group (rank 0 serves); empty: off")
-    threads: int = Field(0, ge=0, description="torch intra-op threads; 0 keeps torch's default")
+    threads: int = Field(0, ge=0, description="the engine's CPU threads (torch intra-op, or "
+                         "llama.cpp's); 0: torch's default, or every core llama.cpp may use")
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")
 
@@ -99,6 +104,17 @@ class Settings(BaseSettings):
             raise ValueError(f"max_prompt_tokens {self.max_prompt_tokens} must be below "
                              f"max_context {self.max_context} (the prompt and at least one "
                              "new token share one KV slot)")
+        if self.engine == "llama-cpp":
+            for name in ("device_map", "tp_plan"):
+                if getattr(self, name):
+                    raise ValueError(f"{name} places a transformers target; the llama-cpp "
+                                     "engine runs the GGUF file on the CPU")
+            if self.cuda_graphs:
+                raise ValueError("cuda_graphs is for the transformers engine on CUDA; the "
+                                 "llama-cpp engine runs on the CPU")
+            if self.device not in ("auto", "cpu"):
+                raise ValueError(f"device {self.device!r}: the llama-cpp engine runs on the "
+                                 "CPU")
         if self.tp_plan and self.device_map:
             raise ValueError("tp_plan and device_map are two ways to place one model: choose "
                              "one")

@@ -15,6 +15,7 @@ from shared.dtype_choice import load_lm_auto
 from shared.engine import ForwardItem, pooled_forward
 from shared.graphs import StaticForwards
 from shared.kv_pool import ATTENTION_NAME, KVPool
+from shared.llama_runtime import pick_engine
 from shared.models import ModelSpecError, load_tokenizer, pick_device
 from verifier_service.engine import BatchForward, Engine, PoolSlots
 from verifier_service.hf_models import (
@@ -28,7 +29,6 @@ from verifier_service.settings import Settings
 from verifier_service.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
-VERIFY_KS = (0, 1, 2, 3, 4, 6, 8)  # drafts per block timed at start (``verify_ms``)
 
 
 class CausalEngine(PoolSlots, BatchForward):
@@ -91,29 +91,15 @@ class CausalEngine(PoolSlots, BatchForward):
         self.info = replace(self.info, verify_ms=self.time_verify_blocks(slot, ids))
         self.pool.release(slot)
 
-    def time_verify_blocks(self, slot: int, ids: list[int], ks: tuple[int, ...] = VERIFY_KS,
-                           repeats: int = 2) -> list[tuple[int, float]]:
-        """[k, ms] of a verify forward of k drafts on the 16-token warm-up cache (the fastest
-        of ``repeats``, after one untimed): what ``/v1/info`` reports as ``verify_ms``."""
-        timings = []
-        for k in ks:
-            if 16 + k + 1 > self.info.max_context:
-                break
-            block = [ids[i % len(ids)] for i in range(k + 1)]
-            times = []
-            for i in range(repeats + 1):
-                started = time.perf_counter()
-                rows = self.forward([ForwardItem(slot, 16, block, True)])
-                if rows[0] is not None:
-                    rows[0].cpu()  # the logits are ready (a GPU forward returns early)
-                if i:
-                    times.append(time.perf_counter() - started)
-            timings.append((k, round(1e3 * min(times), 3)))
-        return timings
-
 
 def load_engine(settings: Settings) -> Engine:
     """The target of ``settings``, loaded, warmed up and ready to serve."""
+    if pick_engine(settings.engine, settings.model) == "llama-cpp":
+        from verifier_service.llama_engine import load_llama_engine
+
+        return load_llama_engine(settings.model, settings.max_context,
+                                 settings.kv_budget_tokens, settings.threads,
+                                 settings.max_batch_tokens, settings.acceptance)
     return load(settings.model, settings.dtype, settings.device, settings.max_context,
                 settings.kv_budget_tokens, settings.device_map, settings.offload_folder,
                 settings.tp_plan, acceptance=settings.acceptance,

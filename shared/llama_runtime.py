@@ -1,0 +1,236 @@
+"""A GGUF model on llama.cpp (through ``llama-cpp-python``'s low-level API), used by both sides:
+the verifier's llama.cpp engine and the client's llama.cpp drafter.
+
+One :class:`LlamaModel` is one loaded model with one context of ``n_seqs`` sequences in one
+unified KV cache. A :meth:`LlamaModel.decode` call writes the new tokens of many sequences in
+ONE ``llama_decode`` (split only where the tokens exceed the context's batch size) and returns
+the logits rows asked for, as float32 numpy arrays. Positions are explicit, so a sequence's
+cached tokens beyond its committed prefix are dropped with :meth:`LlamaModel.remove` (rollback)
+and shared with :meth:`LlamaModel.copy` (beam search).
+
+``llama-cpp-python`` is an optional dependency (the ``[llama]`` extra): it is imported when a
+model is loaded, never at module import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.models import ModelSpecError
+
+ENGINES = ("auto", "transformers", "llama-cpp")
+_BACKEND_LOCK = threading.Lock()
+GGML_LOG_LEVEL_ERROR = 4  # ggml.h: NONE, DEBUG, INFO, WARN, ERROR, CONT
+_backend_ready = False
+
+
+@dataclass(frozen=True)
+class Segment:
+    """New tokens for one sequence, at positions ``start``, ``start + 1``, ...; ``rows_from``:
+    return the logits at ``token_ids[rows_from:]`` (None: no rows)."""
+
+    seq: int
+    start: int
+    token_ids: list[int]
+    rows_from: int | None = None
+
+
+def is_gguf(spec: str) -> bool:
+    return spec.endswith(".gguf")
+
+
+def pick_engine(engine: str, spec: str) -> str:
+    """``auto``: transformers (the measured default everywhere); ``llama-cpp`` only for a .gguf
+    file, with the package installed."""
+    if engine not in ENGINES:
+        raise ModelSpecError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+    if engine == "auto":
+        return "transformers"
+    return engine
+
+
+def _library() -> Any:
+    try:
+        import llama_cpp
+    except ImportError as exc:  # pragma: no cover - the [llama] extra is installed in tests
+        raise ModelSpecError("the llama-cpp engine needs llama-cpp-python: "
+                             "pip install 'specdec[llama]'") from exc
+    global _backend_ready
+    with _BACKEND_LOCK:
+        if not _backend_ready:
+            llama_cpp.llama_backend_init()
+            if not os.environ.get("SPECDEC_LLAMA_LOG"):
+                _silence(llama_cpp)
+            _backend_ready = True
+    return llama_cpp
+
+
+_log_callback: Any = None  # kept alive: llama.cpp holds the pointer
+
+
+def _silence(llama_cpp: Any) -> None:
+    """llama.cpp logs every load to stderr; keep its errors only (SPECDEC_LLAMA_LOG=1: all)."""
+    global _log_callback
+
+    @llama_cpp.llama_log_callback
+    def quiet(level: int, text: bytes, _user: Any) -> None:
+        if level == GGML_LOG_LEVEL_ERROR:
+            os.write(2, text)
+
+    _log_callback = quiet
+    llama_cpp.llama_log_set(quiet, ctypes.c_void_p(0))
+
+
+class LlamaModel:
+    """A GGUF model and one context holding ``n_seqs`` sequences of up to ``seq_tokens`` each
+    in a unified cache of ``cells`` tokens (default ``n_seqs * seq_tokens``). Not thread-safe:
+    one caller at a time (the verifier's model thread, or one drafter)."""
+
+    def __init__(self, path: str, n_seqs: int = 1, seq_tokens: int = 4096, threads: int = 0,
+                 batch_tokens: int = 2048, cells: int = 0) -> None:
+        if not Path(path).is_file():
+            raise ModelSpecError(f"GGUF file {path!r} does not exist")
+        lib = self.lib = _library()
+        model_params = lib.llama_model_default_params()
+        model_params.n_gpu_layers = 0
+        self.model = lib.llama_model_load_from_file(path.encode(), model_params)
+        if not self.model:
+            raise ModelSpecError(f"llama.cpp cannot load {path!r}")
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        self.vocab_size = int(lib.llama_vocab_n_tokens(self.vocab))
+        self.model_limit = int(lib.llama_model_n_ctx_train(self.model))
+        self.seq_tokens = min(seq_tokens, self.model_limit) if seq_tokens else self.model_limit
+        self.n_seqs = n_seqs
+        self.threads = threads or default_threads()
+        params = lib.llama_context_default_params()
+        params.n_ctx = cells or n_seqs * self.seq_tokens
+        params.n_seq_max = n_seqs
+        params.n_batch = self.batch_tokens = max(1, min(batch_tokens, params.n_ctx))
+        params.n_ubatch = min(512, self.batch_tokens)
+        params.n_threads = params.n_threads_batch = self.threads
+        params.kv_unified = True  # one pool of cells: any sequence may use any of them
+        params.no_perf = True
+        self.ctx = lib.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            lib.llama_model_free(self.model)
+            raise ModelSpecError(f"llama.cpp cannot make a context of {params.n_ctx} tokens "
+                                 f"for {path!r}")
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.n_ctx = int(lib.llama_n_ctx(self.ctx))
+        self.nbytes = self.n_ctx * self._kv_bytes_per_token()
+        self._batch = lib.llama_batch_init(self.batch_tokens, 0, 1)
+        self.decodes = 0  # llama_decode calls made
+
+    # -- metadata
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata string (``general.name``, ``tokenizer.ggml.eos_token_id``, ...)."""
+        buf = ctypes.create_string_buffer(512)
+        size = self.lib.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if size >= 0 else None
+
+    def _kv_bytes_per_token(self) -> int:
+        """Keys and values of one cached token over all layers (float16 cache)."""
+        arch = self.meta("general.architecture") or "llama"
+        def number(key: str, default: int) -> int:
+            value = self.meta(f"{arch}.{key}")
+            return int(value) if value and value.isdigit() else default
+        heads = number("attention.head_count", 1)
+        head_dim = number("attention.key_length", number("embedding_length", 0) // heads)
+        kv_heads = number("attention.head_count_kv", heads)
+        return number("block_count", 0) * 2 * kv_heads * head_dim * 2
+
+    def eos_ids(self) -> list[int]:
+        """The end-of-generation ids llama.cpp knows for this vocabulary."""
+        return [t for t in range(self.vocab_size) if self.lib.llama_vocab_is_eog(self.vocab, t)]
+
+    # -- the cache
+    def decode(self, segments: list[Segment]) -> list[np.ndarray | None]:
+        """Write every segment's tokens into its sequence (its cached positions from ``start``
+        on are dropped first: a rollback); return the logits rows ([rows, vocab] float32) of
+        the segments that asked, in order."""
+        flat = [(s.seq, s.start + i, token, s.rows_from is not None and i >= s.rows_from)
+                for s in segments for i, token in enumerate(s.token_ids)]
+        for seq, pos, token, _ in flat:
+            if not 0 <= token < self.vocab_size:
+                raise ValueError(f"token id {token} outside the vocabulary of {self.vocab_size}")
+            if not 0 <= seq < self.n_seqs or pos >= self.seq_tokens:
+                raise ValueError(f"position {pos} of sequence {seq} outside the context")
+        for s in segments:
+            self.remove(s.seq, s.start)
+        gathered: list[np.ndarray] = []
+        for begin in range(0, len(flat), self.batch_tokens):
+            chunk = flat[begin:begin + self.batch_tokens]
+            batch = self._batch
+            for i, (seq, pos, token, rows) in enumerate(chunk):
+                batch.token[i] = token
+                batch.pos[i] = pos
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq
+                batch.logits[i] = rows
+            batch.n_tokens = len(chunk)
+            code = self.lib.llama_decode(self.ctx, batch)
+            self.decodes += 1
+            if code != 0:
+                raise RuntimeError(f"llama_decode failed ({code}): "
+                                   + ("no room in the KV cache" if code == 1 else "see its log"))
+            outputs = sum(1 for *_, rows in chunk if rows)
+            if outputs:
+                pointer = self.lib.llama_get_logits(self.ctx)
+                gathered.append(np.ctypeslib.as_array(
+                    pointer, shape=(outputs, self.vocab_size)).copy())
+        rows_all = np.concatenate(gathered) if gathered else np.zeros((0, self.vocab_size),
+                                                                      np.float32)
+        results: list[np.ndarray | None] = []
+        offset = 0
+        for s in segments:
+            if s.rows_from is None:
+                results.append(None)
+                continue
+            count = max(len(s.token_ids) - s.rows_from, 0)
+            results.append(rows_all[offset:offset + count])
+            offset += count
+        return results
+
+    def remove(self, seq: int, start: int = 0, end: int = -1) -> None:
+        """Drop sequence ``seq``'s cached positions [start, end) (end -1: to its end)."""
+        self.lib.llama_memory_seq_rm(self.memory, seq, start, end)
+
+    def copy(self, src: int, dst: int, start: int = 0, end: int = -1) -> None:
+        """Sequence ``dst`` also holds ``src``'s positions [start, end) (cells are shared)."""
+        self.lib.llama_memory_seq_cp(self.memory, src, dst, start, end)
+
+    def length(self, seq: int) -> int:
+        """Cached positions of ``seq`` (its largest position + 1)."""
+        return int(self.lib.llama_memory_seq_pos_max(self.memory, seq)) + 1
+
+    def set_threads(self, threads: int) -> None:
+        self.threads = threads
+        self.lib.llama_set_n_threads(self.ctx, threads, threads)
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.lib.llama_batch_free(self._batch)
+            self.lib.llama_free(self.ctx)
+            self.lib.llama_model_free(self.model)
+            self.ctx = None
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def default_threads() -> int:
+    """Physical cores llama.cpp should use: what this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)

@@ -1,0 +1,170 @@
+"""The llama.cpp engine: a GGUF target served through ``shared/llama_runtime.py``.
+
+A session's slot is a llama.cpp sequence in one unified KV cache. A batch of steps is ONE
+``llama_decode`` over every step's new tokens (prefills included), with logits only at the
+positions a verify block decides from; a block's rejected drafts are dropped from the sequence
+when its next tokens are written (``LlamaModel.decode`` removes the positions it rewrites).
+Acceptance is the same code as on the transformers engines (``BatchForward.run``), on the rows
+llama.cpp returns. Token trees are not verified here (``trees = False``: the validator answers
+422 ``tree_unsupported``); beam search reorders sequences with ``seq_cp``, which shares cells
+instead of copying them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from shared.engine import ForwardItem
+from shared.llama_runtime import LlamaModel, Segment
+from shared.models import (
+    OFFLINE_MODELS,
+    ModelSpecError,
+    load_tokenizer,
+    offline_model_dir,
+    specdec_home,
+    tokenizer_fingerprint,
+)
+from verifier_service.engine import BatchForward, ModelInfo
+
+log = logging.getLogger(__name__)
+MAX_SLOTS = 127  # llama.cpp holds at most 256 sequences; each slot keeps one spare for beams
+FILE_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 7: "q8_0", 8: "q5_0", 9: "q5_1",
+              10: "q2_k", 12: "q3_k_m", 14: "q4_k_s", 15: "q4_k_m", 16: "q5_k_s", 17: "q5_k_m",
+              18: "q6_k", 32: "bf16"}
+
+
+def resolve_gguf(spec: str) -> tuple[str, str]:
+    """``(gguf file, tokenizer spec)`` of a .gguf path or a short name of the offline pair
+    (its GGUF kept by ``scripts/fetch_models.py --keep-gguf``; the tokenizer from the converted
+    folder when it is there, which loads faster than the GGUF's own vocabulary)."""
+    if spec in OFFLINE_MODELS:
+        path = specdec_home() / "gguf" / OFFLINE_MODELS[spec].gguf_name
+        if not path.is_file():
+            raise ModelSpecError(f"the GGUF file of {spec!r} is not kept here: run "
+                                 f"`python scripts/fetch_models.py --keep-gguf` (looked for "
+                                 f"{path})")
+        folder = offline_model_dir(spec)
+        return str(path), spec if (folder / "config.json").exists() else str(path)
+    if not spec.endswith(".gguf"):
+        raise ModelSpecError(f"the llama-cpp engine loads a .gguf file or a short name of the "
+                             f"offline pair ({', '.join(OFFLINE_MODELS)}); got {spec!r}")
+    return spec, spec
+
+
+def eos_ids(model: LlamaModel, tokenizer: Any) -> list[int]:
+    """The tokenizer's EOS and the file's own EOS / EOT ids (the ids transformers' engine
+    stops on for the same model; llama.cpp's wider end-of-generation set, FIM tokens
+    included, is not used)."""
+    ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id"):
+        value = model.meta(key)
+        if value is not None and value.isdigit() and int(value) < model.vocab_size:
+            ids.add(int(value))
+    return sorted(ids)
+
+
+class LlamaCppEngine(BatchForward):
+    """A GGUF target on llama.cpp, one sequence per session."""
+
+    trees = False
+
+    def __init__(self, model: LlamaModel, tokenizer: Any, name: str, num_slots: int) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self._num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        file_type = model.meta("general.file_type")
+        kind = FILE_TYPES.get(int(file_type), "gguf") if file_type and file_type.isdigit() \
+            else "gguf"
+        self.info = ModelInfo(
+            name=name, vocab_size=model.vocab_size, eos_token_ids=eos_ids(model, tokenizer),
+            fingerprint=tokenizer_fingerprint(tokenizer), max_context=model.seq_tokens,
+            model_limit=model.model_limit, dtype=kind, device="cpu")
+
+    # -- slots
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def slot_tokens(self) -> int:
+        return self.model.seq_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.model.nbytes
+
+    def allocate(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        self.model.remove(slot)
+        self._free.append(slot)
+
+    def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
+        spare = [self._num_slots + j for j in range(len(slots))]
+        for parent, scratch in zip(parents, spare, strict=True):
+            self.model.remove(scratch)
+            self.model.copy(parent, scratch, 0, length)
+        for slot, scratch in zip(slots, spare, strict=True):
+            self.model.remove(slot)
+            self.model.copy(scratch, slot, 0, length)
+            self.model.remove(scratch)
+
+    def counters(self) -> dict[str, int]:
+        return {"llama_decodes": self.model.decodes}
+
+    # -- model operations
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
+        if any(item.encoder_ids is not None or item.tree_parents for item in items):
+            raise ValueError("the llama-cpp engine runs causal chains only")
+        rows = self.model.decode([
+            Segment(item.slot, item.start, item.token_ids,
+                    item.keep_from if item.keep_logits else None) for item in items])
+        return [None if block is None else torch.from_numpy(block) for block in rows]
+
+    def keep_path(self, slot: int, root: int, path: list[int]) -> None:
+        raise ValueError("the llama-cpp engine does not verify trees")
+
+    def warm_up(self) -> None:
+        """One small decode (buffers allocated before the first client), then the verify
+        costs that ``/v1/info`` reports."""
+        slot = self.allocate()
+        if slot is None:
+            return
+        ids = [i % self.info.vocab_size for i in range(16)]
+        self.forward([ForwardItem(slot, 0, ids, False)])
+        self.info = replace(self.info, verify_ms=self.time_verify_blocks(slot, ids))
+        self.release(slot)
+
+
+def load_llama_engine(spec: str, max_context: int = 0, kv_budget_tokens: int = 32768,
+                      threads: int = 0, max_batch_tokens: int = 2048,
+                      acceptance: str = "device") -> LlamaCppEngine:
+    """A GGUF target on llama.cpp: slots of ``max_context`` tokens (0: the model's context),
+    as many as ``kv_budget_tokens`` holds, in one cache."""
+    started = time.perf_counter()
+    path, tokenizer_spec = resolve_gguf(spec)
+    probe = LlamaModel(path, n_seqs=1, seq_tokens=16, threads=threads, batch_tokens=16)
+    limit = probe.model_limit
+    probe.close()
+    context = min(max_context or limit, limit, kv_budget_tokens)
+    num_slots = max(1, min(kv_budget_tokens // context, MAX_SLOTS))
+    model = LlamaModel(path, n_seqs=2 * num_slots, seq_tokens=context, threads=threads,
+                       batch_tokens=max(max_batch_tokens, 512), cells=num_slots * context)
+    engine = LlamaCppEngine(model, load_tokenizer(tokenizer_spec), spec, num_slots)
+    engine.acceptance = acceptance
+    engine.warm_up()
+    log.info("loaded target %s on llama.cpp (%s, %d threads): %d slots x %d tokens "
+             "(%.0f MiB of KV) in %.1f s", path, engine.info.dtype, model.threads, num_slots,
+             context, model.nbytes / 2**20, time.perf_counter() - started)
+    return engine
