@@ -20,7 +20,13 @@ from typing import Any
 import httpx
 
 from drafter_client.draft_length import make_draft_length
-from drafter_client.drafters import Drafter, HFDrafter, HFSeq2SeqDrafter
+from drafter_client.drafters import (
+    Drafter,
+    HFDrafter,
+    HFSeq2SeqDrafter,
+    LlamaCppDrafter,
+    LMDrafter,
+)
 from drafter_client.hybrid import HybridDrafter
 from drafter_client.metrics import GenerationMetrics
 from drafter_client.model_free import (
@@ -39,6 +45,7 @@ from drafter_client.speculative import (
 )
 from drafter_client.transport import HttpVerifier, SpecDecError, Verifier
 from shared.dtype_choice import load_lm_auto
+from shared.llama_runtime import GGUFWeights, pick_engine, resolve_gguf
 from shared.models import (
     ModelSpecError,
     load_tokenizer,
@@ -69,6 +76,9 @@ class DrafterOptions:
     overlap: bool = False  # model drafter: draft the next block while this one is verified
     # model drafter: KV in a slot, one-token steps as CUDA graphs (drafter_client/pooled.py)
     cuda_graphs: bool = False
+    # model drafter: what runs it - transformers, or llama.cpp for a GGUF (shared/llama_runtime)
+    engine: str = "auto"
+    threads: int = 0  # llama.cpp drafter: its threads (0: every core this process may use)
 
 
 # The one set of client defaults - the Python API, ``specdec generate`` / ``chat`` / ``serve``,
@@ -141,8 +151,10 @@ class SpecDecClient:
                 tokenizer = load_tokenizer(tokenizer)
             elif tokenizer is None:
                 is_model = isinstance(drafter, str) and drafter not in MODEL_FREE_DRAFTERS
-                tokenizer = load_tokenizer(drafter if isinstance(drafter, str) and is_model
-                                           else self.info.model)
+                spec = drafter if isinstance(drafter, str) and is_model else self.info.model
+                if is_model and self._llama_drafter(spec, options):
+                    spec = resolve_gguf(spec)[1]
+                tokenizer = load_tokenizer(spec)
         except (ModelSpecError, OSError) as exc:
             raise SpecDecError(f"cannot load a tokenizer: {exc}") from exc
         self.tokenizer = tokenizer
@@ -161,6 +173,13 @@ class SpecDecClient:
                 drafter = self._new_drafter()
             except ValueError as exc:
                 raise SpecDecError(f"drafter {drafter}: {exc}") from exc
+        elif isinstance(drafter, str) and self._llama_drafter(drafter, options):
+            path, _ = resolve_gguf(drafter)
+            weights = GGUFWeights(path)
+            self.drafter_dtype = "gguf (llama.cpp)"
+            self._model_drafter = (weights, drafter, False)
+            drafter = self._build_model_drafter(options)
+            drafter.warm_up()  # type: ignore[attr-defined]
         elif isinstance(drafter, str):
             torch_device = pick_device(device)
             model, chosen = load_lm_auto(drafter, dtype, torch_device)
@@ -188,6 +207,19 @@ class SpecDecClient:
                                "subclass Drafter)")
         self.drafter: Drafter | None = drafter
 
+    @staticmethod
+    def _llama_drafter(spec: str, options: DrafterOptions) -> bool:
+        """The drafter model runs on llama.cpp (``options.engine``); refuses what it cannot."""
+        try:
+            if pick_engine(options.engine, spec) != "llama-cpp":
+                return False
+        except ModelSpecError as exc:
+            raise SpecDecError(f"drafter engine: {exc}") from exc
+        if options.cuda_graphs:
+            raise SpecDecError("cuda_graphs is for a transformers drafter on CUDA; the "
+                               "llama-cpp drafter runs on the CPU")
+        return True
+
     def _build_model_drafter(self, options: DrafterOptions) -> Drafter:
         """A drafter on the loaded drafter model with these options (its weights shared)."""
         assert self._model_drafter is not None
@@ -199,8 +231,12 @@ class SpecDecClient:
         slot_tokens = self.info.max_context + 2 * self.info.max_draft_tokens + 2
 
         def new_drafter() -> Drafter:
-            made: HFDrafter
-            if options.cuda_graphs:
+            made: LMDrafter
+            if isinstance(model, GGUFWeights):
+                made = LlamaCppDrafter(model, vocab, slot_tokens, options.threads, name=spec,
+                                       min_prob=options.draft_min_prob,
+                                       tree_width=options.tree_width)
+            elif options.cuda_graphs:
                 made = PooledDrafter(model, vocab, slot_tokens, name=spec,
                                      min_prob=options.draft_min_prob,
                                      tree_width=options.tree_width)
@@ -224,10 +260,11 @@ class SpecDecClient:
         weights shared) drafting with other options; model drafters only."""
         if self._model_drafter is None:
             raise SpecDecError("with_options() needs a model drafter given by name")
-        if options.cuda_graphs != self.options.cuda_graphs:
+        if (options.cuda_graphs, options.engine) != (self.options.cuda_graphs,
+                                                     self.options.engine):
             # cuda_graphs sets the shared model's attention to the slot pool's, for good
-            raise SpecDecError("with_options() cannot change cuda_graphs: the drafter model "
-                               "is shared")
+            raise SpecDecError("with_options() cannot change cuda_graphs or engine: the "
+                               "drafter model is shared")
         twin = self._twin()
         twin.options = options
         twin.drafter = twin._build_model_drafter(options)

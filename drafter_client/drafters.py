@@ -168,8 +168,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-class HFDrafter(Drafter):
-    """A Hugging Face causal LM drafting with its own KV cache.
+class LMDrafter(Drafter):
+    """A language model drafting with its own KV cache; a subclass runs the model
+    (``reset``, ``_forward``, ``_roll_back``, ``warm_up``): :class:`HFDrafter` on transformers,
+    ``LlamaCppDrafter`` on llama.cpp.
 
     ``cached`` mirrors the ids in the KV cache. After a block it is cropped to its common prefix
     with the committed sequence (always leaving the last committed token out), so a fully accepted
@@ -178,10 +180,9 @@ class HFDrafter(Drafter):
 
     overlaps = True
 
-    def __init__(self, model: Any, vocab_size: int, name: str = "hf",
-                 min_prob: float = 0.0, tree_width: int = 1,
-                 alternative_min_prob: float = 0.05) -> None:
-        self.model, self.vocab_size, self.name = model, vocab_size, name
+    def __init__(self, vocab_size: int, name: str = "lm", min_prob: float = 0.0,
+                 tree_width: int = 1, alternative_min_prob: float = 0.05) -> None:
+        self.vocab_size, self.name = vocab_size, name
         self.min_prob = min_prob  # stop a block when the drafter's top probability falls below
         # tree_width > 1: a token tree - the argmax chain, and at each position up to
         # tree_width - 1 runner-up tokens (drafter probability >= alternative_min_prob) as
@@ -189,33 +190,22 @@ class HFDrafter(Drafter):
         if tree_width < 1:
             raise ValueError("tree_width must be at least 1")
         self.tree_width, self.alternative_min_prob = tree_width, alternative_min_prob
-        self.device = next(model.parameters()).device
         self.committed: list[int] = []
         self.cached: list[int] = []
-        self.cache: DynamicCache | EncoderDecoderCache | None = None
         self.last_logits = torch.empty(0)  # [vocab] after the last cached token
 
     def warm_up(self) -> None:
         """A throwaway draft, so the first real block does not pay for kernel warm-up."""
-        self.reset([i % self.model.config.vocab_size for i in range(16)])
-        self.propose(2, SamplingConfig(), torch.Generator())
+        raise NotImplementedError
 
-    def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
-        self.committed = list(prompt_ids)
-        self.cached = []
-        self.cache = DynamicCache(config=self.model.config)
-
-    @torch.inference_mode()
     def _forward(self, ids: list[int]) -> torch.Tensor:
-        """Feed ids into the cache; the last position's logits aligned to the target vocab."""
-        if not ids:  # nothing new: the last position's logits are those of the last forward
-            return self.last_logits
-        inputs = torch.tensor([ids], device=self.device)  # [1, n]
-        out = self.model(input_ids=inputs, **with_cache(self.model, self.cache),
-                         logits_to_keep=1)
-        self.cached.extend(ids)
-        self.last_logits = align_vocab(out.logits[0, -1].float().cpu(), self.vocab_size)
-        return self.last_logits  # [vocab]
+        """Feed ids into the cache; the last position's logits aligned to the target vocab
+        (no ids: those of the last forward)."""
+        raise NotImplementedError
+
+    def _roll_back(self, keep: int) -> None:
+        """Drop the cached positions from ``keep`` on."""
+        raise NotImplementedError
 
     def _choose(self, logits: torch.Tensor, config: SamplingConfig, ahead: int) -> int:
         """The drafter's deterministic choice for the token ``ahead`` places after the
@@ -301,9 +291,80 @@ class HFDrafter(Drafter):
         self._roll_back(keep)
         del self.cached[keep:]
 
+
+class HFDrafter(LMDrafter):
+    """A Hugging Face causal LM drafting with its own ``DynamicCache``."""
+
+    def __init__(self, model: Any, vocab_size: int, name: str = "hf",
+                 min_prob: float = 0.0, tree_width: int = 1,
+                 alternative_min_prob: float = 0.05) -> None:
+        super().__init__(vocab_size, name, min_prob, tree_width, alternative_min_prob)
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cache: DynamicCache | EncoderDecoderCache | None = None
+
+    def warm_up(self) -> None:
+        self.reset([i % self.model.config.vocab_size for i in range(16)])
+        self.propose(2, SamplingConfig(), torch.Generator())
+
+    def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
+        self.committed = list(prompt_ids)
+        self.cached = []
+        self.cache = DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        if not ids:  # nothing new: the last position's logits are those of the last forward
+            return self.last_logits
+        inputs = torch.tensor([ids], device=self.device)  # [1, n]
+        out = self.model(input_ids=inputs, **with_cache(self.model, self.cache),
+                         logits_to_keep=1)
+        self.cached.extend(ids)
+        self.last_logits = align_vocab(out.logits[0, -1].float().cpu(), self.vocab_size)
+        return self.last_logits  # [vocab]
+
     def _roll_back(self, keep: int) -> None:
-        """Drop the cached positions from ``keep`` on."""
         crop_cache(self.cache, keep)
+
+
+class LlamaCppDrafter(LMDrafter):
+    """A GGUF drafter on llama.cpp: one sequence in its own context (the weights may be shared
+    with other drafters' contexts); rollback drops the sequence's positions."""
+
+    def __init__(self, weights: Any, vocab_size: int, seq_tokens: int, threads: int = 0,
+                 name: str = "llama-cpp", min_prob: float = 0.0, tree_width: int = 1,
+                 alternative_min_prob: float = 0.05) -> None:
+        from shared.llama_runtime import LlamaModel
+
+        super().__init__(vocab_size, name, min_prob, tree_width, alternative_min_prob)
+        self.lm = LlamaModel(weights, n_seqs=1, seq_tokens=seq_tokens, threads=threads,
+                             batch_tokens=512)
+
+    def warm_up(self) -> None:
+        self.reset([i % self.lm.vocab_size for i in range(16)])
+        self.propose(2, SamplingConfig(), torch.Generator())
+
+    def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
+        self.committed = list(prompt_ids)
+        self.cached = []
+        self.lm.remove(0)
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        from shared.llama_runtime import Segment
+
+        if not ids:
+            return self.last_logits
+        if len(self.cached) + len(ids) > self.lm.seq_tokens:
+            raise ValueError(f"the drafter's context holds {self.lm.seq_tokens} tokens; this "
+                             f"sequence needs {len(self.cached) + len(ids)}")
+        [rows] = self.lm.decode([Segment(0, len(self.cached), ids, len(ids) - 1)])
+        assert rows is not None
+        self.cached.extend(ids)
+        self.last_logits = align_vocab(torch.from_numpy(rows[-1]), self.vocab_size)
+        return self.last_logits  # [vocab]
+
+    def _roll_back(self, keep: int) -> None:
+        self.lm.remove(0, keep)
 
 
 class HFSeq2SeqDrafter(HFDrafter):

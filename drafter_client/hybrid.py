@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from drafter_client.draft_length import DraftLength
-from drafter_client.drafters import Draft, Drafter, HFDrafter, TreeBuilder, common_prefix
+from drafter_client.drafters import Draft, Drafter, LMDrafter, TreeBuilder, common_prefix
 from drafter_client.model_free import PromptLookupDrafter
 from shared.sampling import SamplingConfig
 
@@ -34,7 +34,7 @@ SCORE_TOKENS = 2  # the shortest lookup proposal scored in a block (free: no for
 class HybridDrafter(Drafter):
     overlaps = True
 
-    def __init__(self, model: HFDrafter, lookup: PromptLookupDrafter | None = None,
+    def __init__(self, model: LMDrafter, lookup: PromptLookupDrafter | None = None,
                  lookup_tokens: int = 0, min_trust: float = 0.3, margin: float = 0.1,
                  decay: float = 0.7) -> None:
         self.model = model
@@ -99,7 +99,7 @@ class HybridDrafter(Drafter):
 
     def speculate(self, assumed: list[int], k: int, config: SamplingConfig,
                   generator: torch.Generator) -> tuple[int, Draft] | None:
-        """The model's draft for the next block (see :meth:`HFDrafter.speculate`); none after a
+        """The model's draft for the next block (see :meth:`LMDrafter.speculate`); none after a
         lookup-only block - a lookup draft costs nothing to make when its block comes."""
         if not self._modelled:
             return None

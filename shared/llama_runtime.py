@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.models import ModelSpecError
+from shared.models import OFFLINE_MODELS, ModelSpecError, offline_model_dir, specdec_home
 
 ENGINES = ("auto", "transformers", "llama-cpp")
 _BACKEND_LOCK = threading.Lock()
@@ -54,6 +54,24 @@ def pick_engine(engine: str, spec: str) -> str:
     if engine == "auto":
         return "transformers"
     return engine
+
+
+def resolve_gguf(spec: str) -> tuple[str, str]:
+    """``(gguf file, tokenizer spec)`` of a .gguf path or a short name of the offline pair
+    (its GGUF kept by ``scripts/fetch_models.py --keep-gguf``; the tokenizer from the converted
+    folder when it is there, which loads faster than the GGUF's own vocabulary)."""
+    if spec in OFFLINE_MODELS:
+        path = specdec_home() / "gguf" / OFFLINE_MODELS[spec].gguf_name
+        if not path.is_file():
+            raise ModelSpecError(f"the GGUF file of {spec!r} is not kept here: run "
+                                 f"`python scripts/fetch_models.py --keep-gguf` (looked for "
+                                 f"{path})")
+        folder = offline_model_dir(spec)
+        return str(path), spec if (folder / "config.json").exists() else str(path)
+    if not spec.endswith(".gguf"):
+        raise ModelSpecError(f"the llama-cpp engine loads a .gguf file or a short name of the "
+                             f"offline pair ({', '.join(OFFLINE_MODELS)}); got {spec!r}")
+    return spec, spec
 
 
 def _library() -> Any:
@@ -88,15 +106,13 @@ def _silence(llama_cpp: Any) -> None:
     llama_cpp.llama_log_set(quiet, ctypes.c_void_p(0))
 
 
-class LlamaModel:
-    """A GGUF model and one context holding ``n_seqs`` sequences of up to ``seq_tokens`` each
-    in a unified cache of ``cells`` tokens (default ``n_seqs * seq_tokens``). Not thread-safe:
-    one caller at a time (the verifier's model thread, or one drafter)."""
+class GGUFWeights:
+    """A GGUF model's weights loaded by llama.cpp (memory-mapped), shared by its contexts."""
 
-    def __init__(self, path: str, n_seqs: int = 1, seq_tokens: int = 4096, threads: int = 0,
-                 batch_tokens: int = 2048, cells: int = 0) -> None:
+    def __init__(self, path: str) -> None:
         if not Path(path).is_file():
             raise ModelSpecError(f"GGUF file {path!r} does not exist")
+        self.path = path
         lib = self.lib = _library()
         model_params = lib.llama_model_default_params()
         model_params.n_gpu_layers = 0
@@ -106,6 +122,47 @@ class LlamaModel:
         self.vocab = lib.llama_model_get_vocab(self.model)
         self.vocab_size = int(lib.llama_vocab_n_tokens(self.vocab))
         self.model_limit = int(lib.llama_model_n_ctx_train(self.model))
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata string (``general.name``, ``tokenizer.ggml.eos_token_id``, ...)."""
+        buf = ctypes.create_string_buffer(512)
+        size = self.lib.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace") if size >= 0 else None
+
+    def kv_bytes_per_token(self) -> int:
+        """Keys and values of one cached token over all layers (float16 cache)."""
+        arch = self.meta("general.architecture") or "llama"
+
+        def number(key: str, default: int) -> int:
+            value = self.meta(f"{arch}.{key}")
+            return int(value) if value and value.isdigit() else default
+
+        heads = number("attention.head_count", 1)
+        head_dim = number("attention.key_length", number("embedding_length", 0) // heads)
+        kv_heads = number("attention.head_count_kv", heads)
+        return number("block_count", 0) * 2 * kv_heads * head_dim * 2
+
+    def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
+        try:
+            if getattr(self, "model", None):
+                self.lib.llama_model_free(self.model)
+                self.model = None
+        except Exception:
+            pass
+
+
+class LlamaModel:
+    """A context on GGUF weights (a path, or :class:`GGUFWeights` shared with other contexts)
+    holding ``n_seqs`` sequences of up to ``seq_tokens`` each in a unified cache of ``cells``
+    tokens (default ``n_seqs * seq_tokens``). Not thread-safe: one caller at a time (the
+    verifier's model thread, or one drafter)."""
+
+    def __init__(self, weights: str | GGUFWeights, n_seqs: int = 1, seq_tokens: int = 4096,
+                 threads: int = 0, batch_tokens: int = 2048, cells: int = 0) -> None:
+        self.weights = weights if isinstance(weights, GGUFWeights) else GGUFWeights(weights)
+        lib = self.lib = self.weights.lib
+        self.model, self.vocab = self.weights.model, self.weights.vocab
+        self.vocab_size, self.model_limit = self.weights.vocab_size, self.weights.model_limit
         self.seq_tokens = min(seq_tokens, self.model_limit) if seq_tokens else self.model_limit
         self.n_seqs = n_seqs
         self.threads = threads or default_threads()
@@ -119,36 +176,16 @@ class LlamaModel:
         params.no_perf = True
         self.ctx = lib.llama_init_from_model(self.model, params)
         if not self.ctx:
-            lib.llama_model_free(self.model)
             raise ModelSpecError(f"llama.cpp cannot make a context of {params.n_ctx} tokens "
-                                 f"for {path!r}")
+                                 f"for {self.weights.path!r}")
         self.memory = lib.llama_get_memory(self.ctx)
         self.n_ctx = int(lib.llama_n_ctx(self.ctx))
-        self.nbytes = self.n_ctx * self._kv_bytes_per_token()
+        self.nbytes = self.n_ctx * self.weights.kv_bytes_per_token()
         self._batch = lib.llama_batch_init(self.batch_tokens, 0, 1)
         self.decodes = 0  # llama_decode calls made
 
-    # -- metadata
     def meta(self, key: str) -> str | None:
-        """A GGUF metadata string (``general.name``, ``tokenizer.ggml.eos_token_id``, ...)."""
-        buf = ctypes.create_string_buffer(512)
-        size = self.lib.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        return buf.value.decode("utf-8", "replace") if size >= 0 else None
-
-    def _kv_bytes_per_token(self) -> int:
-        """Keys and values of one cached token over all layers (float16 cache)."""
-        arch = self.meta("general.architecture") or "llama"
-        def number(key: str, default: int) -> int:
-            value = self.meta(f"{arch}.{key}")
-            return int(value) if value and value.isdigit() else default
-        heads = number("attention.head_count", 1)
-        head_dim = number("attention.key_length", number("embedding_length", 0) // heads)
-        kv_heads = number("attention.head_count_kv", heads)
-        return number("block_count", 0) * 2 * kv_heads * head_dim * 2
-
-    def eos_ids(self) -> list[int]:
-        """The end-of-generation ids llama.cpp knows for this vocabulary."""
-        return [t for t in range(self.vocab_size) if self.lib.llama_vocab_is_eog(self.vocab, t)]
+        return self.weights.meta(key)
 
     # -- the cache
     def decode(self, segments: list[Segment]) -> list[np.ndarray | None]:
@@ -218,7 +255,6 @@ class LlamaModel:
         if getattr(self, "ctx", None):
             self.lib.llama_batch_free(self._batch)
             self.lib.llama_free(self.ctx)
-            self.lib.llama_model_free(self.model)
             self.ctx = None
 
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies

@@ -20,15 +20,8 @@ from typing import Any
 import torch
 
 from shared.engine import ForwardItem
-from shared.llama_runtime import LlamaModel, Segment
-from shared.models import (
-    OFFLINE_MODELS,
-    ModelSpecError,
-    load_tokenizer,
-    offline_model_dir,
-    specdec_home,
-    tokenizer_fingerprint,
-)
+from shared.llama_runtime import GGUFWeights, LlamaModel, Segment, resolve_gguf
+from shared.models import load_tokenizer, tokenizer_fingerprint
 from verifier_service.engine import BatchForward, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -36,24 +29,6 @@ MAX_SLOTS = 127  # llama.cpp holds at most 256 sequences; each slot keeps one sp
 FILE_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 7: "q8_0", 8: "q5_0", 9: "q5_1",
               10: "q2_k", 12: "q3_k_m", 14: "q4_k_s", 15: "q4_k_m", 16: "q5_k_s", 17: "q5_k_m",
               18: "q6_k", 32: "bf16"}
-
-
-def resolve_gguf(spec: str) -> tuple[str, str]:
-    """``(gguf file, tokenizer spec)`` of a .gguf path or a short name of the offline pair
-    (its GGUF kept by ``scripts/fetch_models.py --keep-gguf``; the tokenizer from the converted
-    folder when it is there, which loads faster than the GGUF's own vocabulary)."""
-    if spec in OFFLINE_MODELS:
-        path = specdec_home() / "gguf" / OFFLINE_MODELS[spec].gguf_name
-        if not path.is_file():
-            raise ModelSpecError(f"the GGUF file of {spec!r} is not kept here: run "
-                                 f"`python scripts/fetch_models.py --keep-gguf` (looked for "
-                                 f"{path})")
-        folder = offline_model_dir(spec)
-        return str(path), spec if (folder / "config.json").exists() else str(path)
-    if not spec.endswith(".gguf"):
-        raise ModelSpecError(f"the llama-cpp engine loads a .gguf file or a short name of the "
-                             f"offline pair ({', '.join(OFFLINE_MODELS)}); got {spec!r}")
-    return spec, spec
 
 
 def eos_ids(model: LlamaModel, tokenizer: Any) -> list[int]:
@@ -154,12 +129,11 @@ def load_llama_engine(spec: str, max_context: int = 0, kv_budget_tokens: int = 3
     as many as ``kv_budget_tokens`` holds, in one cache."""
     started = time.perf_counter()
     path, tokenizer_spec = resolve_gguf(spec)
-    probe = LlamaModel(path, n_seqs=1, seq_tokens=16, threads=threads, batch_tokens=16)
-    limit = probe.model_limit
-    probe.close()
+    weights = GGUFWeights(path)
+    limit = weights.model_limit
     context = min(max_context or limit, limit, kv_budget_tokens)
     num_slots = max(1, min(kv_budget_tokens // context, MAX_SLOTS))
-    model = LlamaModel(path, n_seqs=2 * num_slots, seq_tokens=context, threads=threads,
+    model = LlamaModel(weights, n_seqs=2 * num_slots, seq_tokens=context, threads=threads,
                        batch_tokens=max(max_batch_tokens, 512), cells=num_slots * context)
     engine = LlamaCppEngine(model, load_tokenizer(tokenizer_spec), spec, num_slots)
     engine.acceptance = acceptance

@@ -105,7 +105,13 @@ def _drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                         "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
+    p.add_argument("--drafter-engine", default="auto", choices=["auto", "transformers",
+                                                                  "llama-cpp"],
+                   help="what runs a model drafter: transformers, or llama.cpp for a .gguf "
+                   "file or a short name whose GGUF is kept (the [llama] extra); auto: "
+                   "transformers")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads of the drafter (torch's, or llama.cpp's); 0: the default")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -239,7 +245,7 @@ def make_client(args: argparse.Namespace, with_drafter: bool = True) -> SpecDecC
         lookup_min_ngram=args.lookup_min_ngram, lookup_max_ngram=args.lookup_max_ngram,
         draft_min_prob=args.draft_min_prob, tree_width=args.tree_width, lookup=args.lookup,
         lookup_tokens=args.lookup_tokens, overlap=args.overlap,
-        cuda_graphs=args.cuda_graphs)
+        cuda_graphs=args.cuda_graphs, engine=args.drafter_engine, threads=args.threads)
     return SpecDecClient(args.verifier_url, args.drafter, args.tokenizer, args.dtype,
                          args.device, timeout_s=args.timeout_s, options=options,
                          simulated_rtt_ms=args.simulated_rtt_ms, api_key=args.api_key,

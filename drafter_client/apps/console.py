@@ -20,7 +20,7 @@ from typing import Any, TextIO
 from drafter_client.api import SpecDecClient
 from drafter_client.apps.output import TextStream, summary
 from drafter_client.draft_length import make_draft_length
-from drafter_client.drafters import HFDrafter
+from drafter_client.drafters import LMDrafter
 from drafter_client.hybrid import HybridDrafter
 from drafter_client.speculative import GenerationResult
 from drafter_client.transport import SpecDecError
@@ -155,7 +155,7 @@ class Console:
         drafter = self.client.drafter
         if isinstance(drafter, HybridDrafter):  # the default: lookup + the model
             drafter = drafter.model
-        if not isinstance(drafter, HFDrafter):
+        if not isinstance(drafter, LMDrafter):
             raise ValueError("only a model drafter has a confidence stop")
         drafter.min_prob = value
         self.say(f"draft min prob = {value}")
