@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install "torch==2.13.0"
-	$(BIN)/pip install -e ".[dev]"
+	# [llama]: llama-cpp-python, built from source the first time (about 8 min on 2 cores)
+	$(BIN)/pip install -e ".[dev,llama]"
 	# The oldest supported transformers (the GPU machine's), beside the venv for
 	# tests/test_min_transformers.py; with huggingface-hub < 2, which it needs.
 	$(BIN)/pip install --no-deps --upgrade --target $(VENV)/transformers-min \

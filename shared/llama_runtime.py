@@ -28,6 +28,7 @@ from shared.models import OFFLINE_MODELS, ModelSpecError, offline_model_dir, spe
 ENGINES = ("auto", "transformers", "llama-cpp")
 _BACKEND_LOCK = threading.Lock()
 GGML_LOG_LEVEL_ERROR = 4  # ggml.h: NONE, DEBUG, INFO, WARN, ERROR, CONT
+GGML_TYPE_F32 = 0
 _backend_ready = False
 
 
@@ -130,7 +131,7 @@ class GGUFWeights:
         return buf.value.decode("utf-8", "replace") if size >= 0 else None
 
     def kv_bytes_per_token(self) -> int:
-        """Keys and values of one cached token over all layers (float16 cache)."""
+        """Keys and values of one cached token over all layers, in a float16 cache."""
         arch = self.meta("general.architecture") or "llama"
 
         def number(key: str, default: int) -> int:
@@ -172,15 +173,24 @@ class LlamaModel:
         params.n_batch = self.batch_tokens = max(1, min(batch_tokens, params.n_ctx))
         params.n_ubatch = min(512, self.batch_tokens)
         params.n_threads = params.n_threads_batch = self.threads
+        # A float32 file keeps a float32 cache (then its logits are transformers' to 1e-5);
+        # any other keeps llama.cpp's default float16 cache.
+        self.kv_f32 = self.meta("general.file_type") == "0"
+        if self.kv_f32:
+            params.type_k = params.type_v = GGML_TYPE_F32
         params.kv_unified = True  # one pool of cells: any sequence may use any of them
         params.no_perf = True
+        # Off: its CPU kernel rounds by where a sequence's cells lie in the cache (a beam's
+        # scores then depend on which slot it sits in), and it was not faster here
+        # (docs/benchmarks.md, llama.cpp section).
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.ctx = lib.llama_init_from_model(self.model, params)
         if not self.ctx:
             raise ModelSpecError(f"llama.cpp cannot make a context of {params.n_ctx} tokens "
                                  f"for {self.weights.path!r}")
         self.memory = lib.llama_get_memory(self.ctx)
         self.n_ctx = int(lib.llama_n_ctx(self.ctx))
-        self.nbytes = self.n_ctx * self.weights.kv_bytes_per_token()
+        self.nbytes = self.n_ctx * self.weights.kv_bytes_per_token() * (2 if self.kv_f32 else 1)
         self._batch = lib.llama_batch_init(self.batch_tokens, 0, 1)
         self.decodes = 0  # llama_decode calls made
 

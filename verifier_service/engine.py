@@ -87,8 +87,8 @@ class Engine(Protocol):
         step's result, in step order."""
 
     def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
-        """Slot j takes the first ``length`` cached positions of slot parents[j] (beam search
-        following its parents)."""
+        """Slot ``slots[j]`` takes the first ``length`` cached positions of slot
+        ``slots[parents[j]]`` (beam search following its parents)."""
 
     def counters(self) -> dict[str, int]:
         """Engine-specific counts for ``/metrics`` (e.g. static-shape replays)."""

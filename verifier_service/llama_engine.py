@@ -86,10 +86,12 @@ class LlamaCppEngine(BatchForward):
         self._free.append(slot)
 
     def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
+        if parents == list(range(len(slots))):
+            return
         spare = [self._num_slots + j for j in range(len(slots))]
         for parent, scratch in zip(parents, spare, strict=True):
             self.model.remove(scratch)
-            self.model.copy(parent, scratch, 0, length)
+            self.model.copy(slots[parent], scratch, 0, length)
         for slot, scratch in zip(slots, spare, strict=True):
             self.model.remove(slot)
             self.model.copy(scratch, slot, 0, length)
