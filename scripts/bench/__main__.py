@@ -13,6 +13,7 @@ from scripts.bench import (
     client,
     gateway,
     gpu,
+    llama,
     network,
     profile,
     report,
@@ -21,7 +22,7 @@ from scripts.bench import (
 
 COMMANDS = {"suite": suite, "client": client, "batching": batching, "calls": calls,
             "network": network,
-            "profile": profile, "attack": attack, "gateway": gateway, "gpu": gpu, "report": report}
+            "profile": profile, "attack": attack, "gateway": gateway, "gpu": gpu, "llama": llama, "report": report}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,255 @@
+"""specdec on the llama.cpp engine next to llama.cpp's own ``llama-server``, same GGUF files.
+
+One run, interleaved: every round runs every prompt on every system in turn, so a machine that
+slows down or speeds up during the run affects all systems alike. Greedy, the same prompt token
+ids everywhere; tok/s = new tokens / wall time of the whole request (prefill included), as the
+user sees it. The peer is ``llama-server`` built from the llama.cpp source that
+``llama-cpp-python`` vendors (cmake, cached in $SPECDEC_HOME/llama-server): its target alone,
+its ``draft-simple`` speculation with the drafter GGUF, and its ``ngram-simple`` mode.
+
+    python -m scripts.bench llama --rounds 2 --prompts 2 --max-new-tokens 128
+
+Prints a table per workload and writes the JSON (every run, with its tokens) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from drafter_client import SpecDecClient
+from drafter_client.api import DrafterOptions
+from scripts.bench.common import markdown_table, write_json
+from scripts.bench.suite import workloads
+from scripts.fetch_models import fetch_gguf
+from scripts.harness.process import VerifierProcess, free_port
+from shared.models import OFFLINE_MODELS, load_tokenizer, specdec_home
+
+LLAMA_CPP_PYTHON = "0.3.36"  # the [llama] extra's pin: its vendored llama.cpp is the peer
+WORKLOADS = ("code", "input-grounded", "english")
+
+
+# -- the peer ------------------------------------------------------------------------------------
+def llama_server_binary() -> Path:
+    """``llama-server`` built once from the sdist of the pinned llama-cpp-python (about 8
+    minutes on 2 cores), then reused."""
+    home = specdec_home() / "llama-server" / LLAMA_CPP_PYTHON
+    binary = home / "src" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
+    if binary.exists():
+        return binary
+    home.mkdir(parents=True, exist_ok=True)
+    sdist = home / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not sdist.exists():
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(home)],
+                       check=True)
+    with tarfile.open(sdist) as archive:
+        archive.extractall(home, filter="data")
+    (home / f"llama_cpp_python-{LLAMA_CPP_PYTHON}").rename(home / "src")
+    source = home / "src" / "vendor" / "llama.cpp"
+    print(f"building llama-server in {source} (minutes)", flush=True)
+    subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], cwd=source,
+                   check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", "build", "--target", "llama-server", "-j",
+                    str(os.cpu_count() or 1)], cwd=source, check=True, stdout=subprocess.DEVNULL)
+    return binary
+
+
+class LlamaServer:
+    """One ``llama-server`` process on a free port (one slot, greedy requests)."""
+
+    def __init__(self, binary: Path, model: Path, threads: int, extra: list[str]) -> None:
+        self.port = free_port()
+        self.cmd = [str(binary), "-m", str(model), "--port", str(self.port), "-t", str(threads),
+                    "-c", "4096", "-np", "1", "--no-webui", *extra]
+        env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}  # its own ggml libraries
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited: {' '.join(self.cmd)}")
+            time.sleep(0.5)
+        raise RuntimeError("llama-server did not become ready")
+
+    def generate(self, ids: list[int], max_new: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        reply = httpx.post(f"http://127.0.0.1:{self.port}/completion", timeout=600, json={
+            "prompt": ids, "n_predict": max_new, "temperature": 0.0, "top_k": 1,
+            "cache_prompt": False, "return_tokens": True, "ignore_eos": False}).json()
+        wall = time.perf_counter() - started
+        tokens = reply.get("tokens") or []
+        timings = reply.get("timings", {})
+        return {"tokens": tokens, "wall_s": wall,
+                "drafted": timings.get("draft_n"), "accepted": timings.get("draft_n_accepted")}
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# -- specdec -------------------------------------------------------------------------------------
+SPECDEC = {
+    # name: (drafter, options, k) on the llama.cpp verifier
+    "specdec llama.cpp: target alone": (None, None, None),
+    "specdec llama.cpp: default (model + lookup, -k auto)": ("model", DrafterOptions(), "auto"),
+    "specdec llama.cpp: model k=2": ("model", DrafterOptions(lookup=False), 2),
+    "specdec llama.cpp: prompt lookup, -k auto": ("prompt-lookup", DrafterOptions(), "auto"),
+}
+
+
+def specdec_run(client: SpecDecClient, ids: list[int], max_new: int, k: int | str | None,
+                alone: bool) -> dict[str, Any]:
+    started = time.perf_counter()
+    result = (client.baseline(ids, max_new_tokens=max_new) if alone
+              else client.generate(ids, num_draft_tokens=k, max_new_tokens=max_new))
+    wall = time.perf_counter() - started
+    m = result.metrics
+    return {"tokens": result.token_ids, "wall_s": wall,
+            "drafted": getattr(m, "drafted_tokens", None),
+            "accepted": getattr(m, "accepted_tokens", None)}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The index of the first token where two greedy outputs differ (None: equal as far as the
+    shorter goes)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b",
+                        help="a .gguf file or a short name of the offline pair")
+    parser.add_argument("--drafter", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--threads", type=int, default=2, help="threads of every engine")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per workload")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--kv-budget-tokens", type=int, default=8192)
+    parser.add_argument("--out", default="bench_results/llama.json")
+
+
+def gguf_of(spec: str) -> Path:
+    return fetch_gguf(spec) if spec in OFFLINE_MODELS else Path(spec)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    target, drafter = gguf_of(args.target), gguf_of(args.drafter)
+    tokenizer = load_tokenizer(args.target if args.target in OFFLINE_MODELS else str(target))
+    prompts = {name: items for name, items in workloads(args.prompts).items()
+               if name in args.workloads}
+
+    def ids_of(prompt: Any) -> list[int]:
+        if prompt.chat:
+            return list(tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt.text}], add_generation_prompt=True,
+                tokenize=True, return_dict=False))
+        return list(tokenizer(prompt.text)["input_ids"])
+
+    binary = llama_server_binary()
+    peers = {
+        "llama-server: target alone": [],
+        "llama-server: draft-simple -md drafter": ["--spec-type", "draft-simple", "-md",
+                                                   str(drafter), "-td", str(args.threads)],
+        "llama-server: ngram-simple": ["--spec-type", "ngram-simple"],
+    }
+    records: list[dict[str, Any]] = []
+    servers: dict[str, LlamaServer] = {}
+    verifier = VerifierProcess(["--model", str(target), "--engine", "llama-cpp",
+                                "--kv-budget-tokens", str(args.kv_budget_tokens),
+                                "--max-context", "4096"], threads=args.threads)
+    try:
+        for name, extra in peers.items():
+            servers[name] = LlamaServer(binary, target, args.threads, extra)
+        verifier.start()
+        clients: dict[str, tuple[SpecDecClient, Any, bool]] = {}
+        for name, (kind, options, k) in SPECDEC.items():
+            if kind is None:
+                clients[name] = (SpecDecClient(verifier.url, None, tokenizer=tokenizer), k, True)
+            else:
+                spec = str(drafter) if kind == "model" else kind
+                opts = DrafterOptions(**{**(options or DrafterOptions()).__dict__,
+                                         "engine": "llama-cpp", "threads": args.threads})
+                clients[name] = (SpecDecClient(verifier.url, spec, tokenizer=tokenizer,
+                                               options=opts), k, False)
+        for round_no in range(args.rounds):
+            for workload, items in prompts.items():
+                for prompt in items:
+                    ids = ids_of(prompt)
+                    for name, server in servers.items():
+                        out = server.generate(ids, args.max_new_tokens)
+                        records.append({"round": round_no, "workload": workload,
+                                        "prompt": prompt.name, "system": name, **out})
+                    for name, (client, k, alone) in clients.items():
+                        out = specdec_run(client, ids, args.max_new_tokens, k, alone)
+                        records.append({"round": round_no, "workload": workload,
+                                        "prompt": prompt.name, "system": name, **out})
+                    print(f"round {round_no} {prompt.name}: done", flush=True)
+    finally:
+        for server in servers.values():
+            server.close()
+        verifier.stop()
+    return report(records, args)
+
+
+def report(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    for r in records:
+        r["tok_s"] = len(r["tokens"]) / r["wall_s"] if r["wall_s"] else 0.0
+    alone = "llama-server: target alone"
+    reference = {(r["round"], r["prompt"]): r for r in records if r["system"] == alone}
+    for r in records:
+        ref = reference[(r["round"], r["prompt"])]
+        r["vs_llama_server"] = r["tok_s"] / ref["tok_s"] if ref["tok_s"] else None
+        r["first_difference"] = first_difference(r["tokens"], ref["tokens"])
+    rows = []
+    systems = list(dict.fromkeys(r["system"] for r in records))
+    for workload in args.workloads:
+        for system in systems:
+            mine = [r for r in records if r["workload"] == workload and r["system"] == system]
+            if not mine:
+                continue
+            diffs = [r["first_difference"] for r in mine if r["first_difference"] is not None]
+            rows.append({
+                "workload": workload, "system": system,
+                "tok_s": statistics.median(r["tok_s"] for r in mine),
+                "vs_llama_server": statistics.median(r["vs_llama_server"] for r in mine),
+                "same_as_llama_server": f"{len(mine) - len(diffs)}/{len(mine)}",
+                "first_difference": min(diffs) if diffs else None})
+    table = markdown_table(rows, [
+        ("workload", "workload"), ("system", "system"), ("tok_s", "tok/s (median)"),
+        ("vs_llama_server", "vs llama-server alone (median)"),
+        ("same_as_llama_server", "output = llama-server's greedy"),
+        ("first_difference", "first differing token")])
+    print(table)
+    payload = {"command": " ".join(["python -m scripts.bench llama", *sys.argv[2:]]),
+               "machine": {"cpus": os.cpu_count(), "threads": args.threads,
+                           "target": args.target, "drafter": args.drafter,
+                           "max_new_tokens": args.max_new_tokens},
+               "rows": rows, "runs": records, "table": table}
+    write_json(args.out, payload)
+    print(f"wrote {args.out}")
+    return payload
+
+
+if __name__ == "__main__":  # pragma: no cover
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    run(parser.parse_args())
