@@ -14,6 +14,7 @@ model is loaded, never at module import.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -144,12 +145,10 @@ class GGUFWeights:
         return number("block_count", 0) * 2 * kv_heads * head_dim * 2
 
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
-        try:
+        with contextlib.suppress(Exception):
             if getattr(self, "model", None):
                 self.lib.llama_model_free(self.model)
                 self.model = None
-        except Exception:
-            pass
 
 
 class LlamaModel:
@@ -268,10 +267,8 @@ class LlamaModel:
             self.ctx = None
 
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
 
 def default_threads() -> int:

@@ -15,8 +15,8 @@ Implementations: the causal slot-pool engine (``target.py``), the encoder-decode
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import time
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch

@@ -22,7 +22,8 @@ from scripts.bench import (
 
 COMMANDS = {"suite": suite, "client": client, "batching": batching, "calls": calls,
             "network": network,
-            "profile": profile, "attack": attack, "gateway": gateway, "gpu": gpu, "llama": llama, "report": report}
+            "profile": profile, "attack": attack, "gateway": gateway, "gpu": gpu,
+            "llama": llama, "report": report}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ import httpx
 
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
-from scripts.bench.common import markdown_table, write_json
+from scripts.bench.common import fetch_offline_models, markdown_table, write_json
 from scripts.bench.suite import workloads
 from scripts.fetch_models import fetch_gguf
 from scripts.harness.process import VerifierProcess, free_port
@@ -68,10 +68,12 @@ def llama_server_binary() -> Path:
 class LlamaServer:
     """One ``llama-server`` process on a free port (one slot, greedy requests)."""
 
-    def __init__(self, binary: Path, model: Path, threads: int, extra: list[str]) -> None:
+    def __init__(self, binary: Path, model: Path, threads: int, extra: list[str],
+                 pin: str | None = None) -> None:
         self.port = free_port()
-        self.cmd = [str(binary), "-m", str(model), "--port", str(self.port), "-t", str(threads),
-                    "-c", "4096", "-np", "1", "--no-webui", *extra]
+        self.cmd = [*(["taskset", "-c", pin] if pin else []), str(binary), "-m", str(model),
+                    "--port", str(self.port), "-t", str(threads), "-c", "4096", "-np", "1",
+                    "--no-webui", *extra]
         env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}  # its own ggml libraries
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, env=env)
@@ -144,6 +146,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--kv-budget-tokens", type=int, default=8192)
+    parser.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
+                        help="also today's transformers engine (bf16 folders of the same "
+                        "short names): target alone and the default client setting")
+    parser.add_argument("--two-host", action=argparse.BooleanOptionalAction, default=True,
+                        help="the two-host simulation: verifier and client pinned to "
+                        "different cores, one thread each, 0 / 20 / 100 ms added round trip")
+    parser.add_argument("--rtts", type=float, nargs="+", default=[0.0, 20.0, 100.0])
     parser.add_argument("--out", default="bench_results/llama.json")
 
 
@@ -176,11 +185,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     verifier = VerifierProcess(["--model", str(target), "--engine", "llama-cpp",
                                 "--kv-budget-tokens", str(args.kv_budget_tokens),
                                 "--max-context", "4096"], threads=args.threads)
+    hf_verifier = VerifierProcess(["--model", args.target, "--kv-budget-tokens",
+                                   str(args.kv_budget_tokens), "--max-context", "4096"],
+                                  threads=args.threads)
     try:
         for name, extra in peers.items():
             servers[name] = LlamaServer(binary, target, args.threads, extra)
         verifier.start()
         clients: dict[str, tuple[SpecDecClient, Any, bool]] = {}
+        if args.transformers and args.target in OFFLINE_MODELS:
+            fetch_offline_models(args.target, args.drafter)
+            hf_verifier.start()
+            clients["specdec transformers: target alone"] = (
+                SpecDecClient(hf_verifier.url, None, tokenizer=tokenizer), None, True)
+            clients["specdec transformers: default (model + lookup, -k auto)"] = (
+                SpecDecClient(hf_verifier.url, args.drafter), "auto", False)
         for name, (kind, options, k) in SPECDEC.items():
             if kind is None:
                 clients[name] = (SpecDecClient(verifier.url, None, tokenizer=tokenizer), k, True)
@@ -207,10 +226,60 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for server in servers.values():
             server.close()
         verifier.stop()
-    return report(records, args)
+        hf_verifier.stop()
+    two_host = two_host_runs(args, binary, target, drafter, tokenizer, prompts, ids_of) \
+        if args.two_host else []
+    return report(records, args, two_host)
 
 
-def report(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+def two_host_runs(args: argparse.Namespace, binary: Path, target: Path, drafter: Path,
+                  tokenizer: Any, prompts: dict[str, list[Any]], ids_of: Any,
+                  ) -> list[dict[str, Any]]:
+    """Verifier on core 0, client (this process) on core 1, one thread each, an added round
+    trip per call; the peer is llama-server's target alone on core 0 with one thread."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        print("two-host simulation skipped: needs 2 cores")
+        return []
+    server_core, client_core = str(cores[0]), {cores[1]}
+    records: list[dict[str, Any]] = []
+    peer = LlamaServer(binary, target, 1, [], pin=server_core)
+    verifier = VerifierProcess(["--model", str(target), "--engine", "llama-cpp",
+                                "--kv-budget-tokens", str(args.kv_budget_tokens),
+                                "--max-context", "4096"], threads=1)
+    verifier.cmd = ["taskset", "-c", server_core, *verifier.cmd]
+    saved = os.sched_getaffinity(0)
+    try:
+        verifier.start()
+        os.sched_setaffinity(0, client_core)
+        clients = {}
+        for rtt in args.rtts:
+            for overlap in (False, True):
+                name = f"specdec llama.cpp default, rtt {rtt:g} ms" + (", overlap" if overlap
+                                                                       else "")
+                clients[name] = (rtt, SpecDecClient(
+                    verifier.url, str(drafter), tokenizer=tokenizer, simulated_rtt_ms=rtt,
+                    options=DrafterOptions(engine="llama-cpp", threads=1, overlap=overlap)))
+        for workload, items in prompts.items():
+            for prompt in items[:1]:
+                ids = ids_of(prompt)
+                out = peer.generate(ids, args.max_new_tokens)
+                records.append({"workload": workload, "prompt": prompt.name, "rtt_ms": 0.0,
+                                "system": "llama-server: target alone, 1 core", **out})
+                for name, (rtt, client) in clients.items():
+                    out = specdec_run(client, ids, args.max_new_tokens, "auto", False)
+                    records.append({"workload": workload, "prompt": prompt.name,
+                                    "rtt_ms": rtt, "system": name, **out})
+                print(f"two-host {prompt.name}: done", flush=True)
+    finally:
+        os.sched_setaffinity(0, saved)
+        peer.close()
+        verifier.stop()
+    return records
+
+
+def report(records: list[dict[str, Any]], args: argparse.Namespace,
+           two_host: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     for r in records:
         r["tok_s"] = len(r["tokens"]) / r["wall_s"] if r["wall_s"] else 0.0
     alone = "llama-server: target alone"
@@ -239,11 +308,29 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[str,
         ("same_as_llama_server", "output = llama-server's greedy"),
         ("first_difference", "first differing token")])
     print(table)
+    two_host_rows = []
+    for r in two_host or []:
+        r["tok_s"] = len(r["tokens"]) / r["wall_s"] if r["wall_s"] else 0.0
+    for workload in args.workloads:
+        mine = [r for r in two_host or [] if r["workload"] == workload]
+        base = next((r for r in mine if r["system"].startswith("llama-server")), None)
+        for r in mine:
+            two_host_rows.append({
+                "workload": workload, "system": r["system"], "tok_s": r["tok_s"],
+                "vs_one_core": r["tok_s"] / base["tok_s"] if base and base["tok_s"] else None,
+                "acceptance": (r["accepted"] / r["drafted"]) if r.get("drafted") else None})
+    two_host_table = markdown_table(two_host_rows, [
+        ("workload", "workload"), ("system", "system"), ("tok_s", "tok/s"),
+        ("vs_one_core", "vs llama-server alone on 1 core"), ("acceptance", "acceptance")])
+    if two_host_rows:
+        print(two_host_table)
     payload = {"command": " ".join(["python -m scripts.bench llama", *sys.argv[2:]]),
                "machine": {"cpus": os.cpu_count(), "threads": args.threads,
                            "target": args.target, "drafter": args.drafter,
                            "max_new_tokens": args.max_new_tokens},
-               "rows": rows, "runs": records, "table": table}
+               "rows": rows, "runs": records, "table": table,
+               "two_host_rows": two_host_rows, "two_host_runs": two_host or [],
+               "two_host_table": two_host_table}
     write_json(args.out, payload)
     print(f"wrote {args.out}")
     return payload
