@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from drafter_client import SpecDecClient
+from drafter_client.api import DrafterOptions
 from shared.models import ModelSpecError, load_causal_lm, resolve_model_spec
 from tests.support.live_server import LiveServer
 from verifier_service.settings import Settings
@@ -45,3 +46,42 @@ def test_real_pair_sampling_runs(server):  # type: ignore[no-untyped-def]
                              temperature=0.7, top_p=0.9, seed=1)
     assert 0 < len(result.token_ids) <= 24
     assert result.metrics.verify_calls < len(result.token_ids) or len(result.token_ids) == 1
+
+
+@pytest.fixture(scope="module")
+def llama_server():  # type: ignore[no-untyped-def]
+    from shared.llama_runtime import resolve_gguf
+
+    try:
+        resolve_gguf("qwen2.5-coder-1.5b")
+        resolve_gguf("qwen2.5-coder-0.5b")
+    except ModelSpecError as exc:
+        pytest.skip(f"{exc} (the llama.cpp engine's test)")
+    settings = Settings(model="qwen2.5-coder-1.5b", engine="llama-cpp", threads=2,
+                        kv_budget_tokens=8192)
+    with LiveServer(settings) as live:
+        yield live
+
+
+def test_real_pair_on_llama_cpp(llama_server):  # type: ignore[no-untyped-def]
+    """The Q4_K_M pair on the llama.cpp engine: the target alone is llama.cpp's own one-token
+    greedy decoding exactly; speculative greedy output is compared with it and where it first
+    differs is reported (llama.cpp's multi-token decodes round differently at near-ties:
+    docs/benchmarks.md, the llama.cpp section)."""
+    from scripts.harness.tiny_gguf import llama_greedy
+    from shared.llama_runtime import resolve_gguf
+
+    client = SpecDecClient(llama_server.url, "qwen2.5-coder-0.5b",
+                           options=DrafterOptions(engine="llama-cpp", threads=2))
+    prompt = client.encode("Write a Python function that reverses a string.", chat=True)
+    reference = llama_greedy(resolve_gguf("qwen2.5-coder-1.5b")[0], prompt, 32)
+    eos = client.info.eos_token_ids
+    reference = reference[:next((i + 1 for i, t in enumerate(reference) if t in eos),
+                                len(reference))]
+    alone = client.baseline(prompt, max_new_tokens=32)
+    assert alone.token_ids == reference
+    result = client.generate(prompt, max_new_tokens=32)
+    same = next((i for i, (a, b) in enumerate(zip(result.token_ids, reference, strict=False))
+                 if a != b), None)
+    print(f"speculative greedy first differs from llama.cpp's at token {same}")
+    assert len(result.token_ids) == len(reference) or same is not None
