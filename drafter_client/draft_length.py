@@ -10,8 +10,9 @@ and picks the k that maximises expected tokens per second,
 which is (1 - a^(k+1)) / (1 - a) when every c_j = a (Leviathan et al. 2023). Because the round
 trip is measured, a distant verifier makes longer drafts worth it.
 
-k = 0 is a candidate too: a plain decode step through the same session (one token per round
-trip, no drafting), at 1 / rtt(0) tokens per second. Where no k >= 1 beats it - drafting costs
+k = 0 is a candidate too: plain decode steps through the same session (no drafting), asked for
+in runs of up to ``PLAIN_RUN`` more steps per round trip (``more_uniforms``), at 1 / rtt(0)
+tokens per second with rtt(0) per token of a run. Where no k >= 1 beats it - drafting costs
 more than the verify time it saves, as with a float32 target on a 2-core CPU - the cost model
 drafts nothing, so speculation is never slower than the target alone by more than a round trip's
 overhead. While it drafts nothing its acceptance estimates go stale, so every ``probe_every``
@@ -33,6 +34,7 @@ import statistics
 from typing import Protocol
 
 DRAFT_SAMPLES = 7  # per-token drafting times the cost model's median is over
+PLAIN_RUN = 8  # most extra plain steps asked for in one round trip where k = 0
 OPTIMISTIC_ACCEPTANCE = 0.9  # a probe is made only where drafting would pay at this rate
 
 
@@ -50,20 +52,29 @@ class DraftLength(Protocol):
         """Whether such a free draft is expected to give more tokens per second than the
         model drafter at its best k; None: no opinion (the hybrid's own trust rule)."""
 
+    def plain_run(self, room: int) -> int:
+        """With k = 0 chosen: how many more plain steps to ask for in the same round trip (a
+        plain run, ``more_uniforms``), at most ``room``."""
+
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
-               free: bool = False) -> None:
+               free: bool = False, plain_tokens: int = 1) -> None:
         """What the last block did: drafts proposed and accepted, and what it cost; ``free``:
-        its draft cost nothing to make (a prompt-lookup match sent alone)."""
+        its draft cost nothing to make (a prompt-lookup match sent alone); ``plain_tokens``:
+        the tokens of a plain run (k = 0), whose round trip paid for them all."""
 
 
 class NoCostModel:
-    """For policies without a cost model: no advice on free drafts."""
+    """For policies without a cost model: no advice on free drafts; k = 0 (only a fixed
+    policy chooses it) in plain runs of ``PLAIN_RUN`` more steps."""
 
     def free_k(self, acceptance: float) -> int | None:
         return None
 
     def prefers_free(self, acceptance: float) -> bool | None:
         return None
+
+    def plain_run(self, room: int) -> int:
+        return max(0, min(room, PLAIN_RUN))
 
 
 class FixedLength(NoCostModel):
@@ -74,7 +85,7 @@ class FixedLength(NoCostModel):
         return self.k
 
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
-               free: bool = False) -> None:
+               free: bool = False, plain_tokens: int = 1) -> None:
         pass
 
 
@@ -90,7 +101,7 @@ class HeuristicLength(NoCostModel):
         return self.k
 
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
-               free: bool = False) -> None:
+               free: bool = False, plain_tokens: int = 1) -> None:
         if proposed and accepted == proposed:
             self.k = min(self.k + 2, self.max_k)
         elif proposed:
@@ -260,11 +271,22 @@ class CostModelLength:
             self.plain_steps += 1
         return self.k
 
+    def plain_run(self, room: int) -> int:
+        """Plain steps up to the next probe, so a run never delays one (at most
+        ``PLAIN_RUN``); a plain step's cost is then per token of the run."""
+        if self.could_pay():
+            room = min(room, max(self.probe_gap - self.plain_steps, 0))
+        return max(0, min(room, PLAIN_RUN))
+
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
-               free: bool = False) -> None:
+               free: bool = False, plain_tokens: int = 1) -> None:
         """A free block (a lookup match sent alone) tells the verify cost of its length, not
-        the model's acceptance or drafting time: those stay the model's own."""
+        the model's acceptance or drafting time: those stay the model's own. A plain run's
+        round trip counts per token, and its tokens as plain steps."""
         d = self.decay
+        if proposed == 0 and plain_tokens > 1:
+            rtt_s /= plain_tokens
+            self.plain_steps += plain_tokens - 1
         self.blocks += 1
         if not free:
             for i in range(self.max_k):

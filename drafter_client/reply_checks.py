@@ -51,7 +51,12 @@ def check_reply(reply: VerifyResponse, req: VerifyRequest, greedy: bool,
         problem = "neither next_token nor the target row"
     elif req.tree_parents is not None and reply.next_token is None:
         problem = "no next_token for a tree"
-    elif reply.position != req.position + reply.num_accepted + 1:
+    elif len(reply.more_tokens or []) > len(req.more_uniforms):
+        problem = (f"more_tokens has {len(reply.more_tokens or [])} tokens for "
+                   f"{len(req.more_uniforms)} more_uniforms")
+    elif any(t >= vocab for t in reply.more_tokens or []):
+        problem = f"more_tokens holds ids outside [0, {vocab})"
+    elif reply.position != req.position + reply.num_accepted + 1 + len(reply.more_tokens or []):
         problem = (f"position {reply.position} after accepting {reply.num_accepted} at "
                    f"{req.position}")
     elif req.return_top_ids and (reply.top_ids is None or len(reply.top_ids) < k + 1

@@ -182,12 +182,13 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
                       config: SamplingConfig, generator: torch.Generator,
                       info: InfoResponse, max_depth: int | None = None,
                       drafted: Draft | None = None,
-                      in_flight: InFlight | None = None) -> BlockOutcome:
+                      in_flight: InFlight | None = None, plain_run: int = 0) -> BlockOutcome:
     """One block of Algorithm 1 after ``session.committed``; commits nothing itself.
     ``max_depth``: the most tokens a draft may put on one path (default k; a drafter may offer
     more than k where drafting is free, e.g. a prompt-lookup match). ``drafted``: a draft made
     ahead (while the previous block was in flight). ``in_flight``: work to do while the verify
-    call is on the wire (it runs on a worker thread meanwhile)."""
+    call is on the wire (it runs on a worker thread meanwhile). ``plain_run``: with no drafts,
+    ask for this many more plain steps in the same round trip (``more_uniforms``)."""
     # 1. Draft k tokens x_1..x_k with their q_i (a drafter may stop early), or a token tree.
     t0 = time.perf_counter()
     draft = (drafted if drafted is not None else drafter.propose(k, config, generator)).limited(
@@ -195,9 +196,11 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
         min(info.max_draft_tokens, info.max_context - session.position))
     k = len(draft.ids)
     t1 = time.perf_counter()
-    # 2. Our randomness for the verdict: k acceptance uniforms + 1 for the last token.
-    #    log(1 - u) with u in [0, 1) is the log of a uniform on (0, 1], never -inf.
-    uniforms = draw_uniforms(generator, k + 1)  # [k + 1]
+    # 2. Our randomness for the verdict: k acceptance uniforms + 1 for the last token (and a
+    #    plain run's: one per extra step). log(1 - u) with u in [0, 1) is the log of a uniform
+    #    on (0, 1], never -inf.
+    more = plain_run if k == 0 else 0
+    uniforms = draw_uniforms(generator, k + 1 + more)  # [k + 1 + more]
     log_uniforms = torch.log1p(-uniforms[:k])  # [k]
     draft_logprobs = None if config.deterministic else draft.logprobs  # None: one-hot draft
     # 3. One round trip: the verifier scores [last token, x_1..x_k] in one forward and finds
@@ -207,6 +210,7 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
         draft_logprobs=None if draft_logprobs is None else draft_logprobs.tolist(),
         log_uniforms=log_uniforms.tolist(), final_uniform=float(uniforms[k]),
         return_top_ids=drafter.top_k_filler, tree_parents=draft.parents,
+        more_uniforms=uniforms[k + 1:].tolist(),
     )
     if in_flight is None:
         reply = session.verify(req)
@@ -232,7 +236,7 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
     # 5. Output: accepted drafts (a tree: along the accepted path) + one token, cut after an EOS.
     path = reply.accepted_path if draft.parents is not None else list(range(accepted))
     assert path is not None
-    tokens = [*(draft.ids[node] for node in path), next_token]
+    tokens = [*(draft.ids[node] for node in path), next_token, *(reply.more_tokens or [])]
     eos_at = next((i for i, t in enumerate(tokens) if t in info.eos_token_ids), None)
     if eos_at is not None:
         tokens = tokens[: eos_at + 1]
@@ -300,8 +304,10 @@ def speculative_generate(
                 seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
                 in_flight = InFlight(pool, drafter, k, config,
                                      torch.Generator().manual_seed(seed))
+            run = schedule.plain_run(max_depth) if k == 0 else 0
             outcome = speculative_block(session, drafter, k, config, generator, info,
-                                        max_depth, drafted=ahead, in_flight=in_flight)
+                                        max_depth, drafted=ahead, in_flight=in_flight,
+                                        plain_run=run)
             session.commit(outcome.tokens)
             drafter.commit(outcome.tokens)
             ahead = in_flight.take(outcome.tokens) if in_flight is not None else None
@@ -309,7 +315,8 @@ def speculative_generate(
                            outcome.round_trip_s, outcome.verifier_s)
             schedule.update(outcome.depth, outcome.num_accepted, outcome.drafting_s,
                             outcome.round_trip_s,
-                            free=drafter.free_draft and not outcome.drafted_ahead)
+                            free=drafter.free_draft and not outcome.drafted_ahead,
+                            plain_tokens=len(outcome.tokens) if not outcome.draft_ids else 1)
             if on_block is not None and on_block(outcome):
                 stopped = True
                 break

@@ -114,6 +114,11 @@ class VerifyRequest(_Strict):
     tree_parents: list[Annotated[int, Field(ge=-1, le=INT32_MAX)]] | None = Field(
         None, description="a token tree instead of a chain: the parent of each draft (-1: the "
         "last token; else an earlier draft's index); drafts are one-hot (draft_logprobs null)")
+    more_uniforms: list[Annotated[float, Field(ge=0.0, lt=1.0)]] = Field(
+        default_factory=list, description="a plain run (no drafts only): after the step that "
+        "draws next_token, one more plain step per uniform, each drawing its token with it, "
+        "stopping after an EOS id or at the context's end; their tokens come back in "
+        "more_tokens (one round trip for several tokens)")
 
     @field_validator("log_uniforms")
     @classmethod
@@ -184,6 +189,8 @@ class VerifyResponse(_Strict):
     # A tree: the accepted drafts' indices, root's child first (num_accepted = its length);
     # target_logprobs then holds log p_parent(node) per node, target_argmax one id per row.
     accepted_path: list[Id] | None = None
+    # A plain run: the tokens drawn after next_token, one per more_uniforms entry used.
+    more_tokens: list[Id] | None = None
 
 
 class GenerateRequest(_Strict):

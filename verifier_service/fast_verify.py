@@ -23,7 +23,7 @@ from starlette.routing import Route
 from shared.schema import VerifyRequest
 from verifier_service.errors import error_response, validation_problem
 from verifier_service.guards import OWNER_KEY
-from verifier_service.jobs import VerifyJob
+from verifier_service.generate import verify_call
 
 VERIFY_PATH = "/v1/sessions/{session_id}/verify"
 
@@ -49,8 +49,8 @@ async def verify(request: Request) -> Response:
         return error_response(*validation_problem(exc.errors()))
     state = request.app.state.verifier
     owner = request.scope.get("state", {}).get(OWNER_KEY)
-    reply = await state.scheduler.submit(
-        VerifyJob(state.jobs, request.path_params["session_id"], body, owner))
+    reply = await verify_call(state.jobs, state.scheduler, request.path_params["session_id"],
+                              body, state.engine.info.eos_token_ids, owner)
     return Response(orjson.dumps(reply.model_dump(mode="json")),
                     media_type="application/json")
 

@@ -1,6 +1,7 @@
-"""Target-only decoding (the baseline behind ``/v1/generate``): a session advanced by verify
-jobs with no drafts, each drawing the next token with the same sampling math and our own seed;
-or beam search (``num_beams`` > 1, :mod:`verifier_service.beam`)."""
+"""Target-only decoding: the baseline behind ``/v1/generate`` - a session advanced by verify
+jobs with no drafts, each drawing the next token with the same sampling math and our own seed,
+or beam search (``num_beams`` > 1, :mod:`verifier_service.beam`) - and a verify call's plain run
+(``more_uniforms``: the same plain steps on a client's session, one round trip for them all)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from shared.schema import (
     GenerateRequest,
     GenerateResponse,
     VerifyRequest,
+    VerifyResponse,
 )
 from verifier_service.acceptance import Check
 from verifier_service.beam import beam_generate, check_beam_request
@@ -84,3 +86,41 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
         scheduler.forget((owner, session_id))
         await scheduler.run(ctx.sessions.discard, session_id, owner)
     return GenerateResponse(token_ids=tokens, forward_ms=forward_ms, forward_calls=len(tokens))
+
+
+async def verify_call(ctx: JobContext, scheduler: Scheduler, session_id: str,
+                      req: VerifyRequest, eos_token_ids: list[int],
+                      owner: str | None = None) -> VerifyResponse:
+    """A verify call: one job, then for a plain run one more plain step per entry of
+    ``more_uniforms`` (each an ordinary job, batched with other sessions' work), stopping
+    after an EOS id or at the context's end. The answer is remembered for the whole call, so
+    the same call again gets it again."""
+    job = VerifyJob(ctx, session_id, req, owner)
+    first: VerifyResponse = await scheduler.submit(job)
+    if not req.more_uniforms or job.replay is not None:
+        return first
+    assert first.next_token is not None  # a step without drafts draws its token
+    last, position, forward_ms = first.next_token, first.position, first.forward_ms
+    tokens: list[int] = []
+    for uniform in req.more_uniforms:
+        if last in eos_token_ids or position > ctx.validator.max_context:
+            break
+        reply = await scheduler.submit(VerifyJob(ctx, session_id, VerifyRequest(
+            position=position, last_token=last, final_uniform=uniform), owner))
+        assert reply.next_token is not None
+        last, position = reply.next_token, reply.position
+        forward_ms += reply.forward_ms
+        tokens.append(last)
+    whole = first.model_copy(update={"position": position, "more_tokens": tokens,
+                                     "forward_ms": forward_ms})
+    await scheduler.run(remember, ctx, session_id, owner, req, job.digest, whole)
+    return whole
+
+
+def remember(ctx: JobContext, session_id: str, owner: str | None, req: VerifyRequest,
+              digest: str, reply: VerifyResponse) -> None:
+    """Model thread: the session's last answer is the whole run's (for a retried call)."""
+    session = ctx.sessions.peek(session_id, owner)
+    if session is not None:
+        session.last_verify_position, session.last_verify_digest = req.position, digest
+        session.last_reply = reply

@@ -20,7 +20,7 @@ from shared.schema import (
 )
 from verifier_service import generate as target_alone
 from verifier_service.guards import OWNER_KEY
-from verifier_service.jobs import CreateSessionJob, VerifyJob
+from verifier_service.jobs import CreateSessionJob
 from verifier_service.state import VerifierState
 from verifier_service.telemetry import CONTENT_TYPE_LATEST
 
@@ -87,8 +87,8 @@ async def verify(session_id: str, body: VerifyRequest, state: StateDep,
     """Score a drafted block in one forward. Idempotent: ``position`` names the step; the
     same call again returns the same answer without advancing the session; another
     position than the session's gets 409 with the session's ``position``."""
-    job = VerifyJob(state.jobs, session_id, body, owner)
-    return await state.scheduler.submit(job)  # type: ignore[no-any-return]
+    return await target_alone.verify_call(state.jobs, state.scheduler, session_id, body,
+                                          state.engine.info.eos_token_ids, owner)
 
 
 @router.delete("/v1/sessions/{session_id}", status_code=204, responses=ERRORS)

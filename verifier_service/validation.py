@@ -78,6 +78,13 @@ class RequestValidator:
                                 "draft_logprobs")
         if req.tree_parents is not None:
             self.check_tree(req)
+        if req.more_uniforms and (k or req.tree_parents is not None):
+            raise VerifierError(422, "plain_run_with_drafts", "more_uniforms asks for a plain "
+                                "run, which drafts nothing: send no draft_ids", "more_uniforms")
+        if len(req.more_uniforms) > self.max_draft_tokens:
+            raise VerifierError(422, "plain_run_too_long", f"more_uniforms has "
+                                f"{len(req.more_uniforms)} entries; this verifier takes at most "
+                                f"{self.max_draft_tokens}", "more_uniforms")
         if req.position == session.last_verify_position:
             raise VerifierError(409, "step_conflict", f"position {req.position} was already "
                                 "verified with a different request; the session is at position "

@@ -28,6 +28,7 @@ from shared.schema import (
 )
 from verifier_service.engine import Engine
 from verifier_service.errors import VerifierError
+from verifier_service.generate import remember
 from verifier_service.jobs import CreateSessionJob, VerifyJob
 from verifier_service.lifespan import build_jobs
 from verifier_service.scheduler import Job, run_jobs
@@ -123,8 +124,26 @@ class InProcessVerifier:
         return self._run(CreateSessionJob(self.jobs, req), CreateSessionResponse)
 
     def verify(self, session_id: str, req: VerifyRequest) -> VerifyResponse:
-        return self._run(VerifyJob(self.jobs, session_id, _over_the_wire(req, VerifyRequest)),
-                         VerifyResponse)
+        """As ``generate.verify_call``: one job, then a plain run's steps, one job each."""
+        req = _over_the_wire(req, VerifyRequest)
+        job = VerifyJob(self.jobs, session_id, req)
+        first = self._run(job, VerifyResponse)
+        if not req.more_uniforms or job.replay is not None:
+            return first
+        assert first.next_token is not None
+        last, position, tokens = first.next_token, first.position, []
+        for uniform in req.more_uniforms:
+            if (last in self.engine.info.eos_token_ids
+                    or position > self.jobs.validator.max_context):
+                break
+            reply = self._run(VerifyJob(self.jobs, session_id, VerifyRequest(
+                position=position, last_token=last, final_uniform=uniform)), VerifyResponse)
+            assert reply.next_token is not None
+            last, position = reply.next_token, reply.position
+            tokens.append(last)
+        whole = first.model_copy(update={"position": position, "more_tokens": tokens})
+        remember(self.jobs, session_id, None, req, job.digest, whole)
+        return _over_the_wire(whole, VerifyResponse)
 
     def delete_session(self, session_id: str, budget_s: float = 2.0) -> None:
         self.jobs.sessions.discard(session_id)
