@@ -152,7 +152,7 @@ class SpecDecClient:
             elif tokenizer is None:
                 is_model = isinstance(drafter, str) and drafter not in MODEL_FREE_DRAFTERS
                 spec = drafter if isinstance(drafter, str) and is_model else self.info.model
-                if is_model and self._llama_drafter(spec, options):
+                if is_model and self._llama_drafter(spec, options, device):
                     spec = resolve_gguf(spec)[1]
                 tokenizer = load_tokenizer(spec)
         except (ModelSpecError, OSError) as exc:
@@ -173,7 +173,7 @@ class SpecDecClient:
                 drafter = self._new_drafter()
             except ValueError as exc:
                 raise SpecDecError(f"drafter {drafter}: {exc}") from exc
-        elif isinstance(drafter, str) and self._llama_drafter(drafter, options):
+        elif isinstance(drafter, str) and self._llama_drafter(drafter, options, device):
             path, _ = resolve_gguf(drafter)
             weights = GGUFWeights(path)
             self.drafter_dtype = "gguf (llama.cpp)"
@@ -208,10 +208,12 @@ class SpecDecClient:
         self.drafter: Drafter | None = drafter
 
     @staticmethod
-    def _llama_drafter(spec: str, options: DrafterOptions) -> bool:
+    def _llama_drafter(spec: str, options: DrafterOptions, device: str = "auto") -> bool:
         """The drafter model runs on llama.cpp (``options.engine``); refuses what it cannot."""
+        engine = "transformers" if options.engine == "auto" and options.cuda_graphs \
+            else options.engine
         try:
-            if pick_engine(options.engine, spec) != "llama-cpp":
+            if pick_engine(engine, spec, device) != "llama-cpp":
                 return False
         except ModelSpecError as exc:
             raise SpecDecError(f"drafter engine: {exc}") from exc

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import os
 import threading
 from dataclasses import dataclass
@@ -48,14 +49,24 @@ def is_gguf(spec: str) -> bool:
     return spec.endswith(".gguf")
 
 
-def pick_engine(engine: str, spec: str) -> str:
-    """``auto``: transformers (the measured default everywhere); ``llama-cpp`` only for a .gguf
-    file, with the package installed."""
+def llama_available() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def pick_engine(engine: str, spec: str, device: str = "auto") -> str:
+    """``auto``: llama.cpp for a .gguf file on a CPU where llama-cpp-python is installed (it
+    ran the same file several times faster than transformers here: docs/benchmarks.md, the
+    llama.cpp section), transformers for everything else (folders, short names, CUDA)."""
     if engine not in ENGINES:
         raise ModelSpecError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
-    if engine == "auto":
+    if engine != "auto":
+        return engine
+    if not is_gguf(spec) or not llama_available():
         return "transformers"
-    return engine
+    import torch
+
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    return "llama-cpp" if on_cpu else "transformers"
 
 
 def resolve_gguf(spec: str) -> tuple[str, str]:

@@ -309,3 +309,21 @@ def test_negative_control_on_the_llama_cpp_engine(sampled_client: SpecDecClient,
     counts = sample_pairs(sampled_client, params, 2000, exact=exact, workers=4)
     p_value, tv = chi_square_p(counts, exact)
     assert p_value < 1e-6, f"wrong rule not caught: p = {p_value:.2e}, TV = {tv:.3f}"
+
+
+def test_auto_picks_llama_cpp_for_a_gguf_file_on_a_cpu(ggufs: dict[str, Path],
+                                                       tiny_models: dict[str, Path]) -> None:
+    from shared.llama_runtime import pick_engine
+    from verifier_service.llama_engine import LlamaCppEngine
+    from verifier_service.target import load_engine
+
+    gguf = str(ggufs["llama-target"])
+    assert pick_engine("auto", gguf, "cpu") == "llama-cpp"
+    assert pick_engine("auto", gguf, "cuda") == "transformers"
+    assert pick_engine("auto", str(tiny_models["llama-target"]), "cpu") == "transformers"
+    assert pick_engine("transformers", gguf, "cpu") == "transformers"
+    engine = load_engine(Settings(model=gguf, threads=1, max_context=64, device="cpu"))
+    assert isinstance(engine, LlamaCppEngine)
+    client = SpecDecClient(InProcessVerifier(engine, Settings(model=gguf, max_context=64)),
+                           str(ggufs["llama-drafter"]), device="cpu")
+    assert isinstance(client.drafter.model, LlamaCppDrafter)  # type: ignore[union-attr]

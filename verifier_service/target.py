@@ -94,7 +94,9 @@ class CausalEngine(PoolSlots, BatchForward):
 
 def load_engine(settings: Settings) -> Engine:
     """The target of ``settings``, loaded, warmed up and ready to serve."""
-    if pick_engine(settings.engine, settings.model) == "llama-cpp":
+    placed = bool(settings.device_map or settings.tp_plan or settings.cuda_graphs)
+    engine = "transformers" if settings.engine == "auto" and placed else settings.engine
+    if pick_engine(engine, settings.model, settings.device) == "llama-cpp":
         from verifier_service.llama_engine import load_llama_engine
 
         return load_llama_engine(settings.model, settings.max_context,

@@ -109,7 +109,7 @@ def _drafter(p: argparse.ArgumentParser) -> None:
                                                                   "llama-cpp"],
                    help="what runs a model drafter: transformers, or llama.cpp for a .gguf "
                    "file or a short name whose GGUF is kept (the [llama] extra); auto: "
-                   "transformers")
+                   "llama.cpp for a .gguf file on a CPU where it is installed")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads of the drafter (torch's, or llama.cpp's); 0: the default")
 
