@@ -56,6 +56,9 @@ class DraftLength(Protocol):
         """With k = 0 chosen: how many more plain steps to ask for in the same round trip (a
         plain run, ``more_uniforms``), at most ``room``."""
 
+    def seed_drafting(self, seconds_per_token: float) -> None:
+        """The drafter's cost per token measured before the first block (its warm-up)."""
+
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
                free: bool = False, plain_tokens: int = 1) -> None:
         """What the last block did: drafts proposed and accepted, and what it cost; ``free``:
@@ -75,6 +78,9 @@ class NoCostModel:
 
     def plain_run(self, room: int) -> int:
         return max(0, min(room, PLAIN_RUN))
+
+    def seed_drafting(self, seconds_per_token: float) -> None:
+        pass
 
 
 class FixedLength(NoCostModel):
@@ -251,8 +257,8 @@ class CostModelLength:
         return False
 
     def next_k(self) -> int:
-        if self._rtt[0] == 0 or self.draft_s_per_token is None:
-            return self.k  # not measured yet
+        if self.draft_s_per_token is None or not (self._rtt[0] or self.measured(0)):
+            return self.k  # not measured yet (nor seeded)
         if 0 not in self._rtt_at:
             self.k = 0  # one plain step, to know what drafting nothing costs
             return self.k
@@ -270,6 +276,12 @@ class CostModelLength:
             self.k = 0
             self.plain_steps += 1
         return self.k
+
+    def seed_drafting(self, seconds_per_token: float) -> None:
+        """With the verifier's seeded verify costs, the first block is chosen on this
+        machine's costs too (until blocks measured here replace the seed)."""
+        if self.draft_s_per_token is None:
+            self.draft_s_per_token = seconds_per_token
 
     def plain_run(self, room: int) -> int:
         """Plain steps up to the next probe, so a run never delays one (at most

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -116,6 +117,12 @@ class Drafter:
         policy what drafting costs)."""
         return False
 
+    @property
+    def draft_cost_s(self) -> float | None:
+        """Seconds per drafted token measured at warm-up (None: not measured), which seeds the
+        draft-length policy's estimate before the first block."""
+        return None
+
 
 class TreeBuilder:
     """Collects paths into one token tree, sharing common prefixes (a trie)."""
@@ -194,9 +201,24 @@ class LMDrafter(Drafter):
         self.cached: list[int] = []
         self.last_logits = torch.empty(0)  # [vocab] after the last cached token
 
+    measured_draft_s: float | None = None  # per drafted token, timed by ``warm_up``
+
     def warm_up(self) -> None:
-        """A throwaway draft, so the first real block does not pay for kernel warm-up."""
-        raise NotImplementedError
+        """Throwaway drafts, so the first real block does not pay for kernel warm-up: the
+        prefill of a 16-token context and a first block, then one block of 4 timed after
+        it (``draft_cost_s``)."""
+        config, generator = SamplingConfig(), torch.Generator()
+        self.reset([i % self.vocab_size for i in range(16)])
+        first = self.propose(2, config, generator)
+        self.commit([*first.ids, 0])
+        started = time.perf_counter()
+        timed = self.propose(4, config, generator)
+        if timed.ids:
+            self.measured_draft_s = (time.perf_counter() - started) / len(timed.ids)
+
+    @property
+    def draft_cost_s(self) -> float | None:
+        return self.measured_draft_s
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         """Feed ids into the cache; the last position's logits aligned to the target vocab
@@ -303,10 +325,6 @@ class HFDrafter(LMDrafter):
         self.device = next(model.parameters()).device
         self.cache: DynamicCache | EncoderDecoderCache | None = None
 
-    def warm_up(self) -> None:
-        self.reset([i % self.model.config.vocab_size for i in range(16)])
-        self.propose(2, SamplingConfig(), torch.Generator())
-
     def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
         self.committed = list(prompt_ids)
         self.cached = []
@@ -339,10 +357,6 @@ class LlamaCppDrafter(LMDrafter):
         super().__init__(vocab_size, name, min_prob, tree_width, alternative_min_prob)
         self.lm = LlamaModel(weights, n_seqs=1, seq_tokens=seq_tokens, threads=threads,
                              batch_tokens=512)
-
-    def warm_up(self) -> None:
-        self.reset([i % self.lm.vocab_size for i in range(16)])
-        self.propose(2, SamplingConfig(), torch.Generator())
 
     def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
         self.committed = list(prompt_ids)

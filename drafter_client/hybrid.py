@@ -125,3 +125,7 @@ class HybridDrafter(Drafter):
     def free_draft(self) -> bool:
         return self.sent_lookup
 
+    @property
+    def draft_cost_s(self) -> float | None:
+        return self.model.draft_cost_s
+

@@ -270,6 +270,8 @@ def speculative_generate(
     config = settings.sampling.to_config()
     schedule = settings.draft_schedule()
     drafter.advise(schedule)  # e.g. free lookup drafts judged by this schedule's costs
+    if drafter.draft_cost_s is not None:
+        schedule.seed_drafting(drafter.draft_cost_s)
     generator = torch.Generator().manual_seed(settings.seed)
     recorder = MetricsRecorder(verifier)
     session = VerifierSession(verifier, settings.sampling, prompt_ids, settings.encoder_ids)
