@@ -327,3 +327,21 @@ def test_auto_picks_llama_cpp_for_a_gguf_file_on_a_cpu(ggufs: dict[str, Path],
     client = SpecDecClient(InProcessVerifier(engine, Settings(model=gguf, max_context=64)),
                            str(ggufs["llama-drafter"]), device="cpu")
     assert isinstance(client.drafter.model, LlamaCppDrafter)  # type: ignore[union-attr]
+
+
+def test_llama_cpp_drafter_drafts_trees_for_the_transformers_verifier(
+        llama_server: LiveServer, tiny_models: dict[str, Path], ggufs: dict[str, Path]) -> None:
+    """Trees are the verifier engine's limit, not the drafter's: the llama.cpp drafter's token
+    trees verified on the transformers engine give the target's own greedy output."""
+    from scripts.harness.tiny_models import hf_greedy
+
+    client = SpecDecClient(llama_server.url, str(ggufs["llama-drafter"]),
+                           options=DrafterOptions(engine="llama-cpp", threads=1, tree_width=2,
+                                                  lookup=False))
+    for prompt in PROMPTS[:2]:
+        ids = client.encode(prompt)
+        result = client.generate(ids, num_draft_tokens=4, max_new_tokens=20)
+        expected = hf_greedy(tiny_models["llama-target"], ids, 20)
+        cut = next((i + 1 for i, t in enumerate(expected) if t == 1), len(expected))
+        assert result.token_ids == expected[:cut], prompt
+        assert result.metrics.accepted_tokens > 0

@@ -46,6 +46,7 @@ def test_plain_run_is_idempotent_and_stops_at_the_context(llama_server: LiveServ
         more = http.post(f"/v1/sessions/{sid}/verify", json={
             "position": 65, "last_token": reply["more_tokens"][-1], "final_uniform": 0.5})
         assert more.status_code == 422  # past the context: the run stopped where it had to
+        assert http.delete(f"/v1/sessions/{sid}").status_code == 204  # a shared server
 
 
 @pytest.mark.parametrize(("extra", "field", "code"), [
@@ -66,6 +67,7 @@ def test_bad_plain_runs_are_refused(extra: dict, field: str, code: str | None,
         fine = http.post(f"/v1/sessions/{sid}/verify", json={
             "position": 2, "last_token": 3, "final_uniform": 0.5, "more_uniforms": [0.5]})
         assert fine.status_code == 200 and fine.json()["position"] == 4  # nothing was lost
+        assert http.delete(f"/v1/sessions/{sid}").status_code == 204  # a shared server
 
 
 def test_cost_model_asks_for_runs_where_drafting_cannot_pay() -> None:
