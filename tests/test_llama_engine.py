@@ -345,3 +345,30 @@ def test_llama_cpp_drafter_drafts_trees_for_the_transformers_verifier(
         cut = next((i + 1 for i, t in enumerate(expected) if t == 1), len(expected))
         assert result.token_ids == expected[:cut], prompt
         assert result.metrics.accepted_tokens > 0
+
+
+def test_the_openai_gateway_on_both_llama_cpp_sides(server: LiveServer,
+                                                    ggufs: dict[str, Path]) -> None:
+    """``specdec serve`` with the llama.cpp drafter in front of the llama.cpp verifier: four
+    concurrent completions (each on its own fork: a context of its own on shared weights)
+    give llama.cpp's own greedy output."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from drafter_client.gateway import GatewaySettings, create_gateway
+    from scripts.harness.servers import ThreadedServer
+
+    client = SpecDecClient(server.url, str(ggufs["llama-drafter"]),
+                           options=DrafterOptions(engine="llama-cpp", threads=1))
+    with ThreadedServer(create_gateway(client, GatewaySettings("tiny-llama"))) as gateway:
+        def complete(prompt: str) -> str:
+            reply = httpx.post(gateway.url + "/v1/completions", timeout=60, json={
+                "model": "tiny-llama", "prompt": prompt, "max_tokens": 16, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            return str(reply.json()["choices"][0]["text"])
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(complete, [*PROMPTS, PROMPTS[0]]))
+    for prompt, got in zip([*PROMPTS, PROMPTS[0]], texts, strict=True):
+        want = expected(ggufs, client.encode(prompt), 16, client.info.eos_token_ids)
+        text = client.tokenizer.decode(want, skip_special_tokens=True)
+        assert got.split() == text.split(), prompt
