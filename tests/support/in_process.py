@@ -11,6 +11,7 @@ scheduler batches concurrent clients.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any, TypeVar
 
@@ -28,8 +29,8 @@ from shared.schema import (
 )
 from verifier_service.engine import Engine
 from verifier_service.errors import VerifierError
-from verifier_service.generate import remember
-from verifier_service.jobs import CreateSessionJob, VerifyJob
+from verifier_service.generate import verify_call
+from verifier_service.jobs import CreateSessionJob
 from verifier_service.lifespan import build_jobs
 from verifier_service.scheduler import Job, run_jobs
 from verifier_service.settings import Settings
@@ -86,6 +87,23 @@ class CallGroup:
         self._cond.notify_all()
 
 
+class _HereScheduler:
+    """What ``verify_call`` needs from the scheduler, on this thread: each job as a batch of
+    one (or of its ``CallGroup``), functions called directly."""
+
+    def __init__(self, verifier: InProcessVerifier) -> None:
+        self.verifier = verifier
+
+    async def submit(self, job: Job) -> Any:
+        ok, value = self.verifier._outcome(job)
+        if not ok:
+            raise value
+        return value
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
+
 class InProcessVerifier:
     """Implements the client's ``Verifier`` protocol on an :class:`Engine` in this
     process. Each call runs as a batch of one job (``run_jobs``, the scheduler's own step)."""
@@ -103,13 +121,16 @@ class InProcessVerifier:
         return cls(load_engine(settings), settings)
 
     def _run(self, job: Job, reply_model: type[M]) -> M:
-        if self.group is not None:
-            ok, value = self.group.run(job)
-        else:
-            [(ok, value)] = run_jobs(self.engine, [job])
+        ok, value = self._outcome(job)
         if not ok:
             raise _as_client_error(value)
         return _over_the_wire(value, reply_model)
+
+    def _outcome(self, job: Job) -> tuple[bool | None, Any]:
+        if self.group is not None:
+            return self.group.run(job)
+        [outcome] = run_jobs(self.engine, [job])
+        return outcome
 
     def info(self, budget_s: float | None = None) -> InfoResponse:
         return describe(self.engine, self.settings)
@@ -124,26 +145,14 @@ class InProcessVerifier:
         return self._run(CreateSessionJob(self.jobs, req), CreateSessionResponse)
 
     def verify(self, session_id: str, req: VerifyRequest) -> VerifyResponse:
-        """As ``generate.verify_call``: one job, then a plain run's steps, one job each."""
+        """The route's own ``verify_call`` (a plain run's steps included), its jobs run here."""
         req = _over_the_wire(req, VerifyRequest)
-        job = VerifyJob(self.jobs, session_id, req)
-        first = self._run(job, VerifyResponse)
-        if not req.more_uniforms or job.replay is not None:
-            return first
-        assert first.next_token is not None
-        last, position, tokens = first.next_token, first.position, []
-        for uniform in req.more_uniforms:
-            if (last in self.engine.info.eos_token_ids
-                    or position > self.jobs.validator.max_context):
-                break
-            reply = self._run(VerifyJob(self.jobs, session_id, VerifyRequest(
-                position=position, last_token=last, final_uniform=uniform)), VerifyResponse)
-            assert reply.next_token is not None
-            last, position = reply.next_token, reply.position
-            tokens.append(last)
-        whole = first.model_copy(update={"position": position, "more_tokens": tokens})
-        remember(self.jobs, session_id, None, req, job.digest, whole)
-        return _over_the_wire(whole, VerifyResponse)
+        try:
+            reply = asyncio.run(verify_call(self.jobs, _HereScheduler(self), session_id, req,
+                                            self.engine.info.eos_token_ids))
+        except VerifierError as exc:
+            raise _as_client_error(exc) from None
+        return _over_the_wire(reply, VerifyResponse)
 
     def delete_session(self, session_id: str, budget_s: float = 2.0) -> None:
         self.jobs.sessions.discard(session_id)
