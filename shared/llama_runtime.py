@@ -81,7 +81,7 @@ def resolve_gguf(spec: str) -> tuple[str, str]:
                                  f"{path})")
         folder = offline_model_dir(spec)
         return str(path), spec if (folder / "config.json").exists() else str(path)
-    if not spec.endswith(".gguf"):
+    if not is_gguf(spec):
         raise ModelSpecError(f"the llama-cpp engine loads a .gguf file or a short name of the "
                              f"offline pair ({', '.join(OFFLINE_MODELS)}); got {spec!r}")
     return spec, spec
@@ -172,7 +172,7 @@ class LlamaModel:
                  threads: int = 0, batch_tokens: int = 2048, cells: int = 0) -> None:
         self.weights = weights if isinstance(weights, GGUFWeights) else GGUFWeights(weights)
         lib = self.lib = self.weights.lib
-        self.model, self.vocab = self.weights.model, self.weights.vocab
+        self.model = self.weights.model
         self.vocab_size, self.model_limit = self.weights.vocab_size, self.weights.model_limit
         self.seq_tokens = min(seq_tokens, self.model_limit) if seq_tokens else self.model_limit
         self.n_seqs = n_seqs
@@ -266,10 +266,6 @@ class LlamaModel:
     def length(self, seq: int) -> int:
         """Cached positions of ``seq`` (its largest position + 1)."""
         return int(self.lib.llama_memory_seq_pos_max(self.memory, seq)) + 1
-
-    def set_threads(self, threads: int) -> None:
-        self.threads = threads
-        self.lib.llama_set_n_threads(self.ctx, threads, threads)
 
     def close(self) -> None:
         if getattr(self, "ctx", None):
