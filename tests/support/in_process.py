@@ -11,7 +11,6 @@ scheduler batches concurrent clients.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from typing import Any, TypeVar
 
@@ -87,6 +86,16 @@ class CallGroup:
         self._cond.notify_all()
 
 
+def _run_now(coroutine: Any) -> Any:
+    """The result of a coroutine that never waits (every await in it returns at once)."""
+    try:
+        coroutine.send(None)
+    except StopIteration as done:
+        return done.value
+    coroutine.close()
+    raise RuntimeError("the coroutine waited for something")
+
+
 class _HereScheduler:
     """What ``verify_call`` needs from the scheduler, on this thread: each job as a batch of
     one (or of its ``CallGroup``), functions called directly."""
@@ -148,8 +157,8 @@ class InProcessVerifier:
         """The route's own ``verify_call`` (a plain run's steps included), its jobs run here."""
         req = _over_the_wire(req, VerifyRequest)
         try:
-            reply = asyncio.run(verify_call(self.jobs, _HereScheduler(self), session_id, req,
-                                            self.engine.info.eos_token_ids))
+            reply = _run_now(verify_call(self.jobs, _HereScheduler(self), session_id, req,
+                                         self.engine.info.eos_token_ids))
         except VerifierError as exc:
             raise _as_client_error(exc) from None
         return _over_the_wire(reply, VerifyResponse)
