@@ -14,8 +14,12 @@ from typing import Any
 import torch
 
 from shared.graphs import Shaped, StaticForwards
-from shared.kv_pool import KVPool, RaggedBatch, Segment
+from shared.kv_pool import KVPool, RaggedBatch, Segment, Upload
 from shared.sampling import tree_depths
+
+
+class PoolFullError(RuntimeError):
+    """A slot must grow and no region that large is free (callers reserve first: ``reserve``)."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ def pooled_forward(model: Any, pool: KVPool, items: list[ForwardItem], device: t
     for item in items:
         offset = len(ids)
         segments.append(Segment.build(item.slot, item.start, offset, len(item.token_ids),
-                                      device, item.tree_parents))
+                                      item.tree_parents))
         ids.extend(item.token_ids)
         if item.tree_parents is None:
             at = list(range(item.start, item.start + len(item.token_ids)))
@@ -60,27 +64,35 @@ def pooled_forward(model: Any, pool: KVPool, items: list[ForwardItem], device: t
             shaped.append(Shaped(item.slot, item.start, item.token_ids, at,
                                  segments[-1].visible,
                                  item.keep_from if item.keep_logits else None))
+    for item in items:  # a slot's region grows to hold its new tokens
+        if not pool.reserve(item.slot, item.start + len(item.token_ids)):
+            raise PoolFullError(f"the KV pool has no region of {item.start + len(item.token_ids)}"
+                                f" tokens free for slot {item.slot}")
     # A slot twice in one batch (a deferred prompt before its block) runs eagerly.
     if (static is not None and all(s.token_ids for s in shaped)
             and len({s.slot for s in shaped}) == len(shaped)):
         static_rows = static.forward(shaped)
         if static_rows is not None:
             return static_rows
+    upload = Upload(device)  # the token ids, positions, kept rows and the layout: one copy
+    parts = upload.add(ids), upload.add(positions), upload.add(keep or [0])
+    batch = RaggedBatch.plan(pool, segments, device, padded=padded, upload=upload)
+    input_ids, position_ids, kept = (upload.get(p) for p in parts)
     out = model(
-        input_ids=torch.tensor([ids], device=device),  # [1, N]
-        position_ids=torch.tensor([positions], device=device),  # [1, N]
+        input_ids=input_ids[None],  # [1, N]
+        position_ids=position_ids[None],  # [1, N]
         use_cache=False,
-        logits_to_keep=torch.tensor(keep or [0], device=device),
-        ragged_batch=RaggedBatch.plan(pool, segments, device, padded=padded),
+        logits_to_keep=kept,
+        ragged_batch=batch,
     )
     logits = out.logits[0]  # [len(keep), vocab], on the model's device, in its dtype
     rows: list[torch.Tensor | None] = []
     cursor = 0
     for item in items:
         if item.keep_logits:
-            kept = len(item.token_ids) - item.keep_from
-            rows.append(logits[cursor:cursor + kept])
-            cursor += kept
+            n = len(item.token_ids) - item.keep_from
+            rows.append(logits[cursor:cursor + n])
+            cursor += n
         else:
             rows.append(None)
     return rows

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from shared.kv_pool import KVPool, PaddedGroup, RaggedBatch, fill_mask
+from shared.kv_pool import KVPool, PaddedGroup, RaggedBatch, Upload, chain_mask
 
 log = logging.getLogger(__name__)
 # A capture makes CUDA calls that other captures in the process must not interleave with (the
@@ -59,25 +59,37 @@ class Bucket:
                  device: torch.device, capture: bool, graph_pool: Any) -> None:
         self.model, self.b, self.length, self.end = model, b, length, end
         self.device = device
+        self.pool = pool
         n = b * length
         self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
         self.positions = torch.zeros(1, n, dtype=torch.long, device=device)
-        self.write_slots = torch.full((n,), scratch, dtype=torch.long, device=device)
-        self.write_positions = torch.arange(length, device=device).repeat(b)
-        self.slots = torch.full((b,), scratch, dtype=torch.long, device=device)
+        self.write_index = torch.zeros(n, dtype=torch.long, device=device)
+        self.gather = torch.zeros(b, end, dtype=torch.long, device=device)
+        self.starts = torch.zeros(b, dtype=torch.long, device=device)
+        self.lengths = torch.zeros(b, dtype=torch.long, device=device)  # 0: every row a pad
+        self.allow = torch.ones(b, 1, length, end, dtype=torch.bool, device=device)  # trees
+        self.tree_rows: list[int] = []  # segments whose ``allow`` rows a tree changed
         self.mask = torch.empty(b, 1, length, end, dtype=torch.bool, device=device)
-        fill_mask(self.mask, [])  # every row sees key 0 alone until a batch is loaded
+        self._load_scratch(scratch)
         self.keep = torch.arange(n, device=device)
         flat = torch.arange(n, device=device)
-        group = PaddedGroup(self.slots, flat.view(b, length), flat, flat, self.mask, end)
-        self.batch = RaggedBatch(pool, self.write_slots, self.write_positions, [], group)
+        group = PaddedGroup(self.gather, flat.view(b, length), flat, flat, self.mask, end)
+        self.batch = RaggedBatch(pool, self.write_index, [], group)
         self.graph: Any = None
         self.out: torch.Tensor | None = None
         if capture:
             self._capture(graph_pool)
 
+    def _load_scratch(self, scratch: int) -> None:
+        """Every segment a pad in the scratch slot (its tokens write there)."""
+        base = self.pool.base(scratch)
+        self.write_index.copy_(base + torch.arange(self.length, device=self.device).repeat(self.b))
+        self.gather.copy_(base + torch.arange(self.end, device=self.device).repeat(self.b, 1))
+
     def run(self) -> torch.Tensor:
-        """[B * L, vocab] logits of the static inputs as they are now."""
+        """[B * L, vocab] logits of the static inputs as they are now (the mask is computed
+        from the starts and lengths inside it: a graph replays that too)."""
+        self.mask.copy_(chain_mask(self.starts, self.lengths, self.length, self.end) & self.allow)
         out = self.model(input_ids=self.ids, position_ids=self.positions, use_cache=False,
                          logits_to_keep=self.keep, ragged_batch=self.batch)
         return out.logits[0]  # type: ignore[no-any-return]
@@ -99,39 +111,51 @@ class Bucket:
                 self.out = self.run()
 
     def forward(self, shaped: list[Shaped], scratch: int) -> torch.Tensor:
-        """Load the batch into the static buffers and run; [B * L, vocab] logits."""
-        b, length = self.b, self.length
-        ids = torch.zeros(b, length, dtype=torch.long)
-        positions = torch.zeros(b, length, dtype=torch.long)
-        write_slots = torch.full((b, length), scratch, dtype=torch.long)
-        write_positions = torch.arange(length).repeat(b, 1)
-        slots = torch.full((b,), scratch, dtype=torch.long)
+        """Load the batch into the static buffers (one copy from the host) and run;
+        [B * L, vocab] logits."""
+        b, length, end, pool = self.b, self.length, self.end, self.pool
+        ids = [0] * (b * length)
+        positions = [0] * (b * length)
+        scratch_base = pool.base(scratch)
+        write = [scratch_base + i for _ in range(b) for i in range(length)]
+        gather = pool.gather_index([scratch] * b, end)
+        starts, lengths = [0] * b, [0] * b
         for i, seg in enumerate(shaped):
-            n = len(seg.token_ids)
-            ids[i, :n] = torch.tensor(seg.token_ids)
-            positions[i, :n] = torch.tensor(seg.positions)
-            positions[i, n:] = seg.positions[-1]  # pad tokens: any position will do
-            write_slots[i] = seg.slot
-            write_positions[i] = torch.arange(seg.start, seg.start + length)  # pads past the end
-            slots[i] = seg.slot
-        self.ids.copy_(ids.view(1, -1), non_blocking=True)
-        self.positions.copy_(positions.view(1, -1), non_blocking=True)
-        self.write_slots.copy_(write_slots.view(-1), non_blocking=True)
-        self.write_positions.copy_(write_positions.view(-1), non_blocking=True)
-        self.slots.copy_(slots, non_blocking=True)
-        fill_mask(self.mask, [(seg.start, len(seg.token_ids), seg.visible) for seg in shaped])
+            n, at = len(seg.token_ids), i * length
+            ids[at:at + n] = seg.token_ids
+            positions[at:at + length] = seg.positions + [seg.positions[-1]] * (length - n)
+            base = pool.base(seg.slot)  # pad tokens write past the session's end
+            write[at:at + length] = range(base + seg.start, base + seg.start + length)
+            gather[i * end:(i + 1) * end] = pool.gather_index([seg.slot], end)
+            starts[i], lengths[i] = seg.start, n
+        upload = Upload(self.device)
+        parts = [upload.add(v) for v in (ids, positions, write, gather, starts, lengths)]
+        upload.send()
+        for buffer, part in zip((self.ids, self.positions, self.write_index, self.gather,
+                                 self.starts, self.lengths), parts, strict=True):
+            buffer.view(-1).copy_(upload.get(part))
+        for i in self.tree_rows:  # the last batch's trees
+            self.allow[i].fill_(True)
+        self.tree_rows = [i for i, seg in enumerate(shaped) if seg.visible is not None]
+        for i in self.tree_rows:
+            visible = shaped[i].visible
+            assert visible is not None
+            self.allow[i, 0, :visible.shape[0], :visible.shape[1]] = visible.to(self.device)
         return self._replay()
 
     def step(self, slot: int, start: int, token: torch.Tensor) -> torch.Tensor:
         """B = L = 1: ``token`` (one id already on the device, e.g. the last step's argmax: it
-        never goes through the host) at position ``start`` of ``slot``; [1, vocab] logits."""
+        never goes through the host) at position ``start`` of ``slot``; [1, vocab] logits.
+        Nothing is copied from the host."""
         assert self.b == 1 and self.length == 1
         self.ids.view(-1).copy_(token.view(-1))
-        for buffer in (self.positions, self.write_positions):
-            buffer.fill_(start)
-        for buffer in (self.write_slots, self.slots):
-            buffer.fill_(slot)
-        fill_mask(self.mask, [(start, 1, None)])
+        base = self.pool.base(slot)
+        self.positions.fill_(start)
+        self.starts.fill_(start)
+        self.lengths.fill_(1)
+        self.write_index.fill_(base + start)
+        self.gather.copy_((base + torch.arange(self.end, device=self.device)).clamp_(
+            max=self.pool.regions.total - 1)[None])
         return self._replay()
 
     def _replay(self) -> torch.Tensor:
@@ -189,7 +213,7 @@ class StaticForwards:
         if i == len(self.b_buckets) or j == len(L_BUCKETS):
             return None
         length = L_BUCKETS[j]
-        if any(s.start + length > self.pool.slot_tokens for s in shaped):
+        if not all(self.pool.reserve(s.slot, s.start + length) for s in shaped):
             return None  # the pad tokens would run past the slot
         return self.b_buckets[i], length, self.end_of(max(s.start + len(s.token_ids)
                                                            for s in shaped))
@@ -203,7 +227,7 @@ class StaticForwards:
         """One token (a device tensor) at ``start`` of ``slot`` through the (1, 1, E) bucket:
         [1, vocab] logits (a view of the bucket's output, valid until its next run), or None
         when the slot is full."""
-        if start + 1 > self.pool.slot_tokens:
+        if not self.pool.reserve(slot, start + 1):
             self.fallbacks += 1
             return None
         self.replays += 1

@@ -1,16 +1,30 @@
-"""A slot pool for the sessions' KV caches, and the ragged attention that reads it in place.
+"""A pool for the sessions' KV caches, and the ragged attention that reads it in place.
 
-Every session owns one slot: per layer a contiguous [kv_heads, slot_tokens, head_dim] region of
-one preallocated tensor. A batched forward flattens the new tokens of all sessions into one
-sequence ([1, num_tokens], each token with its own position id); the projections and MLPs run once
-for all of them, and every layer writes all new keys and values into their slots in one indexed
-copy. Attention then runs in one of two ways (``--attention``):
+Every layer's cache is ONE preallocated [kv_heads, total_tokens, head_dim] tensor. A session
+owns a *slot*: a stable id whose *region* - a contiguous run of that token axis - grows with it.
+Regions come from a buddy allocator (:class:`Regions`): sizes are powers of two from
+``smallest`` (256 tokens) up to ``slot_tokens`` (the longest context), so short sessions hold
+short regions and many more sessions fit than one longest-context slot each. A session that
+outgrows its region moves to one twice as large (one copy per layer, far cheaper than the
+forward that needed the room); its slot id stays.
 
-* ``per-session``: one SDPA call per session over a *view* of its slot (nothing is copied);
+A batched forward flattens the new tokens of all sessions into one sequence ([1, num_tokens],
+each token with its own position id); the projections and MLPs run once for all of them, and
+every layer writes all new keys and values into their regions in one indexed copy. Attention
+then runs in one of two ways (``--attention``):
+
+* ``per-session``: one SDPA call per session over a *view* of its region (nothing is copied);
 * ``padded``: the short segments (verify blocks, decode steps) in ONE call per layer - queries
-  padded to the longest block, keys and values gathered from the slots' first E positions, a
+  padded to the longest block, keys and values gathered from the regions' first E positions, a
   [B, 1, L, E] mask - and only long prefills one by one. One kernel launch instead of B, and
   the shapes depend on (B, L, E) alone, which is what a GPU wants.
+
+Every index a forward needs goes to the device in ONE copy from one (pinned, on CUDA) host
+tensor (:class:`Upload`), and the masks are computed there from each segment's start and length:
+no host sync per segment or per layer. Masked calls fold a grouped-query head group into the
+query rows ([B, kv_heads, group * L, d]) instead of passing ``enable_gqa``, so SDPA keeps its
+fused kernels (``enable_gqa`` with a mask rules out flash and may fall back to the math kernel,
+which copies K/V per query head); prefills pass ``is_causal``.
 
 Rolling back a rejected draft is moving the session's length; nothing is erased.
 
@@ -29,6 +43,39 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 ATTENTION_NAME = "specdec_ragged"
+SMALLEST_REGION = 256  # tokens: the first region of every session
+
+
+class Upload:
+    """Host integers for one forward, copied to the device at once: ``add`` a list, get back
+    its slot; ``send`` makes one host tensor (pinned on CUDA) and one non-blocking copy, and
+    ``get`` slices it on the device. ``Upload.count`` counts the copies (tests read it)."""
+
+    count = 0
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.parts: list[list[int]] = []
+        self.flat: torch.Tensor | None = None
+        self.offsets: list[int] = [0]
+
+    def add(self, values: list[int]) -> int:
+        assert self.flat is None, "add after send"
+        self.parts.append(values)
+        self.offsets.append(self.offsets[-1] + len(values))
+        return len(self.parts) - 1
+
+    def send(self) -> Upload:
+        host = torch.tensor([v for part in self.parts for v in part] or [0], dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        self.flat = host.to(self.device, non_blocking=True)
+        Upload.count += 1
+        return self
+
+    def get(self, index: int) -> torch.Tensor:
+        assert self.flat is not None, "get before send"
+        return self.flat[self.offsets[index]:self.offsets[index + 1]]
 
 
 @dataclass(frozen=True)
@@ -39,14 +86,14 @@ class Segment:
     start: int  # tokens already in the slot (the new ones go at start .. start + length - 1)
     offset: int  # where the new tokens begin in the flattened batch
     length: int
-    visible: torch.Tensor | None = None  # [length, start + length] causal mask; None: all
+    visible: torch.Tensor | None = None  # a tree's [length, start + length] mask (host); None:
+    # each token sees the cached prefix and the new tokens up to itself
 
     @classmethod
-    def build(cls, slot: int, start: int, offset: int, length: int, device: torch.device,
+    def build(cls, slot: int, start: int, offset: int, length: int,
               tree_parents: list[int] | None = None) -> Segment:
-        """The mask is the same for every layer, so it is built once per forward.
-        ``tree_parents``: the new tokens after the first form a tree below it (parent -1 is the
-        first token): each sees the cached prefix, its ancestors and itself."""
+        """``tree_parents``: the new tokens after the first form a tree below it (parent -1 is
+        the first token): each sees the cached prefix, its ancestors and itself."""
         visible = None
         if tree_parents is not None:
             sees = torch.eye(length, dtype=torch.bool)  # [length, length]
@@ -54,11 +101,7 @@ class Segment:
             for node, parent in enumerate(tree_parents, start=1):
                 sees[node] |= sees[parent + 1]
             prefix = torch.ones(length, start, dtype=torch.bool)
-            visible = torch.cat([prefix, sees], dim=1).to(device)  # [length, start + length]
-        elif length > 1:
-            seen = torch.arange(start + length, device=device)  # [end]
-            rows = start + torch.arange(length, device=device)  # [length]
-            visible = seen[None, :] <= rows[:, None]  # [length, end]
+            visible = torch.cat([prefix, sees], dim=1)  # [length, start + length]
         return cls(slot, start, offset, length, visible)
 
 
@@ -68,27 +111,34 @@ class Segment:
 PADDED_MAX_LENGTH = 64
 
 
-def fill_mask(mask: torch.Tensor,
-              rows: list[tuple[int, int, torch.Tensor | None]]) -> None:
-    """mask: [B, 1, L, E]; rows[b] = (start, length, visible) of segment b (visible: [length,
-    start + length], or None: each token sees everything up to itself). Pad rows (and padding
-    segments past len(rows)) see key 0 alone, so they stay finite; their outputs are dropped."""
-    mask.zero_()
-    mask[..., 0] = True
-    for b, (start, length, visible) in enumerate(rows):
-        seen = start + length
-        if visible is not None:
-            mask[b, 0, :length, :seen] = visible.to(mask.device)
-        else:
-            mask[b, 0, :length, :seen] = True
+def chain_mask(starts: torch.Tensor, lengths: torch.Tensor, length: int,
+               end: int) -> torch.Tensor:
+    """[B, 1, L, E] on the device of ``starts`` / ``lengths`` ([B] each): query l of segment b
+    sees keys 0 .. start_b + l when l < length_b; pad rows (and segments of length 0) see key 0
+    alone, so they stay finite (their outputs are dropped)."""
+    device = starts.device
+    rows = torch.arange(length, device=device)  # [L]
+    keys = torch.arange(end, device=device)  # [E]
+    last = (starts[:, None] + rows[None, :])[:, :, None]  # [B, L, 1]: the last key each sees
+    real = (rows[None, :] < lengths[:, None])[:, :, None]  # [B, L, 1]
+    mask = ((keys[None, None, :] <= last) & real) | (keys == 0)[None, None, :]
+    return mask[:, None]  # [B, 1, L, E]
+
+
+def patch_trees(mask: torch.Tensor, trees: list[tuple[int, torch.Tensor]]) -> None:
+    """Tree segments' rows of a [B, 1, L, E] mask: (b, visible) each, visible a host
+    [length, start + length] bool mask (a copy per tree; chains need none)."""
+    for b, visible in trees:
+        length, seen = visible.shape
+        mask[b, 0, :length, :seen] = visible.to(mask.device)
 
 
 @dataclass(frozen=True)
 class PaddedGroup:
     """Short segments attended in one call: queries padded to [B, L], keys and values gathered
-    from the first E positions of their slots, a [B, 1, L, E] mask saying who sees what."""
+    from the first E positions of their regions, a [B, 1, L, E] mask saying who sees what."""
 
-    slots: torch.Tensor  # [B] slot ids
+    gather: torch.Tensor  # [B, E] flat cache index of each segment's key positions 0 .. E - 1
     query_index: torch.Tensor  # [B, L] each padded query's token in the flat batch (pad: 0)
     token_index: torch.Tensor  # [n] the group's tokens in the flat batch
     token_rows: torch.Tensor  # [n] where each of them sits in the padded [B * L] output
@@ -96,23 +146,43 @@ class PaddedGroup:
     end: int  # E, the longest slot prefix read
 
     @classmethod
-    def build(cls, segments: list[Segment], device: torch.device) -> PaddedGroup:
+    def plan(cls, pool: KVPool, segments: list[Segment], upload: Upload) -> Any:
+        """Queue the group's indices on ``upload``; after ``upload.send()``, call the returned
+        function for the group (one copy for the whole forward)."""
         length = max(seg.length for seg in segments)
         end = max(seg.start + seg.length for seg in segments)
-        # Built where the segments' masks already are: no copy back to the host (a GPU sync).
-        mask = torch.empty(len(segments), 1, length, end, dtype=torch.bool, device=device)
-        fill_mask(mask, [(seg.start, seg.length, seg.visible) for seg in segments])
-        query_index = torch.zeros(len(segments), length, dtype=torch.long)
+        query_index: list[int] = []
         token_index: list[int] = []
         token_rows: list[int] = []
         for b, seg in enumerate(segments):
-            tokens = range(seg.offset, seg.offset + seg.length)
-            query_index[b, :seg.length] = torch.tensor(tokens)
+            tokens = list(range(seg.offset, seg.offset + seg.length))
+            query_index.extend(tokens + [0] * (length - seg.length))
             token_index.extend(tokens)
             token_rows.extend(range(b * length, b * length + seg.length))
-        return cls(torch.tensor([seg.slot for seg in segments], device=device),
-                   query_index.to(device), torch.tensor(token_index, device=device),
-                   torch.tensor(token_rows, device=device), mask, end)
+        parts = [upload.add(values) for values in (
+            pool.gather_index([seg.slot for seg in segments], end), query_index, token_index,
+            token_rows, [seg.start for seg in segments], [seg.length for seg in segments])]
+        trees = [(b, seg.visible) for b, seg in enumerate(segments)
+                 if seg.visible is not None]
+
+        def build() -> PaddedGroup:
+            gather, queries, tokens, rows, starts, lengths = (upload.get(p) for p in parts)
+            mask = chain_mask(starts, lengths, length, end)
+            patch_trees(mask, trees)
+            return cls(gather.view(len(segments), end), queries.view(len(segments), length),
+                       tokens, rows, mask, end)
+        return build
+
+
+@dataclass(frozen=True)
+class Alone:
+    """A segment attended on its own: its query rows, the view of its region it reads, and its
+    mask (None: a prefill from position 0, attended with ``is_causal``)."""
+
+    rows: slice  # its tokens in the flat batch
+    base: int  # its region's first token in the cache
+    end: int  # keys read: base .. base + end
+    mask: torch.Tensor | None  # [length, end] on the device
 
 
 @dataclass(frozen=True)
@@ -120,28 +190,42 @@ class RaggedBatch:
     """The flattened batch's layout, built once per forward and read by every layer."""
 
     pool: KVPool
-    write_slots: torch.Tensor  # [N] each new token's slot
-    write_positions: torch.Tensor  # [N] and its position there
-    alone: list[Segment]  # attended one by one (all of them without ``padded``)
+    write_index: torch.Tensor  # [N] each new token's flat index in the cache
+    alone: list[Alone]  # attended one by one (all of them without ``padded``)
     padded: PaddedGroup | None
 
     @classmethod
     def plan(cls, pool: KVPool, segments: list[Segment], device: torch.device,
-             padded: bool) -> RaggedBatch:
-        """``padded``: short segments (two or more) attend in one padded call per layer."""
-        slots = [seg.slot for seg in segments for _ in range(seg.length)]
-        positions = [seg.start + i for seg in segments for i in range(seg.length)]
+             padded: bool, upload: Upload | None = None) -> RaggedBatch:
+        """``padded``: short segments (two or more) attend in one padded call per layer.
+        ``upload``: the forward's other integers (token ids, positions) ride in the same copy;
+        it is sent here."""
+        upload = upload or Upload(device)
+        writes = upload.add([pool.base(seg.slot) + seg.start + i
+                             for seg in segments for i in range(seg.length)])
         short = [seg for seg in segments if seg.length <= PADDED_MAX_LENGTH] if padded else []
         if len(short) < 2:
             short = []
-        alone = [seg for seg in segments if seg not in short]
-        group = PaddedGroup.build(short, device) if short else None
-        return cls(pool, torch.tensor(slots, device=device),
-                   torch.tensor(positions, device=device), alone, group)
+        group = PaddedGroup.plan(pool, short, upload) if short else None
+        upload.send()
+        alone = [Alone(slice(seg.offset, seg.offset + seg.length), pool.base(seg.slot),
+                       seg.start + seg.length, _alone_mask(seg, device))
+                 for seg in segments if seg not in short]
+        return cls(pool, upload.get(writes), alone, group() if group else None)
+
+
+def _alone_mask(seg: Segment, device: torch.device) -> torch.Tensor | None:
+    if seg.visible is not None:
+        return seg.visible.to(device)
+    if seg.start == 0:
+        return None  # is_causal
+    last = torch.arange(seg.length, device=device) + seg.start  # [length]
+    return torch.arange(seg.start + seg.length, device=device)[None, :] <= last[:, None]
 
 
 class SlotAllocator:
-    """``num_slots`` slot ids of ``slot_tokens`` positions each, handed out and taken back."""
+    """``num_slots`` slot ids of ``slot_tokens`` positions each, handed out and taken back (the
+    encoder-decoder engine's per-session states)."""
 
     def __init__(self, num_slots: int, slot_tokens: int) -> None:
         self.num_slots, self.slot_tokens = num_slots, slot_tokens
@@ -159,48 +243,219 @@ class SlotAllocator:
             raise ValueError(f"slot {slot} is already free")
         self._free.append(slot)
 
+    def reserve(self, slot: int, tokens: int) -> bool:
+        return tokens <= self.slot_tokens
 
-class KVPool(SlotAllocator):
-    """``num_slots`` slots of ``slot_tokens`` positions for every layer of one model."""
+
+class Regions:
+    """A buddy allocator over [0, total) tokens: blocks of ``smallest * 2**order`` tokens,
+    order 0 .. ``top``; a freed block merges with its free buddy."""
+
+    def __init__(self, total: int, smallest: int, largest: int) -> None:
+        self.smallest = smallest
+        self.top = max((largest // smallest).bit_length() - 1, 0)
+        self.free: list[set[int]] = [set() for _ in range(self.top + 1)]
+        base = 0
+        for order in range(self.top, -1, -1):  # the tail in ever smaller blocks
+            while base + self.size(order) <= total:
+                self.free[order].add(base)
+                base += self.size(order)
+        self.total = base  # tokens in blocks (the rest of ``total`` is never handed out)
+
+    def size(self, order: int) -> int:
+        return self.smallest << order
+
+    def order_for(self, tokens: int) -> int | None:
+        for order in range(self.top + 1):
+            if self.size(order) >= tokens:
+                return order
+        return None
+
+    @property
+    def free_tokens(self) -> int:
+        return sum(len(bases) * self.size(o) for o, bases in enumerate(self.free))
+
+    def allocate(self, order: int) -> int | None:
+        found = next((o for o in range(order, self.top + 1) if self.free[o]), None)
+        if found is None:
+            return None
+        base = min(self.free[found])
+        self.free[found].remove(base)
+        while found > order:  # split: keep the lower half, free the upper
+            found -= 1
+            self.free[found].add(base + self.size(found))
+        return base
+
+    def grow(self, base: int, order: int, wanted: int) -> bool:
+        """Extend the block at ``base`` in place to order ``wanted`` by claiming its free upper
+        buddies; False (nothing claimed) when one of them is taken or it is an upper half."""
+        buddies = []
+        for o in range(order, wanted):
+            if base % self.size(o + 1) or base + self.size(o) not in self.free[o]:
+                return False
+            buddies.append((o, base + self.size(o)))
+        for o, buddy in buddies:
+            self.free[o].remove(buddy)
+        return True
+
+    def take(self, base: int, order: int) -> None:
+        """Claim the block at ``base`` of ``order``, free itself or inside a free larger one
+        (one just released, taken back)."""
+        for o in range(order, self.top + 1):
+            outer = base - base % self.size(o)
+            if outer in self.free[o]:
+                self.free[o].remove(outer)
+                while o > order:  # split down to the block, freeing the halves beside it
+                    o -= 1
+                    half = self.size(o)
+                    lower, upper = outer, outer + half
+                    outer = upper if base >= upper else lower
+                    self.free[o].add(lower if outer == upper else upper)
+                return
+        raise ValueError(f"block {base} of order {order} is not free")
+
+    def release(self, base: int, order: int) -> None:
+        while order < self.top:
+            buddy = base ^ self.size(order)
+            if buddy not in self.free[order]:
+                break
+            self.free[order].remove(buddy)
+            base, order = min(base, buddy), order + 1
+        self.free[order].add(base)
+
+
+class KVPool:
+    """Slots for every layer of one model: ids handed out and taken back, each with a region of
+    the token axis that grows on demand (:meth:`reserve`) up to ``slot_tokens``."""
 
     def __init__(self, config: Any, num_slots: int, slot_tokens: int, dtype: torch.dtype,
-                 device: torch.device | list[torch.device], tp_size: int = 1) -> None:
-        """``device``: one for all layers, or one per layer (a model placed over several);
-        ``tp_size``: ranks sharing the KV heads (tensor parallelism; this rank holds its share).
-        """
+                 device: torch.device | list[torch.device], tp_size: int = 1,
+                 total_tokens: int | None = None) -> None:
+        """``total_tokens`` (default ``num_slots * slot_tokens``) is the pool's size; as many
+        slots as smallest regions fit. ``device``: one for all layers, or one per layer (a model
+        placed over several); ``tp_size``: ranks sharing the KV heads (tensor parallelism; this
+        rank holds its share)."""
         heads = config.num_attention_heads
         kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // tp_size
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        shape = (num_slots, kv_heads, slot_tokens, head_dim)
+        total = total_tokens if total_tokens is not None else num_slots * slot_tokens
+        smallest = min(SMALLEST_REGION, slot_tokens)
+        self.regions = Regions(max(total, slot_tokens), smallest, slot_tokens)
+        self.slot_tokens = self.regions.size(self.regions.top)
+        shape = (kv_heads, self.regions.total, head_dim)
         layers = config.num_hidden_layers
         devices = device if isinstance(device, list) else [device] * layers
         self.keys = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
         self.values = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
-        super().__init__(num_slots, slot_tokens)
+        self.num_slots = self.regions.total // smallest
+        self._free_ids = list(range(self.num_slots - 1, -1, -1))
+        self._region: dict[int, tuple[int, int]] = {}  # slot -> (base, order)
+        self.moves = 0  # regions outgrown and moved
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
+    @property
+    def free_slots(self) -> int:
+        """Sessions that could still open (each takes a smallest region)."""
+        return min(len(self._free_ids), self.regions.free_tokens // self.regions.smallest)
+
+    def allocate(self) -> int | None:
+        """A slot with a smallest region, or None when the pool is full."""
+        if not self._free_ids:
+            return None
+        base = self.regions.allocate(0)
+        if base is None:
+            return None
+        slot = self._free_ids.pop()
+        self._region[slot] = (base, 0)
+        return slot
+
+    def release(self, slot: int) -> None:
+        region = self._region.pop(slot, None)
+        if region is None:
+            raise ValueError(f"slot {slot} is already free")
+        self.regions.release(*region)
+        self._free_ids.append(slot)
+
+    def base(self, slot: int) -> int:
+        return self._region[slot][0]
+
+    def capacity(self, slot: int) -> int:
+        return self.regions.size(self._region[slot][1])
+
+    def reserve(self, slot: int, tokens: int) -> bool:
+        """Make ``slot`` hold ``tokens`` tokens, moving it to a larger region (its cached
+        tokens copied) when it must; False when ``tokens`` is past ``slot_tokens`` or no
+        region that large is free (the slot is unchanged)."""
+        base, order = self._region[slot]
+        if tokens <= self.regions.size(order):
+            return True
+        wanted = self.regions.order_for(tokens)
+        if wanted is None:
+            return False
+        if self.regions.grow(base, order, wanted):  # the room right after it was free
+            self._region[slot] = (base, wanted)
+            return True
+        # Free it first (its tokens stay where they are until written), so the larger region
+        # may be the one it sits in; taken back as it was when none is free.
+        self.regions.release(base, order)
+        moved = self.regions.allocate(wanted)
+        if moved is None:
+            self.regions.take(base, order)
+            return False
+        size = self.regions.size(order)
+        overlap = moved < base + size and base < moved + self.regions.size(wanted)
+        for cache in (*self.keys, *self.values):
+            old = cache[:, base:base + size]
+            cache[:, moved:moved + size] = old.clone() if overlap else old
+        self._region[slot] = (moved, wanted)
+        self.moves += 1
+        return True
+
+    def region(self, cache: torch.Tensor, slot: int) -> torch.Tensor:
+        """[kv_heads, capacity, head_dim]: a view of ``slot``'s region of one layer's cache."""
+        base, order = self._region[slot]
+        return cache[:, base:base + self.regions.size(order)]
+
+    def gather_index(self, slots: list[int], end: int) -> list[int]:
+        """[len(slots) * end] flat cache index of positions 0 .. end - 1 of each slot; past its
+        region (masked: never seen) clamped into the cache."""
+        last = self.regions.total - 1
+        return [min(self.base(slot) + i, last) for slot in slots for i in range(end)]
+
+    def _copy(self, dst: list[int], src: list[int]) -> None:
+        """cache[:, dst] = cache[:, src] in every layer (the gather copies before writing);
+        the indices go to each device once."""
+        by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        for cache in (*self.keys, *self.values):
+            if cache.device not in by_device:
+                upload = Upload(cache.device)
+                parts = upload.add(dst), upload.add(src)
+                upload.send()
+                by_device[cache.device] = (upload.get(parts[0]), upload.get(parts[1]))
+            to, from_ = by_device[cache.device]
+            cache[:, to] = cache[:, from_]
+
     def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
         """Slot j takes the first ``length`` cached positions of slot parents[j] (beam search
-        following its parents)."""
+        following its parents); every slot must hold ``length`` tokens (:meth:`reserve`)."""
         if parents == list(range(len(slots))):
             return
-        for cache in (*self.keys, *self.values):
-            dst = torch.tensor(slots, device=cache.device)
-            src = torch.tensor([slots[p] for p in parents], device=cache.device)
-            cache[dst, :, :length] = cache[src, :, :length]  # the gather copies before writing
+        for slot in slots:
+            if not self.reserve(slot, length):
+                raise RuntimeError(f"KV pool full: slot {slot} cannot hold {length} tokens")
+        self._copy([self.base(s) + i for s in slots for i in range(length)],
+                   [self.base(slots[p]) + i for p in parents for i in range(length)])
 
     def compact(self, slot: int, sources: list[int], targets: list[int]) -> None:
         """Move cached positions ``sources`` of ``slot`` to ``targets`` (a token tree's accepted
         path, to where a chain would have put it)."""
         if sources == targets:
             return
-        for cache in (*self.keys, *self.values):
-            src = torch.tensor(sources, device=cache.device)
-            dst = torch.tensor(targets, device=cache.device)
-            cache[slot, :, dst] = cache[slot, :, src]  # the gather copies before writing
+        base = self.base(slot)
+        self._copy([base + t for t in targets], [base + s for s in sources])
 
 
 def ragged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -216,33 +471,52 @@ def ragged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                               ragged_batch.pool.values[layer], query, key, value, scaling)
 
 
+def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
+    """SDPA of query [B, heads, L, d] over keys / values [B, kv_heads, E, d] with mask
+    [B, 1, L, E] (or [L, E]), a grouped-query head group folded into the query rows (no
+    ``enable_gqa``, which keeps the fused kernels); None: causal (a prefill from position 0).
+    Returns [B, heads, L, d]."""
+    b, heads, length, dim = query.shape
+    kv_heads = keys.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(query, keys, values, is_causal=True,
+                                              scale=scaling, enable_gqa=heads != kv_heads)
+    group = heads // kv_heads
+    if group > 1:  # query head h reads kv head h // group
+        query = query.reshape(b, kv_heads, group * length, dim)
+        mask = mask.view(-1, 1, 1, length, mask.shape[-1]).expand(
+            -1, 1, group, length, mask.shape[-1]).reshape(-1, 1, group * length, mask.shape[-1])
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
+    return out.reshape(b, heads, length, dim)
+
+
 def _planned_attention(batch: RaggedBatch, keys: torch.Tensor, values: torch.Tensor,
                        query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        scaling: float | None) -> tuple[torch.Tensor, None]:
-    """One write of every new K/V into the slots, then the padded group in one call and the
-    long segments one by one. Shapes as in ``ragged_attention``."""
+    """One write of every new K/V into the regions, then the padded group in one call and the
+    long segments one by one. Shapes as in ``ragged_attention``; keys / values: one layer's
+    [kv_heads, total_tokens, head_dim] cache."""
     device = keys.device
-    if query.device != device:  # a model over several devices: this layer's slots are here
+    if query.device != device:  # a model over several devices: this layer's cache is here
         query, key, value = query.to(device), key.to(device), value.to(device)
-    slots, positions = batch.write_slots.to(device), batch.write_positions.to(device)
-    keys[slots, :, positions] = key[0].transpose(0, 1)  # [N, kv_heads, head_dim]
-    values[slots, :, positions] = value[0].transpose(0, 1)
+    write = batch.write_index.to(device)
+    keys[:, write] = key[0]  # [kv_heads, N, head_dim]
+    values[:, write] = value[0]
     heads, num_tokens, head_dim = query.shape[1:]
     out = query.new_empty(num_tokens, heads, head_dim)  # [N, heads, head_dim]
     for seg in batch.alone:
-        new = slice(seg.offset, seg.offset + seg.length)
-        end = seg.start + seg.length
-        mask = seg.visible.to(device) if seg.visible is not None else None
-        out[new] = F.scaled_dot_product_attention(
-            query[:, :, new], keys[seg.slot, :, :end][None], values[seg.slot, :, :end][None],
-            attn_mask=mask, scale=scaling, enable_gqa=True)[0].transpose(0, 1)
+        span = slice(seg.base, seg.base + seg.end)
+        out[seg.rows] = grouped_attention(
+            query[:, :, seg.rows], keys[None, :, span], values[None, :, span],
+            None if seg.mask is None else seg.mask.to(device), scaling)[0].transpose(0, 1)
     group = batch.padded
     if group is not None:
         q = query[0][:, group.query_index.to(device)].transpose(0, 1)  # [B, heads, L, head_dim]
-        slot_ids = group.slots.to(device)
-        o = F.scaled_dot_product_attention(
-            q, keys[slot_ids, :, :group.end], values[slot_ids, :, :group.end],  # [B, kv, E, d]
-            attn_mask=group.mask.to(device), scale=scaling, enable_gqa=True)  # [B, heads, L, d]
+        gather = group.gather.to(device)  # [B, E]
+        o = grouped_attention(q, keys[:, gather].transpose(0, 1),  # [B, kv_heads, E, d]
+                              values[:, gather].transpose(0, 1), group.mask.to(device),
+                              scaling)  # [B, heads, L, d]
         flat = o.transpose(1, 2).reshape(-1, heads, head_dim)  # [B * L, heads, head_dim]
         out[group.token_index.to(device)] = flat[group.token_rows.to(device)]
     return out[None], None

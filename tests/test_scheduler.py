@@ -130,7 +130,7 @@ def test_kv_pool_allocates_and_refuses_a_double_release() -> None:
                              num_hidden_layers=3)
     pool = KVPool(config, num_slots=2, slot_tokens=8, dtype=torch.float32,
                   device=torch.device("cpu"))
-    assert pool.keys[0].shape == (2, 2, 8, 8) and len(pool.values) == 3
+    assert pool.keys[0].shape == (2, 2 * 8, 8) and len(pool.values) == 3  # [kv, tokens, d]
     assert pool.nbytes == 2 * 3 * 2 * 2 * 8 * 8 * 4
     a, b = pool.allocate(), pool.allocate()
     assert {a, b} == {0, 1} and pool.allocate() is None and pool.free_slots == 0
@@ -153,9 +153,10 @@ def test_ragged_attention_equals_causal_attention_per_sequence(padded: bool) -> 
     full_k = [torch.randn(kv_heads, 5, dim), torch.randn(kv_heads, 4, dim)]
     full_v = [torch.randn(kv_heads, 5, dim), torch.randn(kv_heads, 4, dim)]
     full_q = [torch.randn(heads, 5, dim), torch.randn(heads, 4, dim)]
-    pool.keys[0][0, :, :3], pool.values[0][0, :, :3] = full_k[0][:, :3], full_v[0][:, :3]
-    segments = [Segment.build(0, 3, 0, 2, torch.device("cpu")),
-                Segment.build(1, 0, 2, 4, torch.device("cpu"))]
+    assert (pool.allocate(), pool.allocate()) == (0, 1)
+    pool.region(pool.keys[0], 0)[:, :3] = full_k[0][:, :3]
+    pool.region(pool.values[0], 0)[:, :3] = full_v[0][:, :3]
+    segments = [Segment.build(0, 3, 0, 2), Segment.build(1, 0, 2, 4)]
     query = torch.cat([full_q[0][:, 3:], full_q[1]], dim=1)[None]  # [1, heads, 6, dim]
     key = torch.cat([full_k[0][:, 3:], full_k[1]], dim=1)[None]  # [1, kv_heads, 6, dim]
     value = torch.cat([full_v[0][:, 3:], full_v[1]], dim=1)[None]
@@ -169,5 +170,5 @@ def test_ragged_attention_equals_causal_attention_per_sequence(padded: bool) -> 
         tail = expected[:, -(rows.stop - rows.start):].transpose(0, 1)  # [new, heads, dim]
         torch.testing.assert_close(out[0, rows], tail)
     # The new keys were written into the slots.
-    torch.testing.assert_close(pool.keys[0][0, :, :5], full_k[0])
-    torch.testing.assert_close(pool.keys[0][1, :, :4], full_k[1])
+    torch.testing.assert_close(pool.region(pool.keys[0], 0)[:, :5], full_k[0])
+    torch.testing.assert_close(pool.region(pool.keys[0], 1)[:, :4], full_k[1])

@@ -183,12 +183,14 @@ class BeamForwardJob:
         pass
 
 
-def _claim(ctx: JobContext, owner: str | None, count: int) -> list[int]:
-    """Model thread: ``count`` KV slots (evicting sessions by the store's policy if needed)."""
+def _claim(ctx: JobContext, owner: str | None, count: int, tokens: int) -> list[int]:
+    """Model thread: ``count`` KV slots, the first holding ``tokens`` (the prompt), evicting
+    sessions by the store's policy if needed."""
     slots: list[int] = []
     try:
         for _ in range(count):
             slots.append(ctx.claim_slot(owner, set()))
+        ctx.hold(slots[0], tokens, owner, set())
     except VerifierError:
         for slot in slots:
             ctx.engine.release(slot)
@@ -217,7 +219,7 @@ async def beam_generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequ
     new_tokens = min(req.max_new_tokens, ctx.validator.max_context - len(prompt) + 1)
     search = BeamSearch(prompt, n, len(prompt) + new_tokens, eos_token_ids,
                         req.length_penalty, req.early_stopping, req.no_repeat_ngram_size)
-    slots = await scheduler.run(_claim, ctx, owner, n)
+    slots = await scheduler.run(_claim, ctx, owner, n, len(prompt))
     tag = f"beam-{secrets.token_hex(6)}"
     keys = [(owner, f"{tag}-{j}") for j in range(n)]
     started, calls = time.perf_counter(), 0
@@ -238,7 +240,7 @@ async def beam_generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequ
                 break
             # every beam's slot holds its parent's cache, then scores its new token
             cached = search.cur_len - 1
-            await scheduler.run(ctx.engine.reorder, slots, parents, cached)
+            await scheduler.run(_follow, ctx, owner, slots, parents, cached)
             rows = await asyncio.gather(*(
                 scheduler.submit(BeamForwardJob(slots[j], cached, [tokens[j]], keys[j]))
                 for j in range(n)))
@@ -250,6 +252,15 @@ async def beam_generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequ
         await scheduler.run(_release, ctx.engine, slots)
     return GenerateResponse(token_ids=search.result(),
                             forward_ms=1e3 * (time.perf_counter() - started), forward_calls=calls)
+
+
+def _follow(ctx: JobContext, owner: str | None, slots: list[int], parents: list[int],
+            cached: int) -> None:
+    """Model thread: every beam's slot holds its parent's ``cached`` tokens and room for one
+    more (evicting sessions by the store's policy if a region must grow)."""
+    for slot in slots:
+        ctx.hold(slot, cached + 1, owner, set())
+    ctx.engine.reorder(slots, parents, cached)
 
 
 def _release(engine: Engine, slots: list[int]) -> None:

@@ -82,6 +82,10 @@ class Engine(Protocol):
 
     def release(self, slot: int) -> None: ...
 
+    def reserve(self, slot: int, tokens: int) -> bool:
+        """Make ``slot`` hold ``tokens`` tokens (a KV region may grow); False when the caches
+        have no room for that now (the slot is unchanged)."""
+
     def run(self, steps: list[Step]) -> list[StepResult]:
         """One forward over every step's new tokens (written into their slots), then each
         step's result, in step order."""
@@ -126,6 +130,9 @@ class PoolSlots:
 
     def release(self, slot: int) -> None:
         self.pool.release(slot)
+
+    def reserve(self, slot: int, tokens: int) -> bool:
+        return bool(self.pool.reserve(slot, tokens))
 
     def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
         self.pool.reorder(slots, parents, length)

@@ -76,10 +76,50 @@ def input_device(model: Any) -> torch.device:
             or torch.device("cpu"))
 
 
+DEFAULT_KV_BUDGET = 65536  # tokens, where the pool is not sized from free device memory
+
+
+def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Keys and values of one token over every layer."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    size = torch.empty(0, dtype=dtype).element_size()
+    return int(2 * config.num_hidden_layers * kv_heads * head_dim * size)
+
+
+def activation_bytes(config: Any, batch_tokens: int) -> int:
+    """Room a forward of ``batch_tokens`` tokens needs besides the weights and the KV pool: its
+    float32 logits twice (the rows and their softmax) and the widest MLP activations, plus
+    256 MiB for the allocator and kernels' workspaces. An estimate on the safe side."""
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    wide = int(getattr(config, "intermediate_size", 0) or 4 * config.hidden_size)
+    return batch_tokens * 4 * (2 * vocab + 3 * wide) + 256 * 2**20
+
+
+def kv_budget(config: Any, dtype: torch.dtype, device: torch.device, requested: int,
+              fraction: float, batch_tokens: int) -> int:
+    """The KV pool's size in tokens: ``requested`` when set; on CUDA (``requested`` 0) what is
+    left of ``fraction`` of the device's memory after what is in use now (the model) and a
+    forward's activations; elsewhere ``DEFAULT_KV_BUDGET``."""
+    if requested:
+        return requested
+    if device.type != "cuda":
+        return DEFAULT_KV_BUDGET
+    free, total = torch.cuda.mem_get_info(device)
+    room = fraction * total - (total - free) - activation_bytes(config, batch_tokens)
+    tokens = int(room // kv_bytes_per_token(config, dtype))
+    if tokens < 1024:
+        raise ModelSpecError(
+            f"{device} has {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB: no room for "
+            f"a KV pool within kv_memory_fraction {fraction}; raise it or set kv_budget_tokens")
+    return tokens
+
+
 def describe_model(model: Any, tokenizer: Any, name: str, max_context: int,
                    kv_budget_tokens: int, device: torch.device) -> tuple[ModelInfo, int]:
-    """The target's :class:`ModelInfo` and how many slots of ``max_context`` tokens the KV
-    budget holds (one slot holds one session's whole context)."""
+    """The target's :class:`ModelInfo` and how many sessions of ``max_context`` tokens the KV
+    budget holds at their longest (the encoder-decoder engine's slots)."""
     model_limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 32768
     context = min(max_context, model_limit) if max_context else model_limit
     context = min(context, kv_budget_tokens)

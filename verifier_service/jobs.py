@@ -56,6 +56,13 @@ class JobContext:
                 raise busy_error("every KV slot holds a live client's session")
         return slot
 
+    def hold(self, slot: int, tokens: int, owner: str | None, busy: set[Any]) -> None:
+        """``slot`` holds ``tokens`` tokens; when its KV region must grow and the pool has no
+        room, sessions are evicted by the store's fair policy; 503 when none may go."""
+        while not self.engine.reserve(slot, tokens):
+            if tokens > self.engine.slot_tokens or not self.sessions.evict_one_for(owner, busy):
+                raise busy_error(f"the KV pool has no room for {tokens} tokens in a session")
+
 
 def request_digest(req: CreateSessionRequest | VerifyRequest) -> str:
     return hashlib.sha256(req.model_dump_json().encode()).hexdigest()
@@ -102,6 +109,7 @@ class CreateSessionJob:
         try:
             sessions.make_room(self.owner, busy)
             self.slot = self.ctx.claim_slot(self.owner, busy)
+            self.ctx.hold(self.slot, len(self.req.prompt_ids), self.owner, busy)
         except VerifierError:
             self.abort()
             raise
@@ -179,6 +187,8 @@ class VerifyJob:
             self.replay = session.last_reply  # a retry: same answer, the cache moves once
             return None
         self.ctx.validator.check_verify(session, req)
+        self.ctx.hold(session.slot, session.position + len(req.draft_ids), self.owner,
+                      busy | {self.session_key})
         prefill = (ForwardItem(session.slot, 0, session.pending, keep_logits=False)
                    if session.pending else None)
         return Step(

@@ -85,6 +85,9 @@ class LlamaCppEngine(BatchForward):
         self.model.remove(slot)
         self._free.append(slot)
 
+    def reserve(self, slot: int, tokens: int) -> bool:
+        return tokens <= self.slot_tokens  # every sequence may fill its share of the cells
+
     def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
         if parents == list(range(len(slots))):
             return

@@ -48,11 +48,17 @@ class Settings(BaseSettings):
     max_sessions: int = Field(64, ge=1, description="LRU-evicts the least recently used beyond")
     session_ttl_s: float = Field(600.0, gt=0, description="idle sessions older than this expire")
     max_draft_tokens: int = Field(16, ge=0, description="largest k a verify call may send")
-    max_context: int = Field(4096, ge=0, description="tokens per session (one KV slot); "
+    max_context: int = Field(4096, ge=0, description="tokens one session may hold; "
                              "0: the model's max_position_embeddings")
-    kv_budget_tokens: int = Field(65536, ge=1, description="KV pool size in tokens; slots = "
-                                  "budget // max_context; when all are taken the least recently "
-                                  "used idle session is evicted")
+    kv_budget_tokens: int = Field(0, ge=0, description="KV pool size in tokens, shared by the "
+                                  "sessions (each holds a region of 256, 512, ... up to "
+                                  "max_context tokens, grown as it needs); when it is full the "
+                                  "least recently used idle session is evicted; 0: on CUDA what "
+                                  "kv_memory_fraction of the device leaves free after the "
+                                  "model, elsewhere 65536")
+    kv_memory_fraction: float = Field(0.9, gt=0, le=1, description="with kv_budget_tokens 0 "
+                                      "on CUDA: the share of the device's memory the model, "
+                                      "its activations and the KV pool may use together")
     batching: bool = Field(True, description="batch concurrent calls into one forward pass")
     max_batch_size: int = Field(16, ge=1, description="jobs per batched forward")
     max_batch_tokens: int = Field(2048, ge=1, description="tokens per batched forward")

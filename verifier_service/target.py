@@ -19,9 +19,11 @@ from shared.llama_runtime import pick_engine
 from shared.models import ModelSpecError, load_tokenizer, pick_device
 from verifier_service.engine import BatchForward, Engine, PoolSlots
 from verifier_service.hf_models import (
+    DEFAULT_KV_BUDGET,
     attention_devices,
     describe_model,
     input_device,
+    kv_budget,
     parse_device_map,
 )
 from verifier_service.seq2seq import Seq2SeqEngine
@@ -50,10 +52,12 @@ class CausalEngine(PoolSlots, BatchForward):
         self.static: StaticForwards | None = None  # --cuda-graphs (enable_static_forwards)
         layers = model.config.num_hidden_layers
         self.pool = KVPool(model.config, num_slots, self.info.max_context, self.dtype,
-                           attention_devices(model, layers, self.device), tp_size)
+                           attention_devices(model, layers, self.device), tp_size,
+                           total_tokens=max(kv_budget_tokens, self.info.max_context))
         model.set_attn_implementation(ATTENTION_NAME)
-        log.info("KV pool: %d slots x %d tokens (%.0f MiB)", num_slots, self.info.max_context,
-                 self.pool.nbytes / 2**20)
+        log.info("KV pool: %d tokens (%.0f MiB): %d sessions of %d tokens, up to %d at %d",
+                 self.pool.regions.total, self.pool.nbytes / 2**20, self.pool.num_slots,
+                 self.pool.regions.smallest, num_slots, self.info.max_context)
 
     # -- model operations
     @torch.inference_mode()
@@ -100,30 +104,38 @@ def load_engine(settings: Settings) -> Engine:
         from verifier_service.llama_engine import load_llama_engine
 
         return load_llama_engine(settings.model, settings.max_context,
-                                 settings.kv_budget_tokens, settings.threads,
+                                 settings.kv_budget_tokens or DEFAULT_KV_BUDGET, settings.threads,
                                  settings.max_batch_tokens, settings.acceptance)
     return load(settings.model, settings.dtype, settings.device, settings.max_context,
                 settings.kv_budget_tokens, settings.device_map, settings.offload_folder,
                 settings.tp_plan, acceptance=settings.acceptance,
                 static_batch=(settings.max_batch_size if settings.batching else 1)
                 if settings.cuda_graphs else 0,
-                attention=settings.attention)
+                attention=settings.attention, kv_memory_fraction=settings.kv_memory_fraction,
+                max_batch_tokens=settings.max_batch_tokens)
 
 
 def load(spec: str, dtype: str = "auto", device: str = "auto", max_context: int = 0,
          kv_budget_tokens: int = 32768, device_map: str = "", offload_folder: str = "",
          tp_plan: str = "", acceptance: str = "device", static_batch: int = 0,
-         attention: str = "auto") -> Engine:
+         attention: str = "auto", kv_memory_fraction: float = 0.9,
+         max_batch_tokens: int = 2048) -> Engine:
     """``device_map``: place the model over several devices (accelerate's "auto",
     "balanced", "sequential", or a JSON {module: device} map, "disk" offloading to
     ``offload_folder``); each layer's KV slots live where that layer's attention runs.
     ``static_batch``: serve batches of up to that many jobs through static-shape buckets
-    (``--cuda-graphs``)."""
+    (``--cuda-graphs``). ``kv_budget_tokens`` 0: sized from the device's free memory on CUDA
+    (``kv_memory_fraction``; ``hf_models.kv_budget``)."""
     started = time.perf_counter()
     model, chosen = load_lm_auto(spec, dtype, pick_device(device),
                                  device_map=parse_device_map(device_map),
                                  offload_folder=offload_folder or None, tp_plan=tp_plan or None)
     log.info("target dtype: %s", chosen)
+    if device_map or tp_plan:  # the pool spreads over devices: no one device's free memory
+        kv_budget_tokens = kv_budget_tokens or DEFAULT_KV_BUDGET
+    kv_budget_tokens = kv_budget(model.config, next(model.parameters()).dtype,
+                                 input_device(model), kv_budget_tokens, kv_memory_fraction,
+                                 max_batch_tokens)
     tokenizer = load_tokenizer(spec)
     engine: CausalEngine | Seq2SeqEngine
     if getattr(model.config, "is_encoder_decoder", False):

@@ -53,7 +53,7 @@ class TensorParallel(PoolSlots, BatchForward):
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner  # this rank's CausalEngine
-        self.pool = inner.pool  # slots are the leader's own business; only reorders are shared
+        self.pool = inner.pool
         self.lockstep = Lockstep()
         self.info, self.trees, self.acceptance = inner.info, inner.trees, inner.acceptance
 
@@ -63,6 +63,19 @@ class TensorParallel(PoolSlots, BatchForward):
 
     def counters(self) -> dict[str, int]:
         return self.inner.counters()  # type: ignore[no-any-return]
+
+    # Every rank's pool hands out the same slots and regions: the same calls in the same order.
+    def allocate(self) -> int | None:
+        self.lockstep.announce("allocate")
+        return self.inner.pool.allocate()  # type: ignore[no-any-return]
+
+    def release(self, slot: int) -> None:
+        self.lockstep.announce("release", slot)
+        self.inner.pool.release(slot)
+
+    def reserve(self, slot: int, tokens: int) -> bool:
+        self.lockstep.announce("reserve", slot, tokens)
+        return bool(self.inner.pool.reserve(slot, tokens))
 
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
         self.lockstep.announce("forward", items)
@@ -83,7 +96,8 @@ class TensorParallel(PoolSlots, BatchForward):
 def follow(engine: TensorParallel) -> None:
     """Ranks > 0: run what rank 0 announces until it says stop."""
     operations = {"forward": engine.inner.forward, "keep_path": engine.inner.keep_path,
-                  "reorder": engine.inner.reorder}
+                  "reorder": engine.inner.reorder, "allocate": engine.inner.pool.allocate,
+                  "release": engine.inner.pool.release, "reserve": engine.inner.pool.reserve}
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0)

@@ -1,0 +1,174 @@
+"""The KV pool's growing regions (shared/kv_pool.py, issue #24): a buddy allocator hands out
+regions of 2^i smallest sizes, a session that outgrows its region moves to a larger one with its
+cache intact and its slot id kept, the target's logits stay the full sequence's own across every
+move, each forward sends its indices to the device in one copy, and a pool that is full evicts
+an idle session (by the store's policy) instead of failing a live one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+
+from shared import kv_pool
+from shared.engine import ForwardItem
+from shared.kv_pool import KVPool, Regions, Upload
+from shared.models import load_causal_lm, load_tokenizer
+from shared.schema import PROTOCOL_VERSION
+from tests.support.live_server import LiveServer, fp32_settings
+from verifier_service.target import CausalEngine
+
+
+def test_regions_split_merge_and_keep_a_tail() -> None:
+    regions = Regions(total=4 * 64 + 48, smallest=16, largest=64)  # 4 top blocks, tail 32 + 16
+    initial = [set(bases) for bases in regions.free]
+    assert regions.total == 4 * 64 + 48 and initial == [{288}, {256}, {0, 64, 128, 192}]
+    a, b, c = regions.allocate(0), regions.allocate(0), regions.allocate(0)
+    assert (a, b, c) == (288, 256, 272)  # the smallest free blocks first: the tail
+    d = regions.allocate(0)  # splits a 64 into 16 + 16 + 32
+    assert d == 0 and regions.free[0] == {16} and 32 in regions.free[1]
+    e = regions.allocate(2)
+    assert e == 64 and regions.free_tokens == regions.total - 4 * 16 - 64
+    for base, order in ((a, 0), (d, 0), (b, 0), (e, 2), (c, 0)):
+        regions.release(base, order)
+    assert [set(bases) for bases in regions.free] == initial  # every buddy merged back
+    assert regions.order_for(17) == 1 and regions.order_for(64) == 2
+    assert regions.order_for(65) is None
+    everything = [regions.allocate(0) for _ in range(regions.total // 16)]
+    assert sorted(everything) == list(range(0, regions.total, 16))  # type: ignore[type-var]
+    assert regions.allocate(0) is None and regions.free_tokens == 0
+    for base in everything:
+        regions.release(base, 0)  # type: ignore[arg-type]
+    regions.take(16, 0)  # a given block, split out of the free 64 around it
+    assert regions.free[0] == {0, 288} and regions.free[1] == {32, 256} and 0 not in regions.free[2]
+    assert regions.grow(0, 0, 0) and not regions.grow(16, 0, 1)  # 16 is an upper half
+
+
+def pool(total: int, slot_tokens: int, monkeypatch: pytest.MonkeyPatch) -> KVPool:
+    monkeypatch.setattr(kv_pool, "SMALLEST_REGION", 8)
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                             num_hidden_layers=2)
+    return KVPool(config, 0, slot_tokens, torch.float32, torch.device("cpu"), total_tokens=total)
+
+
+def test_a_slot_grows_with_its_cache_and_keeps_its_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = pool(64, 32, monkeypatch)  # regions of 8, 16, 32 in 64 tokens: 8 sessions at 8
+    assert kv.num_slots == 8 and kv.free_slots == 8 and kv.slot_tokens == 32
+    a, b = kv.allocate(), kv.allocate()
+    assert a is not None and b is not None and kv.capacity(a) == 8
+    for layer in range(2):
+        kv.region(kv.keys[layer], a)[:] = torch.randn(2, 8, 8)
+    before = [kv.region(c, a).clone() for c in (*kv.keys, *kv.values)]
+    assert kv.reserve(a, 8) and kv.moves == 0  # fits: nothing moves
+    assert kv.reserve(a, 20) and kv.capacity(a) == 32 and kv.moves == 1
+    for cache, old in zip((*kv.keys, *kv.values), before, strict=True):
+        torch.testing.assert_close(kv.region(cache, a)[:, :8], old)
+    assert not kv.reserve(a, 33)  # past the longest context
+    assert kv.free_slots == 64 // 8 - 1 - 4  # b holds 8, a holds 32
+    c = kv.allocate()
+    assert c is not None and not kv.reserve(c, 32) and kv.capacity(c) == 8  # no 32 free
+    kv.release(a)
+    assert kv.reserve(c, 32)
+    with pytest.raises(ValueError, match="already free"):
+        kv.release(a)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return [(seed * 31 + i * 7) % 64 for i in range(n)]
+
+
+@pytest.mark.parametrize("attention", ["per-session", "padded"])
+def test_moved_sessions_score_as_the_full_sequence(
+        attention: str, tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two sessions grow from 32-token regions to 128 and 256 in one pool, in batches with each
+    other; every row equals the model's own forward over the whole sequence."""
+    monkeypatch.setattr(kv_pool, "SMALLEST_REGION", 32)
+    path = tiny_models["llama-target"]
+    reference = load_causal_lm(str(path), torch.float32, torch.device("cpu"))
+    engine = CausalEngine(load_causal_lm(str(path), torch.float32, torch.device("cpu")),
+                          load_tokenizer(str(path)), str(path), max_context=256,
+                          kv_budget_tokens=512)
+    engine.attention = attention
+    slots = [engine.allocate(), engine.allocate()]
+    assert None not in slots and engine.pool.capacity(slots[0]) == 32  # type: ignore[arg-type]
+    seqs = [ids(20, 1), ids(27, 2)]
+    engine.forward([ForwardItem(s, 0, seq, False) for s, seq in zip(slots, seqs, strict=True)])  # type: ignore[arg-type]
+    for step in range(9):  # blocks of 5 and 17 tokens: 20 -> 101 and 27 -> 132 tokens
+        blocks = [ids(5, 10 + step), ids(17, 20 + step)] if step < 6 else [ids(17, step), [3]]
+        items = [ForwardItem(s, len(seq), block, True)  # type: ignore[arg-type]
+                 for s, seq, block in zip(slots, seqs, blocks, strict=True)]
+        rows = engine.forward(items)
+        for seq, block, got in zip(seqs, blocks, rows, strict=True):
+            seq.extend(block)
+            want = reference(input_ids=torch.tensor([seq])).logits[0, -len(block):]
+            assert got is not None
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert engine.pool.moves >= 1 and {engine.pool.capacity(s) for s in slots} == {128, 256}  # type: ignore[arg-type]
+
+
+def test_a_batched_forward_sends_its_indices_in_one_copy(
+        tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #24: a padded forward of three verify blocks did 10 host syncs (9 index uploads and
+    one download). Now: one upload, no read back to the host, whatever the batch holds."""
+    path = tiny_models["llama-target"]
+    engine = CausalEngine(load_causal_lm(str(path), torch.float32, torch.device("cpu")),
+                          load_tokenizer(str(path)), str(path), max_context=256,
+                          kv_budget_tokens=1024)
+    engine.attention = "padded"
+    slots = [engine.allocate() for _ in range(3)]
+    for slot, n in zip(slots, (30, 7, 50), strict=True):
+        engine.forward([ForwardItem(slot, 0, ids(n, n), False)])  # type: ignore[arg-type]
+    reads: list[str] = []
+    for name in ("item", "tolist", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: torch.Tensor, *a: object, _name: str = name,
+                    _original: object = original, **k: object) -> object:
+            reads.append(_name)
+            return _original(self, *a, **k)  # type: ignore[operator]
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    sent = Upload.count
+    rows = engine.forward([ForwardItem(slots[0], 30, ids(5, 1), True),  # type: ignore[arg-type]
+                           ForwardItem(slots[1], 7, ids(3, 2), True),  # type: ignore[arg-type]
+                           ForwardItem(slots[2], 50, ids(1, 3), True)])  # type: ignore[arg-type]
+    assert Upload.count - sent == 1 and reads == []
+    assert [r.shape[0] for r in rows if r is not None] == [5, 3, 1]
+
+
+def test_a_full_pool_evicts_an_idle_session_for_a_growing_one(
+        tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool of 128 tokens, regions of 32 to 128: four sessions open; when the first grows
+    past 64 tokens the idle ones are evicted (404 on their next call), and its answers stay the
+    target's greedy ones."""
+    from scripts.harness.tiny_models import hf_greedy
+
+    monkeypatch.setattr(kv_pool, "SMALLEST_REGION", 32)
+    path = tiny_models["llama-target"]
+    settings = fp32_settings(path, max_context=128, kv_budget_tokens=128, max_draft_tokens=8,
+                             batching=False)
+    tokenizer = load_tokenizer(str(path))
+    prompt = tokenizer.encode("the cat sat on")
+    with LiveServer(settings) as server, httpx.Client(base_url=server.url) as http:
+        def create() -> str:
+            reply = http.post("/v1/sessions", json={"protocol_version": PROTOCOL_VERSION,
+                                                    "prompt_ids": prompt})
+            assert reply.status_code == 200, reply.text
+            return str(reply.json()["session_id"])
+
+        first, *others = [create() for _ in range(4)]
+        position, last, tokens = len(prompt), prompt[-1], []
+        while position < 100:  # plain steps: 32 -> 64 -> 128 tokens
+            reply = http.post(f"/v1/sessions/{first}/verify", json={
+                "position": position, "last_token": last, "final_uniform": 0.5})
+            assert reply.status_code == 200, reply.text
+            last, position = reply.json()["next_token"], reply.json()["position"]
+            tokens.append(last)
+        metrics = http.get("/v1/metrics").json()
+        gone = [http.post(f"/v1/sessions/{s}/verify", json={
+            "position": len(prompt), "last_token": prompt[-1], "final_uniform": 0.5}).status_code
+            for s in others]
+    assert tokens == hf_greedy(path, prompt, len(tokens))
+    assert metrics["evicted_sessions"] >= 2 and gone.count(404) >= 2
