@@ -51,7 +51,7 @@ class PooledDrafter(HFDrafter):
         self.slot = slot
         model.set_attn_implementation(ATTENTION_NAME)
         self.static = StaticForwards(model, self.pool, self.device, max_batch=1, capture=capture)
-        self.static.warm(lengths=(1,))
+        self.static.warm()
         self.last_row: torch.Tensor | None = None  # [drafter vocab] after the last cached token
 
     def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:

@@ -7,13 +7,16 @@ steps) are laid out so their shapes depend on a bucket alone:
 
 * B segments (padded with segments that write into a reserved scratch slot), each padded to L
   tokens (the pad tokens write past the session's length, where nothing is read);
-* attention over the first E positions of every slot (``kv_pool.PaddedGroup``), E a multiple of
-  ``E_STEP``;
-* logits for all B * L rows; the kept ones are picked out afterwards.
+* attention over the first E positions of every slot (``kv_pool.PaddedGroup``), E one of
+  ``E_STEP * 2**i`` up to the longest context (at most twice the positions a batch needs, and
+  few enough buckets to capture them all);
+* logits for all B * L rows, copied into one output buffer all buckets share (so a bucket holds
+  no [B * L, vocab] tensor of its own); the kept ones are picked out afterwards.
 
 Every input is copied into the bucket's static buffers, then the bucket runs: on CUDA its
-captured graph (captured the first time the bucket is used, after two warm-up runs on a side
-stream); elsewhere the same function eagerly, so CPU tests run this very layout
+captured graph (every bucket the settings can reach is captured by ``warm`` before the verifier
+says ready, after two warm-up runs each on a side stream, all in one memory pool); elsewhere the
+same function eagerly, so CPU tests run this very layout
 (``tests/test_graphs.py``). A batch that fits no bucket (a prefill, a long block, a full slot)
 takes the eager path.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +41,7 @@ CAPTURE_LOCK = threading.Lock()
 
 B_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # segments per batch
 L_BUCKETS = (1, 2, 3, 5, 9, 17)  # new tokens per segment: k + 1 for k in 0, 1, 2, 4, 8, 16
-E_STEP = 256  # attended slot prefix, rounded up to a multiple of this
+E_STEP = 256  # attended slot prefix: E_STEP * 2**i, the smallest that holds the batch
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,12 @@ class Bucket:
     """Static buffers for one (B, L, E), the forward over them, and its graph on CUDA."""
 
     def __init__(self, model: Any, pool: KVPool, scratch: int, b: int, length: int, end: int,
-                 device: torch.device, capture: bool, graph_pool: Any) -> None:
+                 device: torch.device, capture: bool, graph_pool: Any,
+                 output: torch.Tensor) -> None:
+        """``output``: [rows >= B * L, vocab], shared by the buckets: each run writes its logits
+        there (valid until the next run of any bucket)."""
         self.model, self.b, self.length, self.end = model, b, length, end
+        self.output = output[:b * length]
         self.device = device
         self.pool = pool
         n = b * length
@@ -92,7 +100,8 @@ class Bucket:
         self.mask.copy_(chain_mask(self.starts, self.lengths, self.length, self.end) & self.allow)
         out = self.model(input_ids=self.ids, position_ids=self.positions, use_cache=False,
                          logits_to_keep=self.keep, ragged_batch=self.batch)
-        return out.logits[0]  # type: ignore[no-any-return]
+        self.output.copy_(out.logits[0])  # the logits themselves are freed (inside a graph:
+        return self.output  # their memory is the pool's, for the next capture)
 
     def _capture(self, graph_pool: Any) -> None:
         """Two warm-up runs on a side stream, then the capture; on this bucket's device (not
@@ -170,8 +179,9 @@ class StaticForwards:
     """The buckets of one runner; ``forward`` answers None when a batch fits none of them."""
 
     def __init__(self, model: Any, pool: KVPool, device: torch.device, max_batch: int,
-                 capture: bool | None = None) -> None:
-        """``capture``: replay the buckets as CUDA graphs (default: on CUDA)."""
+                 capture: bool | None = None, max_length: int = L_BUCKETS[-1]) -> None:
+        """``capture``: replay the buckets as CUDA graphs (default: on CUDA); ``max_length``:
+        the longest segment to serve (k + 1 for the largest k)."""
         scratch = pool.allocate()
         if scratch is None:
             raise RuntimeError("--cuda-graphs needs one free KV slot for padding")
@@ -180,6 +190,15 @@ class StaticForwards:
         self.scratch = scratch
         self.b_buckets = tuple(b for b in B_BUCKETS if b < max_batch) + (
             min(max_batch, B_BUCKETS[-1]),)
+        self.l_buckets = tuple(n for n in L_BUCKETS if n < max_length) + (
+            min(max_length, L_BUCKETS[-1]),)
+        self.ends = tuple(min(E_STEP << i, pool.slot_tokens)
+                          for i in range(max(pool.slot_tokens // E_STEP, 1).bit_length()))
+        if self.ends[-1] < pool.slot_tokens:
+            self.ends += (pool.slot_tokens,)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        self.output = torch.empty(self.b_buckets[-1] * self.l_buckets[-1], vocab,
+                                  dtype=next(model.parameters()).dtype, device=device)
         self.buckets: dict[tuple[int, int, int], Bucket] = {}
         self.graph_pool: Any = None
         if self.capture:
@@ -188,40 +207,48 @@ class StaticForwards:
         self.replays = self.fallbacks = 0
 
     @torch.inference_mode()  # the forwards run under it; their buffers are made so
-    def warm(self, lengths: tuple[int, ...] = (1, 5), end: int = E_STEP) -> None:
-        """Build (on CUDA: capture) the buckets of every B for these L at the smallest E, before
-        the verifier says ready: decode steps and k = 4 blocks on short contexts; the others
-        are captured on first use."""
+    def warm(self, lengths: tuple[int, ...] | None = None) -> None:
+        """Build (on CUDA: capture) every bucket a batch can reach - each B, each L of
+        ``lengths`` (default: all up to ``max_length``), each E - before the verifier says ready,
+        so no batch waits for a capture while serving."""
+        started = time.perf_counter()
         for b in self.b_buckets:
-            for length in lengths:
-                if length <= self.pool.slot_tokens:
-                    self.bucket((b, length, min(end, self.pool.slot_tokens)))
+            for length in lengths or self.l_buckets:
+                for end in self.ends:
+                    if length <= end:
+                        self.bucket((b, length, end))
+        log.info("%d static forwards %s in %.1f s (B %s, L %s, E %s; shared output %.0f MiB)",
+                 len(self.buckets), "captured" if self.capture else "built",
+                 time.perf_counter() - started, self.b_buckets, lengths or self.l_buckets,
+                 self.ends, self.output.numel() * self.output.element_size() / 2**20)
 
     def bucket(self, key: tuple[int, int, int]) -> Bucket:
         """The bucket for (B, L, E), built (on CUDA: captured) the first time."""
         found = self.buckets.get(key)
         if found is None:
-            log.info("building the static forward for B=%d L=%d E=%d", *key)
+            started = time.perf_counter()
             found = self.buckets[key] = Bucket(self.model, self.pool, self.scratch, *key,
                                                device=self.device, capture=self.capture,
-                                               graph_pool=self.graph_pool)
+                                               graph_pool=self.graph_pool, output=self.output)
+            log.info("static forward B=%d L=%d E=%d %s in %.0f ms", *key,
+                     "captured" if self.capture else "built", 1e3 * (time.perf_counter() - started))
         return found
 
     def bucket_of(self, shaped: list[Shaped]) -> tuple[int, int, int] | None:
         longest = max(len(s.token_ids) for s in shaped)
-        i, j = bisect_left(self.b_buckets, len(shaped)), bisect_left(L_BUCKETS, longest)
-        if i == len(self.b_buckets) or j == len(L_BUCKETS):
+        i, j = bisect_left(self.b_buckets, len(shaped)), bisect_left(self.l_buckets, longest)
+        if i == len(self.b_buckets) or j == len(self.l_buckets):
             return None
-        length = L_BUCKETS[j]
+        length = self.l_buckets[j]
         if not all(self.pool.reserve(s.slot, s.start + length) for s in shaped):
             return None  # the pad tokens would run past the slot
         return self.b_buckets[i], length, self.end_of(max(s.start + len(s.token_ids)
                                                            for s in shaped))
 
     def end_of(self, seen: int) -> int:
-        """E for a batch whose longest segment reaches position ``seen``: a multiple of
-        E_STEP, at most the slot."""
-        return min(-(-seen // E_STEP) * E_STEP, self.pool.slot_tokens)
+        """E for a batch whose longest segment reaches position ``seen``: the smallest of
+        ``ends`` that holds it."""
+        return self.ends[min(bisect_left(self.ends, seen), len(self.ends) - 1)]
 
     def step(self, slot: int, start: int, token: torch.Tensor) -> torch.Tensor | None:
         """One token (a device tensor) at ``start`` of ``slot`` through the (1, 1, E) bucket:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from shared.engine import ForwardItem
+from shared.graphs import L_BUCKETS
 from shared.models import load_causal_lm, load_tokenizer
 from tests.support.live_server import LiveServer, fp32_settings
 from verifier_service.target import CausalEngine
@@ -62,8 +63,8 @@ def test_static_buckets_equal_the_eager_forward(tiny_models: dict[str, Path], mo
             assert torch.equal(b.argmax(-1), a.argmax(-1))
         base = [x + n for x, n in zip(base, (5, 1, 1, 3), strict=True)]  # keep one tree token
     assert static.static.replays == 5
-    warmed = {(b, length, 256) for b in (1, 2, 4, 8) for length in (1, 5)}  # before any call
-    assert set(static.static.buckets) == warmed | {(1, 3, 256), (1, 17, 256), (4, 9, 256)}
+    # every reachable bucket was built before the first call; E is the slot's 256 here
+    assert set(static.static.buckets) == {(b, n, 256) for b in (1, 2, 4, 8) for n in L_BUCKETS}
     # 4 tokens at 252 would be padded to 5, past the 256-token slot: the eager path serves it.
     fallbacks = static.static.fallbacks
     static.forward([ForwardItem(slots[1][3], 252, ids(4, 5), True)])  # type: ignore[arg-type]
@@ -170,3 +171,32 @@ def test_captures_name_their_device_and_run_one_at_a_time(
     assert fake.most_inside == 1  # never two captures at once
     named = [dev for call, dev in fake.devices if call in ("Stream", "current_stream", "device")]
     assert named and all(dev == torch.device("cpu") for dev in named)  # the bucket's device
+
+
+def test_every_reachable_bucket_is_built_before_serving(tiny_models: dict[str, Path],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #24: only E = 256 was captured at start, so the first batch on a longer context
+    captured (and stalled everyone) while serving, and every bucket kept its own [B * L, vocab]
+    output. Now: B x L x E for E in 256, 512, ... up to the context, built in ``warm``, writing
+    one shared output; a batch at position 300 runs in a bucket built before it came."""
+    from shared import kv_pool
+
+    monkeypatch.setattr(kv_pool, "SMALLEST_REGION", 64)
+    path = tiny_models["llama-target"]
+    model = load_causal_lm(str(path), torch.float32, torch.device("cpu"))
+    model.config.max_position_embeddings = 1024  # rotary positions: any length works
+    engine = CausalEngine(model, load_tokenizer(str(path)), str(path), max_context=1024,
+                          kv_budget_tokens=4096)
+    engine.enable_static_forwards(max_batch=4, capture=False, max_length=5)
+    static = engine.static
+    assert static is not None and static.ends == (256, 512, 1024)
+    assert set(static.buckets) == {(b, n, e) for b in (1, 2, 4) for n in (1, 2, 3, 5)
+                                   for e in (256, 512, 1024)}
+    outputs = {bucket.output.data_ptr() for bucket in static.buckets.values()}
+    assert outputs == {static.output.data_ptr()} and static.output.shape[0] == 4 * 5
+    slot = engine.allocate()
+    built = len(static.buckets)
+    engine.forward([ForwardItem(slot, 0, ids(300, 1), False)])  # type: ignore[arg-type]
+    replays = static.replays
+    engine.forward([ForwardItem(slot, 300, ids(5, 2), True)])  # type: ignore[arg-type]
+    assert static.replays == replays + 1 and len(static.buckets) == built  # (1, 5, 512)

@@ -75,12 +75,15 @@ class CausalEngine(PoolSlots, BatchForward):
                 "static_fallbacks": static.fallbacks if static else 0}
 
     # -- start-up
-    def enable_static_forwards(self, max_batch: int, capture: bool | None = None) -> None:
-        """Short batches through static-shape buckets (``graphs.py``), replayed as CUDA graphs
-        when ``capture`` (default: on CUDA). One KV slot becomes the padding's scratch slot."""
+    def enable_static_forwards(self, max_batch: int, capture: bool | None = None,
+                               max_length: int = 17) -> None:
+        """Short batches (up to ``max_length`` tokens a segment) through static-shape buckets
+        (``graphs.py``), all built - on CUDA captured as graphs, when ``capture`` - before the
+        verifier says ready. One KV slot becomes the padding's scratch slot."""
         if len({k.device for k in self.pool.keys}) > 1:
             raise ModelSpecError("--cuda-graphs serves a target on one device")
-        self.static = StaticForwards(self.model, self.pool, self.device, max_batch, capture)
+        self.static = StaticForwards(self.model, self.pool, self.device, max_batch, capture,
+                                     max_length)
         self.static.warm()
 
     def warm_up(self) -> None:
@@ -110,7 +113,7 @@ def load_engine(settings: Settings) -> Engine:
                 settings.kv_budget_tokens, settings.device_map, settings.offload_folder,
                 settings.tp_plan, acceptance=settings.acceptance,
                 static_batch=(settings.max_batch_size if settings.batching else 1)
-                if settings.cuda_graphs else 0,
+                if settings.cuda_graphs else 0, static_length=settings.max_draft_tokens + 1,
                 attention=settings.attention, kv_memory_fraction=settings.kv_memory_fraction,
                 max_batch_tokens=settings.max_batch_tokens)
 
@@ -119,7 +122,7 @@ def load(spec: str, dtype: str = "auto", device: str = "auto", max_context: int 
          kv_budget_tokens: int = 32768, device_map: str = "", offload_folder: str = "",
          tp_plan: str = "", acceptance: str = "device", static_batch: int = 0,
          attention: str = "auto", kv_memory_fraction: float = 0.9,
-         max_batch_tokens: int = 2048) -> Engine:
+         max_batch_tokens: int = 2048, static_length: int = 17) -> Engine:
     """``device_map``: place the model over several devices (accelerate's "auto",
     "balanced", "sequential", or a JSON {module: device} map, "disk" offloading to
     ``offload_folder``); each layer's KV slots live where that layer's attention runs.
@@ -152,7 +155,7 @@ def load(spec: str, dtype: str = "auto", device: str = "auto", max_context: int 
     if static_batch and isinstance(engine, CausalEngine):
         if tp_plan:
             raise ModelSpecError("--cuda-graphs serves a target on one device")
-        engine.enable_static_forwards(static_batch)
+        engine.enable_static_forwards(static_batch, max_length=static_length)
     log.info("loaded target %s (%s, %s) in %.1f s", spec, engine.info.dtype, engine.info.device,
              time.perf_counter() - started)
     return TensorParallel(engine) if tp_plan else engine
