@@ -471,24 +471,75 @@ def ragged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
                               ragged_batch.pool.values[layer], query, key, value, scaling)
 
 
+def _sdpa_arguments(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None,
+                    scaling: float | None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """The query and keyword arguments of the SDPA call ``grouped_attention`` makes."""
+    b, heads, length, dim = query.shape
+    kv_heads = keys.shape[1]
+    if mask is None:
+        return query, {"is_causal": True, "scale": scaling, "enable_gqa": heads != kv_heads}
+    group = heads // kv_heads
+    if group > 1:  # query head h reads kv head h // group
+        query = query.reshape(b, kv_heads, group * length, dim)
+        mask = mask.view(-1, 1, 1, length, mask.shape[-1]).expand(
+            -1, 1, group, length, mask.shape[-1]).reshape(-1, 1, group * length, mask.shape[-1])
+    return query, {"attn_mask": mask, "scale": scaling}
+
+
 def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                       mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor:
     """SDPA of query [B, heads, L, d] over keys / values [B, kv_heads, E, d] with mask
     [B, 1, L, E] (or [L, E]), a grouped-query head group folded into the query rows (no
     ``enable_gqa``, which keeps the fused kernels); None: causal (a prefill from position 0).
     Returns [B, heads, L, d]."""
-    b, heads, length, dim = query.shape
-    kv_heads = keys.shape[1]
-    if mask is None:
-        return F.scaled_dot_product_attention(query, keys, values, is_causal=True,
-                                              scale=scaling, enable_gqa=heads != kv_heads)
-    group = heads // kv_heads
-    if group > 1:  # query head h reads kv head h // group
-        query = query.reshape(b, kv_heads, group * length, dim)
-        mask = mask.view(-1, 1, 1, length, mask.shape[-1]).expand(
-            -1, 1, group, length, mask.shape[-1]).reshape(-1, 1, group * length, mask.shape[-1])
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling)
-    return out.reshape(b, heads, length, dim)
+    folded, kwargs = _sdpa_arguments(query, keys, mask, scaling)
+    out = F.scaled_dot_product_attention(folded, keys, values, **kwargs)
+    return out.reshape(query.shape)
+
+
+def sdpa_backend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 **kwargs: Any) -> str:
+    """The kernel PyTorch's dispatcher picks for this SDPA call (FLASH_ATTENTION,
+    EFFICIENT_ATTENTION, CUDNN_ATTENTION, MATH, ...), from its own choice function (a private
+    API: "unknown" where it is missing or refuses)."""
+    from torch.nn.attention import SDPBackend
+
+    names = {int(getattr(SDPBackend, n)): n for n in dir(SDPBackend) if n.isupper()}
+    try:
+        choice = torch._fused_sdp_choice(  # type: ignore[attr-defined]
+            query, keys, values, attn_mask=kwargs.get("attn_mask"), dropout_p=0.0,
+            is_causal=bool(kwargs.get("is_causal", False)), scale=kwargs.get("scale"),
+            enable_gqa=bool(kwargs.get("enable_gqa", False)))
+    except (AttributeError, RuntimeError, TypeError):
+        return "unknown"
+    return names.get(int(choice), "unknown")
+
+
+def attention_kernels(config: Any, dtype: torch.dtype, device: torch.device, batch: int = 8,
+                      length: int = 5, end: int = 512) -> dict[str, str]:
+    """Which SDPA kernel each kind of call of the ragged attention runs for this model's head
+    layout: a padded group of ``batch`` blocks of ``length`` over ``end`` keys, one block alone,
+    a decode step, a prefill; and, for comparison, the masked call with ``enable_gqa`` that the
+    folding replaces."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+
+    def probe(b: int, n: int, e: int, masked: bool) -> str:
+        q = torch.zeros(b, heads, n, dim, dtype=dtype, device=device)
+        k = torch.zeros(b, kv_heads, e, dim, dtype=dtype, device=device)
+        mask = torch.ones(b, 1, n, e, dtype=torch.bool, device=device) if masked else None
+        folded, kwargs = _sdpa_arguments(q, k, mask, None)
+        return sdpa_backend(folded, k, k, **kwargs)
+
+    q = torch.zeros(batch, heads, length, dim, dtype=dtype, device=device)
+    k = torch.zeros(batch, kv_heads, end, dim, dtype=dtype, device=device)
+    unfolded = sdpa_backend(q, k, k, attn_mask=torch.ones(batch, 1, length, end, dtype=torch.bool,
+                                                          device=device),
+                            enable_gqa=heads != kv_heads)
+    return {"padded_group": probe(batch, length, end, True),
+            "block_alone": probe(1, length, end, True), "decode_step": probe(1, 1, end, True),
+            "prefill": probe(1, end, end, False), "masked_enable_gqa": unfolded}
 
 
 def _planned_attention(batch: RaggedBatch, keys: torch.Tensor, values: torch.Tensor,

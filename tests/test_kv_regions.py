@@ -172,3 +172,41 @@ def test_a_full_pool_evicts_an_idle_session_for_a_growing_one(
             for s in others]
     assert tokens == hf_greedy(path, prompt, len(tokens))
     assert metrics["evicted_sessions"] >= 2 and gone.count(404) >= 2
+
+
+def test_masked_attention_folds_the_head_group_instead_of_enable_gqa(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #24: a bool mask with ``enable_gqa`` rules out the flash kernel on CUDA and may
+    fall back to the math kernel. The masked calls fold the group into the query rows (same
+    result), prefills pass ``is_causal``; ``attention_kernels`` names the kernel of each."""
+    from torch.nn import functional as F
+
+    from shared.kv_pool import attention_kernels, grouped_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 6, 5, 8), torch.randn(3, 2, 40, 8), torch.randn(3, 2, 40, 8)
+    mask = torch.rand(3, 1, 5, 40) > 0.3
+    mask[..., 0] = True
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    causal = F.scaled_dot_product_attention(q[:1, :, :5], k[:1, :, :5], v[:1, :, :5],
+                                            is_causal=True, enable_gqa=True)
+    calls: list[dict[str, object]] = []
+    original = F.scaled_dot_product_attention
+
+    def recorded(*args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(kwargs)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recorded)
+    torch.testing.assert_close(grouped_attention(q, k, v, mask, None), want)
+    torch.testing.assert_close(grouped_attention(q[:1, :, :5], k[:1, :, :5], v[:1, :, :5],
+                                                 None, None), causal)
+    assert not calls[0].get("enable_gqa") and calls[0]["attn_mask"] is not None
+    assert calls[1]["is_causal"] is True and calls[1].get("attn_mask") is None
+    monkeypatch.undo()
+    config = SimpleNamespace(num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
+    kernels = attention_kernels(config, torch.float32, torch.device("cpu"))
+    assert set(kernels) == {"padded_group", "block_alone", "decode_step", "prefill",
+                            "masked_enable_gqa"}
+    assert set(kernels.values()) <= {"FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH",
+                                     "CUDNN_ATTENTION", "OVERRIDEABLE", "unknown"}
+    assert kernels["padded_group"] != "unknown"  # this torch answers

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from shared.dtype_choice import load_lm_auto
 from shared.engine import ForwardItem, pooled_forward
 from shared.graphs import StaticForwards
-from shared.kv_pool import ATTENTION_NAME, KVPool
+from shared.kv_pool import ATTENTION_NAME, KVPool, attention_kernels
 from shared.llama_runtime import pick_engine
 from shared.models import ModelSpecError, load_tokenizer, pick_device
 from verifier_service.engine import BatchForward, Engine, PoolSlots
@@ -97,6 +97,8 @@ class CausalEngine(PoolSlots, BatchForward):
         self.forward([ForwardItem(slot, 16, ids[:5], True)])
         self.info = replace(self.info, verify_ms=self.time_verify_blocks(slot, ids))
         self.pool.release(slot)
+        log.info("attention kernels (%s): %s", self.attention,
+                 attention_kernels(self.model.config, self.dtype, self.device))
 
 
 def load_engine(settings: Settings) -> Engine:
