@@ -340,8 +340,9 @@ class KVPool:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         total = total_tokens if total_tokens is not None else num_slots * slot_tokens
         smallest = min(SMALLEST_REGION, slot_tokens)
-        self.regions = Regions(max(total, slot_tokens), smallest, slot_tokens)
-        self.slot_tokens = self.regions.size(self.regions.top)
+        largest = smallest << max(-(-slot_tokens // smallest) - 1, 0).bit_length()  # >= slot
+        self.regions = Regions(max(total, largest), smallest, largest)
+        self.slot_tokens = slot_tokens
         shape = (kv_heads, self.regions.total, head_dim)
         layers = config.num_hidden_layers
         devices = device if isinstance(device, list) else [device] * layers
@@ -389,6 +390,8 @@ class KVPool:
         """Make ``slot`` hold ``tokens`` tokens, moving it to a larger region (its cached
         tokens copied) when it must; False when ``tokens`` is past ``slot_tokens`` or no
         region that large is free (the slot is unchanged)."""
+        if tokens > self.slot_tokens:
+            return False
         base, order = self._region[slot]
         if tokens <= self.regions.size(order):
             return True

@@ -210,3 +210,10 @@ def test_masked_attention_folds_the_head_group_instead_of_enable_gqa(
     assert set(kernels.values()) <= {"FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH",
                                      "CUDNN_ATTENTION", "OVERRIDEABLE", "unknown"}
     assert kernels["padded_group"] != "unknown"  # this torch answers
+
+
+def test_a_context_that_is_no_power_of_two_is_held_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = pool(40, 40, monkeypatch)  # regions 8 .. 64 (the first to hold 40); the pool holds one
+    assert kv.slot_tokens == 40 and kv.regions.total == 64
+    slot = kv.allocate()
+    assert slot is not None and kv.reserve(slot, 40) and not kv.reserve(slot, 41)
