@@ -2,7 +2,8 @@
 # The wheels a lent GPU machine lacks (it has PyTorch and transformers, Python 3.12, no registry):
 # this project's web stack at the versions installed in .venv, for CPython 3.12 on x86_64 Linux,
 # into .whl/ (git-ignored; carry it with the device tool's `carry: [".whl"]`). Prints the one
-# command to run there: the GPU benchmark (and its verifiers) with the wheels on PYTHONPATH.
+# command to run there: the smoke checks (python -m scripts.bench gpu-smoke, under 2 minutes),
+# then the GPU benchmark (and its verifiers) with the wheels on PYTHONPATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -28,5 +29,5 @@ fi
 echo "gpu_kit: ${count} wheels, ${size_kib} KiB in .whl/ (${pins[*]})"
 cat <<'RUN'
 run on the GPU machine (carry [".whl"]):
-python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && python3 -m scripts.bench gpu --device cuda --out $OUT/gpu.json
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && timeout 150 python3 -m scripts.bench gpu-smoke --device cuda --out $OUT/gpu-smoke.json && python3 -m scripts.bench gpu --device cuda --out $OUT/gpu.json
 RUN

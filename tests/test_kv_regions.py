@@ -136,6 +136,10 @@ def test_a_batched_forward_sends_its_indices_in_one_copy(
                            ForwardItem(slots[2], 50, ids(1, 3), True)])  # type: ignore[arg-type]
     assert Upload.count - sent == 1 and reads == []
     assert [r.shape[0] for r in rows if r is not None] == [5, 3, 1]
+    sent = Upload.count
+    engine.keep_path(slots[0], 35, [1, 3])  # a tree's accepted path: once, not per layer
+    engine.pool.reorder(slots, [0, 0, 1], 20)  # beams following their parents
+    assert Upload.count - sent == 2 and reads == []
 
 
 def test_a_full_pool_evicts_an_idle_session_for_a_growing_one(

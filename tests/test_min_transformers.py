@@ -42,6 +42,15 @@ def test_drafters_keep_their_cache_on_the_oldest_transformers() -> None:
     assert result["plain_step_ms"] > 0 and result["reloaded"] == "LlamaForCausalLM"
 
 
+def test_gpu_smoke_script_on_the_gpu_machines_software(tmp_path: Path) -> None:
+    """The first command a lent GPU machine runs, on its transformers and without `openai`."""
+    out = tmp_path / "smoke.json"
+    done = run_under_min(["-m", "scripts.bench", "gpu-smoke", "--device", "cpu", "--out",
+                          str(out)], 240)
+    assert "all checks passed" in done.stdout
+    assert json.loads(out.read_text())["passed"]
+
+
 @pytest.mark.slow
 def test_gpu_bench_dry_run_on_the_gpu_machines_software(tmp_path: Path) -> None:
     """The GPU benchmark's whole pipeline on a tiny random Qwen-shaped pair on CPU, on

@@ -13,6 +13,7 @@ from scripts.bench import (
     client,
     gateway,
     gpu,
+    gpu_smoke,
     llama,
     network,
     profile,
@@ -23,7 +24,7 @@ from scripts.bench import (
 COMMANDS = {"suite": suite, "client": client, "batching": batching, "calls": calls,
             "network": network,
             "profile": profile, "attack": attack, "gateway": gateway, "gpu": gpu,
-            "llama": llama, "report": report}
+            "gpu-smoke": gpu_smoke, "llama": llama, "report": report}
 
 
 def build_parser() -> argparse.ArgumentParser:
