@@ -14,8 +14,9 @@ from typing import Any
 import torch
 
 from shared.graphs import Shaped, StaticForwards
-from shared.kv_pool import KVPool, RaggedBatch, Segment, Upload
+from shared.kv_pool import KVPool, RaggedBatch, Segment
 from shared.sampling import tree_depths
+from shared.transfer import Upload
 
 
 class PoolFullError(RuntimeError):

@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from shared.kv_pool import KVPool, PaddedGroup, RaggedBatch, Upload, chain_mask
+from shared.kv_pool import KVPool, PaddedGroup, RaggedBatch, chain_mask
+from shared.transfer import Upload
 
 log = logging.getLogger(__name__)
 # A capture makes CUDA calls that other captures in the process must not interleave with (the

@@ -42,40 +42,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from shared.transfer import Upload
+
 ATTENTION_NAME = "specdec_ragged"
 SMALLEST_REGION = 256  # tokens: the first region of every session
-
-
-class Upload:
-    """Host integers for one forward, copied to the device at once: ``add`` a list, get back
-    its slot; ``send`` makes one host tensor (pinned on CUDA) and one non-blocking copy, and
-    ``get`` slices it on the device. ``Upload.count`` counts the copies (tests read it)."""
-
-    count = 0
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.parts: list[list[int]] = []
-        self.flat: torch.Tensor | None = None
-        self.offsets: list[int] = [0]
-
-    def add(self, values: list[int]) -> int:
-        assert self.flat is None, "add after send"
-        self.parts.append(values)
-        self.offsets.append(self.offsets[-1] + len(values))
-        return len(self.parts) - 1
-
-    def send(self) -> Upload:
-        host = torch.tensor([v for part in self.parts for v in part] or [0], dtype=torch.long)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        self.flat = host.to(self.device, non_blocking=True)
-        Upload.count += 1
-        return self
-
-    def get(self, index: int) -> torch.Tensor:
-        assert self.flat is not None, "get before send"
-        return self.flat[self.offsets[index]:self.offsets[index + 1]]
 
 
 @dataclass(frozen=True)

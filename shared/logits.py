@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from shared.transfer import to_device
+
 if TYPE_CHECKING:
     from shared.sampling import SamplingConfig
 
@@ -58,27 +60,26 @@ def process_rows(logits: torch.Tensor, configs: list[SamplingConfig]) -> torch.T
     if len(temperatures) == 1:  # one division by a float64 scalar: the same arithmetic
         scores = (shifted / temperatures.pop()).float()  # [R, vocab]
     else:
-        temperature = torch.tensor([c.temperature for c in configs], dtype=torch.float64)
-        scores = (shifted / temperature.to(device)[:, None]).float()
+        temperature = to_device([c.temperature for c in configs], torch.float64, device)
+        scores = (shifted / temperature[:, None]).float()
     top_k = [c.top_k if 0 < c.top_k < vocab else 0 for c in configs]  # 0: no top-k
     if len(set(top_k)) == 1 and top_k[0]:
         kth_best = torch.topk(scores, top_k[0], dim=-1).values[..., -1:]  # [R, 1]
         scores = scores.masked_fill(scores < kth_best, NEG_INF)
     elif any(top_k):
         best = torch.topk(scores, max(top_k), dim=-1).values  # [R, widest], descending
-        kth = torch.tensor([max(k, 1) - 1 for k in top_k]).to(device)  # [R]
+        kth = to_device([max(k, 1) - 1 for k in top_k], torch.long, device)  # [R]
         kth_best = best.gather(-1, kth[:, None])  # [R, 1]
-        limited = torch.tensor([k > 0 for k in top_k]).to(device)  # [R]
+        limited = to_device([k > 0 for k in top_k], torch.bool, device)  # [R]
         kth_best = torch.where(limited[:, None], kth_best, NEG_INF)
         scores = scores.masked_fill(scores < kth_best, NEG_INF)
     nucleus = [r for r, c in enumerate(configs) if c.top_p < 1.0]
     if len(nucleus) == len(configs):
-        top_p = torch.tensor([c.top_p for c in configs], dtype=torch.float64).to(device)
+        top_p = to_device([c.top_p for c in configs], torch.float64, device)
         scores = scores.masked_fill(nucleus_drop(scores, top_p), NEG_INF)
     elif nucleus:  # only these rows: each row's answer is its own (nucleus_drop)
-        rows = torch.tensor(nucleus).to(device)
-        top_p = torch.tensor([configs[r].top_p for r in nucleus], dtype=torch.float64)
+        rows = to_device(nucleus, torch.long, device)
+        top_p = to_device([configs[r].top_p for r in nucleus], torch.float64, device)
         scores = scores.clone()
-        scores[rows] = scores[rows].masked_fill(nucleus_drop(scores[rows], top_p.to(device)),
-                                                NEG_INF)
+        scores[rows] = scores[rows].masked_fill(nucleus_drop(scores[rows], top_p), NEG_INF)
     return torch.log_softmax(scores, dim=-1)

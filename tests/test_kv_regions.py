@@ -15,9 +15,10 @@ import torch
 
 from shared import kv_pool
 from shared.engine import ForwardItem
-from shared.kv_pool import KVPool, Regions, Upload
+from shared.kv_pool import KVPool, Regions
 from shared.models import load_causal_lm, load_tokenizer
 from shared.schema import PROTOCOL_VERSION
+from shared.transfer import Upload
 from tests.support.live_server import LiveServer, fp32_settings
 from verifier_service.target import CausalEngine
 

@@ -33,6 +33,7 @@ from shared.sampling import (
     verify_block,
     verify_tree,
 )
+from shared.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ class SampledLayout:
     grid: torch.Tensor
     first_row: torch.Tensor  # [J] each block's first row
     first_draft: torch.Tensor  # [J] each block's first draft
+    one_hot: torch.Tensor  # [J] bool: the block's drafts are one-hot (no draft log-probs)
     draft_logprobs: torch.Tensor  # [D] float64 log q_i(x_i) (0 for one-hot drafts)
     log_uniforms: torch.Tensor  # [D] float64
     final_uniforms: torch.Tensor  # [J] float64
@@ -199,17 +201,17 @@ class SampledLayout:
             draft_rows.extend(range(row, row + k))
             grid.extend([*range(draft, draft + k), *[drafts] * (k_max + 1 - k)])
             row, draft = row + k + 1, draft + k
-        ints = torch.tensor([*draft_rows, *(x for c in checks for x in c.draft_ids), 0, *grid,
-                             *first_row, *first_draft]).to(device)
-        floats = torch.tensor([*(lp for c in checks
-                                 for lp in (c.draft_logprobs or [0.0] * len(c.draft_ids))),
-                               *(u for c in checks for u in c.log_uniforms),
-                               *(c.final_uniform for c in checks)],
-                              dtype=torch.float64).to(device)
-        ints_at = _cuts(ints, [drafts, drafts + 1, jobs * (k_max + 1), jobs, jobs])
+        one_hot = [int(c.draft_logprobs is None and bool(c.draft_ids)) for c in checks]
+        ints = to_device([*draft_rows, *(x for c in checks for x in c.draft_ids), 0, *grid,
+                          *first_row, *first_draft, *one_hot], torch.long, device)
+        floats = to_device([*(lp for c in checks
+                              for lp in (c.draft_logprobs or [0.0] * len(c.draft_ids))),
+                            *(u for c in checks for u in c.log_uniforms),
+                            *(c.final_uniform for c in checks)], torch.float64, device)
+        ints_at = _cuts(ints, [drafts, drafts + 1, jobs * (k_max + 1), jobs, jobs, jobs])
         floats_at = _cuts(floats, [drafts, drafts, jobs])
         return cls(ints_at[0], ints_at[1], ints_at[2].view(jobs, k_max + 1), ints_at[3],
-                   ints_at[4], *floats_at)
+                   ints_at[4], ints_at[5].bool(), *floats_at)
 
 
 def _cuts(values: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
@@ -241,7 +243,7 @@ def _decide_sampled(rows: list[torch.Tensor], checks: list[Check]) -> list[Verdi
     if any(one_hot):  # rows whose one-hot draft was rejected take the residual
         rejected = at.grid.gather(1, accepted[:, None])[:, 0] < drafts  # [J] stopped on a draft
         if not all(one_hot):
-            rejected = rejected & torch.tensor(one_hot).to(weights.device)
+            rejected = rejected & at.one_hot
         residual = remove_rejected(weights, at.draft_ids[at.first_draft + accepted])
         weights = torch.where(rejected[:, None], residual, weights)
     next_token = sample_rows(weights, at.final_uniforms)  # [J]
