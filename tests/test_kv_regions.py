@@ -222,3 +222,30 @@ def test_a_context_that_is_no_power_of_two_is_held_whole(monkeypatch: pytest.Mon
     assert kv.slot_tokens == 40 and kv.regions.total == 64
     slot = kv.allocate()
     assert slot is not None and kv.reserve(slot, 40) and not kv.reserve(slot, 41)
+
+
+def test_on_cuda_the_pool_is_sized_from_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #24: 4096-token slots in a 65,536-token budget gave 16 slots for 64 clients. On
+    CUDA the budget is what ``kv_memory_fraction`` of the device leaves after the model and a
+    forward's activations: on an H200 (139 GiB) holding a 1.5B bf16 target, far more than 256
+    sessions of 2k tokens. A device with no room is a clear error."""
+    from transformers import Qwen2Config
+
+    from scripts.bench.gpu import SHAPES
+    from shared.models import ModelSpecError
+    from verifier_service.hf_models import DEFAULT_KV_BUDGET, kv_budget, kv_bytes_per_token
+
+    config = Qwen2Config(**SHAPES["qwen1.5b"])
+    gib = 2**30
+    assert kv_bytes_per_token(config, torch.bfloat16) == 2 * 28 * 2 * 128 * 2  # 28 KiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (136 * gib, 139 * gib))
+    cuda = torch.device("cuda")
+    tokens = kv_budget(config, torch.bfloat16, cuda, 0, 0.9, 2048)
+    assert tokens >= 256 * 2048
+    assert tokens * kv_bytes_per_token(config, torch.bfloat16) < 0.9 * 139 * gib - 3 * gib
+    assert kv_budget(config, torch.bfloat16, cuda, 5000, 0.9, 2048) == 5000  # as asked
+    assert kv_budget(config, torch.bfloat16, torch.device("cpu"), 0, 0.9, 2048) == \
+        DEFAULT_KV_BUDGET
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (4 * gib, 80 * gib))
+    with pytest.raises(ModelSpecError, match="kv_memory_fraction"):
+        kv_budget(config, torch.bfloat16, cuda, 0, 0.9, 2048)

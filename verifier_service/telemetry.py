@@ -96,9 +96,12 @@ class StateCollector:
             return
         gauges = {
             "sessions_open": ("Sessions holding a KV slot", m["sessions"]),
-            "kv_slots": ("KV slots in the pool", m["kv_slots"]),
-            "kv_slots_used": ("KV slots held by sessions", m["kv_slots"] - m["kv_slots_free"]),
-            "kv_slots_free": ("KV slots free", m["kv_slots_free"]),
+            "kv_slots": ("KV pool size in smallest regions (sessions at their shortest)",
+                         m["kv_slots"]),
+            "kv_slots_used": ("Smallest regions' worth of the KV pool in use",
+                              m["kv_slots"] - m["kv_slots_free"]),
+            "kv_slots_free": ("Sessions that could still open (smallest regions free)",
+                              m["kv_slots_free"]),
             "kv_pool_bytes": ("Bytes of the KV pool", m["kv_pool_bytes"]),
             "queued_jobs": ("Jobs waiting for a batch", m["queued"]),
             "acceptance_rate": ("Accepted / drafted tokens since start (rate() the two counters "
