@@ -167,6 +167,47 @@ def test_concurrent_requests_each_get_their_own_answer(
     assert answers == refs
 
 
+def test_concurrent_requests_with_cuda_graph_drafters(
+        gpt2_server: LiveServer, tiny_models: dict[str, Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #24: with the client's ``--cuda-graphs`` each gateway worker thread builds a pooled
+    drafter and captures its buckets while other threads draft (captures are serialised:
+    tests/test_graphs.py). Here on CPU the same buckets run eagerly: concurrent requests still
+    get the greedy answers ``specdec generate --cuda-graphs`` gives one at a time."""
+    from drafter_client.api import DrafterOptions
+    from drafter_client.pooled import PooledDrafter
+
+    built: list[int] = []
+    original = PooledDrafter.__init__
+
+    def counted(self: PooledDrafter, *args: Any, **kwargs: Any) -> None:
+        built.append(threading.get_ident())
+        original(self, *args, **kwargs)
+    monkeypatch.setattr(PooledDrafter, "__init__", counted)
+    drafter = tiny_models["gpt2-drafter"]
+    prompts = ["the cat", "a dog ran", "x = 1", "return y + 2"]
+    refs = {p: cli_generate(gpt2_server.url, drafter, p, "--chat", "--max-new-tokens", "16",
+                            "--cuda-graphs")["text"] for p in prompts}
+    client = SpecDecClient(gpt2_server.url, str(drafter), options=DrafterOptions(cuda_graphs=True))
+    answers: dict[str, str | None] = {}
+    with ThreadedServer(create_gateway(client, GatewaySettings(MODEL))) as server:
+        oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+        def ask(prompt: str) -> None:
+            reply = oai.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0,
+                max_tokens=16)
+            answers[prompt] = reply.choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts * 2]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    assert answers == refs
+    assert len(set(built)) >= 2  # pooled drafters built on more than one thread
+
+
 def test_models_route(oai: openai.OpenAI) -> None:
     models = oai.models.list()
     assert [m.id for m in models.data] == [MODEL]
