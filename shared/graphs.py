@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from shared.kv_pool import KVPool, PaddedGroup, RaggedBatch, chain_mask
+from shared.kv_pool import KEY_ALIGN, KVPool, PaddedGroup, RaggedBatch, chain_mask
 from shared.transfer import Upload
 
 log = logging.getLogger(__name__)
@@ -193,10 +193,11 @@ class StaticForwards:
             min(max_batch, B_BUCKETS[-1]),)
         self.l_buckets = tuple(n for n in L_BUCKETS if n < max_length) + (
             min(max_length, L_BUCKETS[-1]),)
-        self.ends = tuple(min(E_STEP << i, pool.slot_tokens)
-                          for i in range(max(pool.slot_tokens // E_STEP, 1).bit_length()))
-        if self.ends[-1] < pool.slot_tokens:
-            self.ends += (pool.slot_tokens,)
+        longest = -(-pool.slot_tokens // KEY_ALIGN) * KEY_ALIGN  # the context, aligned
+        self.ends = tuple(min(E_STEP << i, longest)
+                          for i in range(max(longest // E_STEP, 1).bit_length()))
+        if self.ends[-1] < longest:
+            self.ends += (longest,)
         vocab = model.get_output_embeddings().weight.shape[0]
         self.output = torch.empty(self.b_buckets[-1] * self.l_buckets[-1], vocab,
                                   dtype=next(model.parameters()).dtype, device=device)

@@ -79,6 +79,7 @@ class Segment:
 # call per layer; longer ones (prefills) attend on their own, so one long prompt does not pad
 # every short block of its batch to its length.
 PADDED_MAX_LENGTH = 64
+KEY_ALIGN = 16  # a padded group reads a multiple of this many key positions
 
 
 def chain_mask(starts: torch.Tensor, lengths: torch.Tensor, length: int,
@@ -120,7 +121,9 @@ class PaddedGroup:
         """Queue the group's indices on ``upload``; after ``upload.send()``, call the returned
         function for the group (one copy for the whole forward)."""
         length = max(seg.length for seg in segments)
-        end = max(seg.start + seg.length for seg in segments)
+        # a multiple of KEY_ALIGN: fused kernels want the mask's rows aligned (the extra keys
+        # are masked)
+        end = -(-max(seg.start + seg.length for seg in segments) // KEY_ALIGN) * KEY_ALIGN
         query_index: list[int] = []
         token_index: list[int] = []
         token_rows: list[int] = []
@@ -512,6 +515,7 @@ def attention_kernels(config: Any, dtype: torch.dtype, device: torch.device, bat
                             enable_gqa=heads != kv_heads)
     return {"padded_group": probe(batch, length, end, True),
             "block_alone": probe(1, length, end, True), "decode_step": probe(1, 1, end, True),
+            "block_alone_odd_end": probe(1, length, end - 3, True),
             "prefill": probe(1, end, end, False), "masked_enable_gqa": unfolded}
 
 

@@ -211,7 +211,7 @@ def test_masked_attention_folds_the_head_group_instead_of_enable_gqa(
     config = SimpleNamespace(num_attention_heads=6, num_key_value_heads=2, hidden_size=48)
     kernels = attention_kernels(config, torch.float32, torch.device("cpu"))
     assert set(kernels) == {"padded_group", "block_alone", "decode_step", "prefill",
-                            "masked_enable_gqa"}
+                            "block_alone_odd_end", "masked_enable_gqa"}
     assert set(kernels.values()) <= {"FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH",
                                      "CUDNN_ATTENTION", "OVERRIDEABLE", "unknown"}
     assert kernels["padded_group"] != "unknown"  # this torch answers

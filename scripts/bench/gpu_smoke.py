@@ -155,7 +155,7 @@ def attention(device: torch.device) -> dict[str, Any]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kernels = attention_kernels(config, dtype, device)
     fused = all(v not in ("MATH", "unknown") for k, v in kernels.items()
-                if k != "masked_enable_gqa")
+                if k in ("padded_group", "decode_step", "prefill"))
     return {"ok": fused or device.type != "cuda", "dtype": str(dtype).removeprefix("torch."),
             **kernels}
 
