@@ -2,11 +2,13 @@
 
 Every layer's cache is ONE preallocated [kv_heads, total_tokens, head_dim] tensor. A session
 owns a *slot*: a stable id whose *region* - a contiguous run of that token axis - grows with it.
-Regions come from a buddy allocator (:class:`Regions`): sizes are powers of two from
-``smallest`` (256 tokens) up to ``slot_tokens`` (the longest context), so short sessions hold
-short regions and many more sessions fit than one longest-context slot each. A session that
-outgrows its region moves to one twice as large (one copy per layer, far cheaper than the
-forward that needed the room); its slot id stays.
+The axis is cut into slabs of the longest context (``slot_tokens``), and regions come from a
+buddy allocator inside each slab (:class:`Regions`): 256, 512, 1024, ... tokens, or a whole slab.
+So short sessions hold short regions and many more sessions fit than one longest-context slot
+each, while the pool still holds ``total_tokens // slot_tokens`` sessions at their longest. A
+session that outgrows its region takes the room after it when that is free, or moves to a
+larger region (one copy per layer, far cheaper than the forward that needed the room); its slot
+id stays.
 
 A batched forward flattens the new tokens of all sessions into one sequence ([1, num_tokens],
 each token with its own position id); the projections and MLPs run once for all of them, and
@@ -221,38 +223,52 @@ class SlotAllocator:
 
 
 class Regions:
-    """A buddy allocator over [0, total) tokens: blocks of ``smallest * 2**order`` tokens,
-    order 0 .. ``top``; a freed block merges with its free buddy."""
+    """Blocks of the token axis [0, total): ``total // slab`` slabs of ``slab`` tokens (the
+    longest context) each. A slab is split buddy-fashion into blocks of ``smallest * 2**order``
+    tokens (orders 0 .. ``power``, a freed block merging with its free buddy), or - when the slab
+    is no such power - handed out whole as order ``top`` = ``power + 1``."""
 
-    def __init__(self, total: int, smallest: int, largest: int) -> None:
-        self.smallest = smallest
-        self.top = max((largest // smallest).bit_length() - 1, 0)
-        self.free: list[set[int]] = [set() for _ in range(self.top + 1)]
-        base = 0
-        for order in range(self.top, -1, -1):  # the tail in ever smaller blocks
-            while base + self.size(order) <= total:
-                self.free[order].add(base)
-                base += self.size(order)
-        self.total = base  # tokens in blocks (the rest of ``total`` is never handed out)
+    def __init__(self, total: int, smallest: int, slab: int) -> None:
+        self.smallest, self.slab = smallest, slab
+        self.power = max((slab // smallest).bit_length() - 1, 0)
+        self.top = self.power + (slab != smallest << self.power)
+        self.layout: list[tuple[int, int]] = []  # (offset, order) of a fresh slab's blocks
+        offset = 0
+        for order in range(self.power, -1, -1):  # the slab in ever smaller blocks
+            if offset + self.size(order) <= slab:
+                self.layout.append((offset, order))
+                offset += self.size(order)
+        self.slabs = max(total // slab, 1)
+        self.total = self.slabs * slab
+        self.free: list[set[int]] = [set() for _ in range(self.power + 1)]
+        for s in range(self.slabs):
+            for offset, order in self.layout:
+                self.free[order].add(s * slab + offset)
 
     def size(self, order: int) -> int:
-        return self.smallest << order
+        return self.slab if order > self.power else self.smallest << order
 
     def order_for(self, tokens: int) -> int | None:
-        for order in range(self.top + 1):
-            if self.size(order) >= tokens:
-                return order
-        return None
+        return next((o for o in range(self.top + 1) if self.size(o) >= tokens), None)
 
     @property
     def free_tokens(self) -> int:
         return sum(len(bases) * self.size(o) for o, bases in enumerate(self.free))
 
+    def _slab_free(self, first: int) -> bool:
+        return all(first + offset in self.free[order] for offset, order in self.layout)
+
     def allocate(self, order: int) -> int | None:
-        found = next((o for o in range(order, self.top + 1) if self.free[o]), None)
+        if order > self.power:  # a whole slab
+            first = next((s * self.slab for s in range(self.slabs)
+                          if self._slab_free(s * self.slab)), None)
+            if first is not None:
+                self.take(first, order)
+            return first
+        found = next((o for o in range(order, self.power + 1) if self.free[o]), None)
         if found is None:
             return None
-        base = min(self.free[found])
+        base = min(self.free[found])  # the smallest block that fits, lowest first
         self.free[found].remove(base)
         while found > order:  # split: keep the lower half, free the upper
             found -= 1
@@ -260,11 +276,20 @@ class Regions:
         return base
 
     def grow(self, base: int, order: int, wanted: int) -> bool:
-        """Extend the block at ``base`` in place to order ``wanted`` by claiming its free upper
-        buddies; False (nothing claimed) when one of them is taken or it is an upper half."""
+        """Extend the block at ``base`` in place to order ``wanted`` by claiming the free room
+        after it; False (nothing claimed) when some of it is taken."""
+        if wanted > self.power:  # the whole slab: everything else in it must be free
+            first = base - base % self.slab
+            self.release(base, order)
+            if self._slab_free(first):
+                self.take(first, wanted)
+                return True
+            self.take(base, order)
+            return False
         buddies = []
         for o in range(order, wanted):
-            if base % self.size(o + 1) or base + self.size(o) not in self.free[o]:
+            offset = base % self.slab
+            if offset % self.size(o + 1) or base + self.size(o) not in self.free[o]:
                 return False
             buddies.append((o, base + self.size(o)))
         for o, buddy in buddies:
@@ -274,22 +299,33 @@ class Regions:
     def take(self, base: int, order: int) -> None:
         """Claim the block at ``base`` of ``order``, free itself or inside a free larger one
         (one just released, taken back)."""
-        for o in range(order, self.top + 1):
-            outer = base - base % self.size(o)
+        first = base - base % self.slab
+        if order > self.power:
+            if base != first or not self._slab_free(first):
+                raise ValueError(f"slab {base} is not free")
+            for offset, o in self.layout:
+                self.free[o].remove(first + offset)
+            return
+        for o in range(order, self.power + 1):
+            outer = first + (base - first) // self.size(o) * self.size(o)
             if outer in self.free[o]:
                 self.free[o].remove(outer)
                 while o > order:  # split down to the block, freeing the halves beside it
                     o -= 1
-                    half = self.size(o)
-                    lower, upper = outer, outer + half
-                    outer = upper if base >= upper else lower
-                    self.free[o].add(lower if outer == upper else upper)
+                    upper = outer + self.size(o)
+                    self.free[o].add(outer if base >= upper else upper)
+                    outer = upper if base >= upper else outer
                 return
         raise ValueError(f"block {base} of order {order} is not free")
 
     def release(self, base: int, order: int) -> None:
-        while order < self.top:
-            buddy = base ^ self.size(order)
+        first = base - base % self.slab
+        if order > self.power:
+            for offset, o in self.layout:
+                self.free[o].add(first + offset)
+            return
+        while order < self.power:
+            buddy = first + ((base - first) ^ self.size(order))
             if buddy not in self.free[order]:
                 break
             self.free[order].remove(buddy)
@@ -312,16 +348,15 @@ class KVPool:
         kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // tp_size
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         total = total_tokens if total_tokens is not None else num_slots * slot_tokens
-        smallest = min(SMALLEST_REGION, slot_tokens)
-        largest = smallest << max(-(-slot_tokens // smallest) - 1, 0).bit_length()  # >= slot
-        self.regions = Regions(max(total, largest), smallest, largest)
+        self.regions = Regions(max(total, slot_tokens), min(SMALLEST_REGION, slot_tokens),
+                               slot_tokens)
         self.slot_tokens = slot_tokens
         shape = (kv_heads, self.regions.total, head_dim)
         layers = config.num_hidden_layers
         devices = device if isinstance(device, list) else [device] * layers
         self.keys = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
         self.values = [torch.zeros(shape, dtype=dtype, device=d) for d in devices]
-        self.num_slots = self.regions.total // smallest
+        self.num_slots = self.regions.free_tokens // self.regions.smallest
         self._free_ids = list(range(self.num_slots - 1, -1, -1))
         self._region: dict[int, tuple[int, int]] = {}  # slot -> (base, order)
         self.moves = 0  # regions outgrown and moved
@@ -383,7 +418,7 @@ class KVPool:
             return False
         size = self.regions.size(order)
         overlap = moved < base + size and base < moved + self.regions.size(wanted)
-        for cache in (*self.keys, *self.values):
+        for cache in (*self.keys, *self.values) if moved != base else ():
             old = cache[:, base:base + size]
             cache[:, moved:moved + size] = old.clone() if overlap else old
         self._region[slot] = (moved, wanted)

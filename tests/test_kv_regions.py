@@ -23,29 +23,46 @@ from tests.support.live_server import LiveServer, fp32_settings
 from verifier_service.target import CausalEngine
 
 
-def test_regions_split_merge_and_keep_a_tail() -> None:
-    regions = Regions(total=4 * 64 + 48, smallest=16, largest=64)  # 4 top blocks, tail 32 + 16
+def test_regions_split_merge_and_hand_out_whole_slabs() -> None:
+    regions = Regions(total=4 * 64, smallest=16, slab=64)  # 4 slabs, each one top block
+    assert regions.top == regions.power == 2 and regions.total == 256
     initial = [set(bases) for bases in regions.free]
-    assert regions.total == 4 * 64 + 48 and initial == [{288}, {256}, {0, 64, 128, 192}]
-    a, b, c = regions.allocate(0), regions.allocate(0), regions.allocate(0)
-    assert (a, b, c) == (288, 256, 272)  # the smallest free blocks first: the tail
-    d = regions.allocate(0)  # splits a 64 into 16 + 16 + 32
-    assert d == 0 and regions.free[0] == {16} and 32 in regions.free[1]
-    e = regions.allocate(2)
-    assert e == 64 and regions.free_tokens == regions.total - 4 * 16 - 64
-    for base, order in ((a, 0), (d, 0), (b, 0), (e, 2), (c, 0)):
+    assert initial == [set(), set(), {0, 64, 128, 192}]
+    a, b = regions.allocate(0), regions.allocate(0)
+    assert (a, b) == (0, 16) and regions.free[1] == {32}  # a 64 split into 16 + 16 + 32
+    c = regions.allocate(2)
+    assert c == 64 and regions.free_tokens == 256 - 32 - 64
+    assert not regions.grow(16, 0, 1)  # an upper half cannot take the room after it
+    assert regions.grow(a, 0, 0) and not regions.grow(a, 0, 1)  # 16 is taken
+    for base, order in ((a, 0), (b, 0), (c, 2)):
         regions.release(base, order)
     assert [set(bases) for bases in regions.free] == initial  # every buddy merged back
-    assert regions.order_for(17) == 1 and regions.order_for(64) == 2
-    assert regions.order_for(65) is None
-    everything = [regions.allocate(0) for _ in range(regions.total // 16)]
-    assert sorted(everything) == list(range(0, regions.total, 16))  # type: ignore[type-var]
+    everything = [regions.allocate(0) for _ in range(256 // 16)]
+    assert sorted(everything) == list(range(0, 256, 16))  # type: ignore[type-var]
     assert regions.allocate(0) is None and regions.free_tokens == 0
     for base in everything:
         regions.release(base, 0)  # type: ignore[arg-type]
     regions.take(16, 0)  # a given block, split out of the free 64 around it
-    assert regions.free[0] == {0, 288} and regions.free[1] == {32, 256} and 0 not in regions.free[2]
-    assert regions.grow(0, 0, 0) and not regions.grow(16, 0, 1)  # 16 is an upper half
+    assert regions.free[0] == {0} and regions.free[1] == {32} and 0 not in regions.free[2]
+
+
+def test_a_slab_that_is_no_power_of_two_is_handed_out_whole() -> None:
+    """A 48-token context in blocks of 16: a slab is a 32 and a 16, or all 48 at once."""
+    regions = Regions(total=100, smallest=16, slab=48)  # 2 slabs; the last 4 tokens unused
+    assert (regions.power, regions.top, regions.total) == (1, 2, 96)
+    assert regions.layout == [(0, 1), (32, 0)] and regions.order_for(33) == 2
+    assert regions.order_for(49) is None and regions.size(2) == 48
+    a = regions.allocate(0)  # the smallest free block first: slab 0's 16 at 32
+    assert a == 32
+    whole = regions.allocate(2)
+    assert whole == 48 and regions.allocate(2) is None  # slab 1 whole; slab 0 is in use
+    b = regions.allocate(0)
+    assert b == 0 and not regions.grow(b, 0, 2)  # slab 0's 16 at 32 is taken
+    regions.release(a, 0)
+    assert regions.grow(b, 0, 2) and regions.free_tokens == 0  # all of slab 0 now
+    regions.release(b, 2)
+    regions.release(whole, 2)
+    assert regions.free == [{32, 80}, {0, 48}]
 
 
 def pool(total: int, slot_tokens: int, monkeypatch: pytest.MonkeyPatch) -> KVPool:
@@ -56,7 +73,7 @@ def pool(total: int, slot_tokens: int, monkeypatch: pytest.MonkeyPatch) -> KVPoo
 
 
 def test_a_slot_grows_with_its_cache_and_keeps_its_id(monkeypatch: pytest.MonkeyPatch) -> None:
-    kv = pool(64, 32, monkeypatch)  # regions of 8, 16, 32 in 64 tokens: 8 sessions at 8
+    kv = pool(64, 32, monkeypatch)  # two 32-token slabs of regions 8, 16, 32: 8 sessions at 8
     assert kv.num_slots == 8 and kv.free_slots == 8 and kv.slot_tokens == 32
     a, b = kv.allocate(), kv.allocate()
     assert a is not None and b is not None and kv.capacity(a) == 8
@@ -218,8 +235,8 @@ def test_masked_attention_folds_the_head_group_instead_of_enable_gqa(
 
 
 def test_a_context_that_is_no_power_of_two_is_held_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    kv = pool(40, 40, monkeypatch)  # regions 8 .. 64 (the first to hold 40); the pool holds one
-    assert kv.slot_tokens == 40 and kv.regions.total == 64
+    kv = pool(40, 40, monkeypatch)  # one 40-token slab: a 32 and an 8, or all 40
+    assert kv.slot_tokens == 40 and kv.regions.total == 40 and kv.num_slots == 5
     slot = kv.allocate()
     assert slot is not None and kv.reserve(slot, 40) and not kv.reserve(slot, 41)
 
