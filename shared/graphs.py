@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 
-from shared.kv_pool import KEY_ALIGN, KVPool, PaddedGroup, RaggedBatch, chain_mask
+from shared.kv_pool import (
+    KEY_ALIGN,
+    KVPool,
+    PaddedGroup,
+    RaggedBatch,
+    chain_mask,
+    key_positions,
+)
 from shared.transfer import Upload
 
 log = logging.getLogger(__name__)
@@ -73,6 +80,7 @@ class Bucket:
         self.ids = torch.zeros(1, n, dtype=torch.long, device=device)
         self.positions = torch.zeros(1, n, dtype=torch.long, device=device)
         self.write_index = torch.zeros(n, dtype=torch.long, device=device)
+        self.bases = torch.zeros(b, dtype=torch.long, device=device)  # each segment's region
         self.gather = torch.zeros(b, end, dtype=torch.long, device=device)
         self.starts = torch.zeros(b, dtype=torch.long, device=device)
         self.lengths = torch.zeros(b, dtype=torch.long, device=device)  # 0: every row a pad
@@ -93,12 +101,13 @@ class Bucket:
         """Every segment a pad in the scratch slot (its tokens write there)."""
         base = self.pool.base(scratch)
         self.write_index.copy_(base + torch.arange(self.length, device=self.device).repeat(self.b))
-        self.gather.copy_(base + torch.arange(self.end, device=self.device).repeat(self.b, 1))
+        self.bases.fill_(base)
 
     def run(self) -> torch.Tensor:
         """[B * L, vocab] logits of the static inputs as they are now (the mask is computed
         from the starts and lengths inside it: a graph replays that too)."""
         self.mask.copy_(chain_mask(self.starts, self.lengths, self.length, self.end) & self.allow)
+        self.gather.copy_(key_positions(self.bases, self.end, self.pool.regions.total))
         out = self.model(input_ids=self.ids, position_ids=self.positions, use_cache=False,
                          logits_to_keep=self.keep, ragged_batch=self.batch)
         self.output.copy_(out.logits[0])  # the logits themselves are freed (inside a graph:
@@ -123,12 +132,12 @@ class Bucket:
     def forward(self, shaped: list[Shaped], scratch: int) -> torch.Tensor:
         """Load the batch into the static buffers (one copy from the host) and run;
         [B * L, vocab] logits."""
-        b, length, end, pool = self.b, self.length, self.end, self.pool
+        b, length, pool = self.b, self.length, self.pool
         ids = [0] * (b * length)
         positions = [0] * (b * length)
         scratch_base = pool.base(scratch)
         write = [scratch_base + i for _ in range(b) for i in range(length)]
-        gather = pool.gather_index([scratch] * b, end)
+        bases = [scratch_base] * b
         starts, lengths = [0] * b, [0] * b
         for i, seg in enumerate(shaped):
             n, at = len(seg.token_ids), i * length
@@ -136,12 +145,11 @@ class Bucket:
             positions[at:at + length] = seg.positions + [seg.positions[-1]] * (length - n)
             base = pool.base(seg.slot)  # pad tokens write past the session's end
             write[at:at + length] = range(base + seg.start, base + seg.start + length)
-            gather[i * end:(i + 1) * end] = pool.gather_index([seg.slot], end)
-            starts[i], lengths[i] = seg.start, n
+            bases[i], starts[i], lengths[i] = base, seg.start, n
         upload = Upload(self.device)
-        parts = [upload.add(v) for v in (ids, positions, write, gather, starts, lengths)]
+        parts = [upload.add(v) for v in (ids, positions, write, bases, starts, lengths)]
         upload.send()
-        for buffer, part in zip((self.ids, self.positions, self.write_index, self.gather,
+        for buffer, part in zip((self.ids, self.positions, self.write_index, self.bases,
                                  self.starts, self.lengths), parts, strict=True):
             buffer.view(-1).copy_(upload.get(part))
         for i in self.tree_rows:  # the last batch's trees
@@ -164,8 +172,7 @@ class Bucket:
         self.starts.fill_(start)
         self.lengths.fill_(1)
         self.write_index.fill_(base + start)
-        self.gather.copy_((base + torch.arange(self.end, device=self.device)).clamp_(
-            max=self.pool.regions.total - 1)[None])
+        self.bases.fill_(base)
         return self._replay()
 
     def _replay(self) -> torch.Tensor:

@@ -98,6 +98,13 @@ def chain_mask(starts: torch.Tensor, lengths: torch.Tensor, length: int,
     return mask[:, None]  # [B, 1, L, E]
 
 
+def key_positions(bases: torch.Tensor, end: int, total: int) -> torch.Tensor:
+    """[B, E] flat cache index of positions 0 .. E - 1 of the regions starting at ``bases``
+    ([B], on the device); past the cache's end (masked: never seen) clamped into it."""
+    return (bases[:, None] + torch.arange(end, device=bases.device)[None, :]).clamp_(
+        max=total - 1)
+
+
 def patch_trees(mask: torch.Tensor, trees: list[tuple[int, torch.Tensor]]) -> None:
     """Tree segments' rows of a [B, 1, L, E] mask: (b, visible) each, visible a host
     [length, start + length] bool mask (a copy per tree; chains need none)."""
@@ -135,16 +142,17 @@ class PaddedGroup:
             token_index.extend(tokens)
             token_rows.extend(range(b * length, b * length + seg.length))
         parts = [upload.add(values) for values in (
-            pool.gather_index([seg.slot for seg in segments], end), query_index, token_index,
+            [pool.base(seg.slot) for seg in segments], query_index, token_index,
             token_rows, [seg.start for seg in segments], [seg.length for seg in segments])]
         trees = [(b, seg.visible) for b, seg in enumerate(segments)
                  if seg.visible is not None]
 
         def build() -> PaddedGroup:
-            gather, queries, tokens, rows, starts, lengths = (upload.get(p) for p in parts)
+            bases, queries, tokens, rows, starts, lengths = (upload.get(p) for p in parts)
             mask = chain_mask(starts, lengths, length, end)
             patch_trees(mask, trees)
-            return cls(gather.view(len(segments), end), queries.view(len(segments), length),
+            return cls(key_positions(bases, end, pool.regions.total),
+                       queries.view(len(segments), length),
                        tokens, rows, mask, end)
         return build
 
@@ -429,12 +437,6 @@ class KVPool:
         """[kv_heads, capacity, head_dim]: a view of ``slot``'s region of one layer's cache."""
         base, order = self._region[slot]
         return cache[:, base:base + self.regions.size(order)]
-
-    def gather_index(self, slots: list[int], end: int) -> list[int]:
-        """[len(slots) * end] flat cache index of positions 0 .. end - 1 of each slot; past its
-        region (masked: never seen) clamped into the cache."""
-        last = self.regions.total - 1
-        return [min(self.base(slot) + i, last) for slot in slots for i in range(end)]
 
     def _copy(self, dst: list[int], src: list[int]) -> None:
         """cache[:, dst] = cache[:, src] in every layer (the gather copies before writing);
