@@ -15,7 +15,8 @@ import torch
 
 from shared import kv_pool
 from shared.engine import ForwardItem
-from shared.kv_pool import KVPool, Regions
+from shared.kv_pool import KVPool
+from shared.kv_regions import Regions
 from shared.models import load_causal_lm, load_tokenizer
 from shared.schema import PROTOCOL_VERSION
 from shared.transfer import Upload
