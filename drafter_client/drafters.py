@@ -182,7 +182,9 @@ class LMDrafter(Drafter):
 
     ``cached`` mirrors the ids in the KV cache. After a block it is cropped to its common prefix
     with the committed sequence (always leaving the last committed token out), so a fully accepted
-    block feeds the last draft and the bonus token before drafting again.
+    block feeds the last draft and the bonus token before drafting again. A new sequence
+    (``reset``) keeps the cache's common prefix with its prompt the same way: the next turn of a
+    chat, which re-sends the conversation, feeds only what is new.
     """
 
     overlaps = True
@@ -219,6 +221,10 @@ class LMDrafter(Drafter):
     @property
     def draft_cost_s(self) -> float | None:
         return self.measured_draft_s
+
+    def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
+        self.committed = []
+        self.commit(list(prompt_ids))  # the cache keeps its common prefix with the prompt
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         """Feed ids into the cache; the last position's logits aligned to the target vocab
@@ -309,7 +315,7 @@ class LMDrafter(Drafter):
 
     def commit(self, tokens: list[int]) -> None:
         self.committed.extend(tokens)
-        keep = min(common_prefix(self.cached, self.committed), len(self.committed) - 1)
+        keep = max(min(common_prefix(self.cached, self.committed), len(self.committed) - 1), 0)
         self._roll_back(keep)
         del self.cached[keep:]
 
@@ -323,17 +329,14 @@ class HFDrafter(LMDrafter):
         super().__init__(vocab_size, name, min_prob, tree_width, alternative_min_prob)
         self.model = model
         self.device = next(model.parameters()).device
-        self.cache: DynamicCache | EncoderDecoderCache | None = None
-
-    def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
-        self.committed = list(prompt_ids)
-        self.cached = []
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache: DynamicCache | EncoderDecoderCache | None = None  # made at first use
 
     @torch.inference_mode()
     def _forward(self, ids: list[int]) -> torch.Tensor:
         if not ids:  # nothing new: the last position's logits are those of the last forward
             return self.last_logits
+        if self.cache is None:
+            self.cache = DynamicCache(config=self.model.config)
         inputs = torch.tensor([ids], device=self.device)  # [1, n]
         out = self.model(input_ids=inputs, **with_cache(self.model, self.cache),
                          logits_to_keep=1)
@@ -342,7 +345,8 @@ class HFDrafter(LMDrafter):
         return self.last_logits  # [vocab]
 
     def _roll_back(self, keep: int) -> None:
-        crop_cache(self.cache, keep)
+        if self.cache is not None:
+            crop_cache(self.cache, keep)
 
 
 class LlamaCppDrafter(LMDrafter):
@@ -357,11 +361,6 @@ class LlamaCppDrafter(LMDrafter):
         super().__init__(vocab_size, name, min_prob, tree_width, alternative_min_prob)
         self.lm = LlamaModel(weights, n_seqs=1, seq_tokens=seq_tokens, threads=threads,
                              batch_tokens=512)
-
-    def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
-        self.committed = list(prompt_ids)
-        self.cached = []
-        self.lm.remove(0)
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         from shared.llama_runtime import Segment

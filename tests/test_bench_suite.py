@@ -98,7 +98,8 @@ def test_batching_and_profile_run_on_tiny_models(tiny_models: dict[str, Path],
                      "--context", "20", "-k", "2", "--repeats", "2",
                      "--out", str(tmp_path / "profile.json")])
     components = [r["component"] for r in profile["rows"]]
-    assert len(components) == 11 and all(r["ms"] > 0 for r in profile["rows"])
+    assert len(components) == 13 and all(r["ms"] > 0 for r in profile["rows"])
+    assert sum("next turn" in c for c in components) == 2
 
 
 def test_gateway_bench_runs_on_tiny_models(tiny_models: dict[str, Path], tmp_path: Path) -> None:

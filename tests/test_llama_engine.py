@@ -20,7 +20,7 @@ import torch
 
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
-from drafter_client.drafters import LlamaCppDrafter
+from drafter_client.drafters import LlamaCppDrafter, common_prefix
 from drafter_client.transport import SpecDecError, VerifierHTTPError
 from scripts.harness.tiny_gguf import llama_greedy, save_tiny_gguf
 from shared.llama_runtime import GGUFWeights, LlamaModel, Segment
@@ -107,6 +107,14 @@ def test_llama_drafter_rolls_back_to_the_committed_prefix(ggufs: dict[str, Path]
     fresh = LlamaCppDrafter(weights, vocab_size=64, seq_tokens=64, threads=1)
     fresh.reset(drafter.committed)
     assert follow.ids == fresh.propose(3, SamplingConfig(), torch.Generator()).ids
+    # a new sequence keeps the cached common prefix with its prompt (a chat's next turn)
+    again = [*drafter.committed, 20, 21]
+    kept = common_prefix(drafter.cached, again)
+    drafter.reset(again)
+    assert drafter.cached == again[:kept] and drafter.lm.length(0) == kept > 3
+    fresh.reset(again)
+    assert (drafter.propose(3, SamplingConfig(), torch.Generator()).ids
+            == fresh.propose(3, SamplingConfig(), torch.Generator()).ids)
     # sampled drafts: q rows processed as the transformers drafter's
     config = SamplingConfig(temperature=0.7, top_k=5)
     drafter.reset([2, 3, 4])

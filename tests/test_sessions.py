@@ -131,3 +131,35 @@ def test_hf_drafter_rolls_back_to_the_committed_prefix(tiny_models) -> None:  # 
     fresh = HFDrafter(model, vocab_size=64)
     fresh.reset([2, 3, 4, *draft.ids, 9])
     assert follow.ids == fresh.propose(1, SamplingConfig(), torch.Generator()).ids
+
+
+def test_a_new_sequence_keeps_the_drafters_cached_prefix(tiny_models) -> None:  # type: ignore[no-untyped-def]
+    """The next turn of a chat re-sends the conversation: the drafter feeds only what is new
+    (its cache keeps the common prefix with the new prompt, minus the last token), and drafts
+    what a fresh drafter drafts. A prompt that shares nothing starts from an empty cache."""
+    model = load_causal_lm(str(tiny_models["llama-drafter"]), torch.float32, torch.device("cpu"))
+    drafter = HFDrafter(model, vocab_size=64)
+    turn = [2, 3, 4, 5, 6]
+    drafter.reset(turn)
+    first = drafter.propose(3, SamplingConfig(), torch.Generator())
+    drafter.commit([*first.ids[:2], 9])
+    fed: list[list[int]] = []
+    forward = drafter._forward
+
+    def counted(ids: list[int]) -> torch.Tensor:
+        fed.append(list(ids))
+        return forward(ids)
+    drafter._forward = counted  # type: ignore[method-assign]
+    conversation = [*drafter.committed, 11, 12, 13]  # the answer, then the next user message
+    drafter.reset(conversation)
+    assert drafter.cached == conversation[:len(turn) + 2]  # the prompt and the kept drafts
+    follow = drafter.propose(3, SamplingConfig(), torch.Generator())
+    assert fed[0] == conversation[len(turn) + 2:]  # only the new tokens
+    fresh = HFDrafter(model, vocab_size=64)
+    fresh.reset(conversation)
+    assert follow.ids == fresh.propose(3, SamplingConfig(), torch.Generator()).ids
+    drafter.reset([7, 8])
+    assert drafter.cached == [] and drafter.cache is not None
+    assert drafter.cache.get_seq_length() == 0
+    drafter.reset(conversation)  # the same prompt again after another: fed from scratch
+    assert drafter.propose(3, SamplingConfig(), torch.Generator()).ids == follow.ids

@@ -3,7 +3,9 @@
 Times, on the same models, dtype and threads as the benchmarks (medians of repeated calls):
 
   * the drafter: one plain transformers decode step (KV cache, logits of the last position) vs
-    specdec's ``HFDrafter`` per drafted token (its processing of the row included);
+    specdec's ``HFDrafter`` per drafted token (its processing of the row included); and a chat's
+    next turn (the conversation re-sent with 16 new tokens): its first block with a fresh
+    drafter vs with the drafter keeping its cached prefix;
   * the target: plain transformers with a DynamicCache vs specdec's ``CausalEngine`` (KV slot
     pool + ragged attention), for 1 and for k + 1 new tokens; then one token on a second thread,
     and on the first thread again (a second thread running the model slows both: see
@@ -17,6 +19,8 @@ The HTTP share of a verify call is read off the benchmarks' metrics (round trip 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -67,6 +71,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     results["drafter: specdec HFDrafter per drafted token"] = median_ms(block,
                                                                         args.repeats) / args.k
+    # A chat's next turn re-sends the conversation plus a new message: a drafter that keeps
+    # its cached prefix feeds only the new tokens; a fresh one (as before) feeds them all.
+    turn = [*context, *context[:16]]
+
+    def next_turn_ms(keep: bool) -> float:
+        times = []
+        for _ in range(max(args.repeats // 3, 3)):
+            ours.reset(context)  # the previous turn's sequence is cached (untimed)
+            started = time.perf_counter()
+            drafter_now = ours if keep else HFDrafter(drafter, ours.vocab_size)
+            drafter_now.reset(turn)
+            drafter_now.propose(args.k, SamplingConfig(), torch.Generator())
+            times.append(1e3 * (time.perf_counter() - started))
+        return statistics.median(times)
+
+    for keep, label in ((False, "a fresh drafter"), (True, "the drafter keeping its prefix")):
+        results[f"drafter: next turn (+16 tokens), first block, {label}"] = next_turn_ms(keep)
 
     target = load_causal_lm(args.target, dtype, device)
     for new in (1, args.k + 1):
