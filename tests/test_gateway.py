@@ -151,20 +151,25 @@ def test_concurrent_requests_each_get_their_own_answer(
     prompts = ["the cat", "a dog ran", "big red mat", "x = 1", "if x :", "return y + 2"]
     refs = {p: cli_generate(gpt2_server.url, tiny_models["gpt2-drafter"], p, "--chat",
                             "--max-new-tokens", "20")["text"] for p in prompts}
+    assert ask_at_once(oai, prompts * 2, max_tokens=20) == refs
+
+
+def ask_at_once(oai: openai.OpenAI, prompts: list[str], max_tokens: int) -> dict[str, str | None]:
+    """Each prompt's greedy chat answer, all asked at once from threads."""
     answers: dict[str, str | None] = {}
 
     def ask(prompt: str) -> None:
         reply = oai.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0,
-            max_tokens=20)
+            max_tokens=max_tokens)
         answers[prompt] = reply.choices[0].message.content
 
-    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts * 2]
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
-    assert answers == refs
+    return answers
 
 
 def test_concurrent_requests_with_cuda_graph_drafters(
@@ -189,21 +194,9 @@ def test_concurrent_requests_with_cuda_graph_drafters(
     refs = {p: cli_generate(gpt2_server.url, drafter, p, "--chat", "--max-new-tokens", "16",
                             "--cuda-graphs")["text"] for p in prompts}
     client = SpecDecClient(gpt2_server.url, str(drafter), options=DrafterOptions(cuda_graphs=True))
-    answers: dict[str, str | None] = {}
     with ThreadedServer(create_gateway(client, GatewaySettings(MODEL))) as server:
         oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-        def ask(prompt: str) -> None:
-            reply = oai.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": prompt}], temperature=0,
-                max_tokens=16)
-            answers[prompt] = reply.choices[0].message.content
-
-        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts * 2]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
+        answers = ask_at_once(oai, prompts * 2, max_tokens=16)
     assert answers == refs
     assert len(set(built)) >= 2  # pooled drafters built on more than one thread
 
