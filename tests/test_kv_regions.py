@@ -21,6 +21,7 @@ from shared.models import load_causal_lm, load_tokenizer
 from shared.schema import PROTOCOL_VERSION
 from shared.transfer import Upload
 from tests.support.live_server import LiveServer, fp32_settings
+from tests.support.prometheus import scrape
 from verifier_service.target import CausalEngine
 
 
@@ -126,6 +127,7 @@ def test_moved_sessions_score_as_the_full_sequence(
             assert got is not None
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert engine.pool.moves >= 1 and {engine.pool.capacity(s) for s in slots} == {128, 256}  # type: ignore[arg-type]
+    assert engine.counters()["kv_region_moves"] == engine.pool.moves  # /metrics reads it
 
 
 def test_a_batched_forward_sends_its_indices_in_one_copy(
@@ -190,11 +192,14 @@ def test_a_full_pool_evicts_an_idle_session_for_a_growing_one(
             last, position = reply.json()["next_token"], reply.json()["position"]
             tokens.append(last)
         metrics = http.get("/v1/metrics").json()
+        scraped = scrape(server.url)
         gone = [http.post(f"/v1/sessions/{s}/verify", json={
             "position": len(prompt), "last_token": prompt[-1], "final_uniform": 0.5}).status_code
             for s in others]
     assert tokens == hf_greedy(path, prompt, len(tokens))
     assert metrics["evicted_sessions"] >= 2 and gone.count(404) >= 2
+    assert scraped["specdec_verifier_kv_region_moves_total"][()] == metrics["kv_region_moves"]
+    assert scraped["specdec_verifier_sessions_evicted_total"][()] == metrics["evicted_sessions"]
 
 
 def test_masked_attention_folds_the_head_group_instead_of_enable_gqa(

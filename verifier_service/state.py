@@ -79,5 +79,6 @@ class VerifierState:
             "acceptance_rate": round(counters.accepted_tokens / counters.drafted_tokens, 4)
             if counters.drafted_tokens else 0.0,
             "prefill_tokens": counters.prefill_tokens,
-            "static_forwards": 0, "static_fallbacks": 0, **engine.counters(),
+            "static_forwards": 0, "static_fallbacks": 0, "kv_region_moves": 0,
+            **engine.counters(),
         }

@@ -71,7 +71,8 @@ class CausalEngine(PoolSlots, BatchForward):
 
     def counters(self) -> dict[str, int]:
         static = self.static
-        return {"static_forwards": static.replays if static else 0,
+        return {"kv_region_moves": self.pool.moves,
+                "static_forwards": static.replays if static else 0,
                 "static_fallbacks": static.fallbacks if static else 0}
 
     # -- start-up

@@ -123,6 +123,8 @@ class StateCollector:
             "sessions_expired": ("Sessions dropped after their idle TTL", m["expired_sessions"]),
             "queue_full_rejections": ("Calls answered 429 because the job queue was full",
                                       m["rejected_queue_full"]),
+            "kv_region_moves": ("Sessions that outgrew their KV region and were copied to a "
+                                "larger one", m["kv_region_moves"]),
             "static_forwards": ("Forwards run in a static-shape bucket (--cuda-graphs)",
                                 m["static_forwards"]),
             "static_fallbacks": ("Forwards that fit no bucket and ran eagerly (--cuda-graphs)",
