@@ -51,6 +51,13 @@ ATTENTION_NAME = "specdec_ragged"
 SMALLEST_REGION = 256  # tokens: the first region of every session
 
 
+def head_layout(config: Any) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a transformers config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(config, "head_dim", None) or config.hidden_size // heads
+
+
 @dataclass(frozen=True)
 class Segment:
     """One session's new tokens in a flattened batch."""
@@ -242,9 +249,8 @@ class KVPool:
         slots as smallest regions fit. ``device``: one for all layers, or one per layer (a model
         placed over several); ``tp_size``: ranks sharing the KV heads (tensor parallelism; this
         rank holds its share)."""
-        heads = config.num_attention_heads
-        kv_heads = (getattr(config, "num_key_value_heads", None) or heads) // tp_size
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        _, kv_heads, head_dim = head_layout(config)
+        kv_heads //= tp_size
         total = total_tokens if total_tokens is not None else num_slots * slot_tokens
         self.regions = Regions(max(total, slot_tokens), min(SMALLEST_REGION, slot_tokens),
                                slot_tokens)
@@ -424,9 +430,7 @@ def attention_kernels(config: Any, dtype: torch.dtype, device: torch.device, bat
     layout: a padded group of ``batch`` blocks of ``length`` over ``end`` keys, one block alone,
     a decode step, a prefill; and, for comparison, the masked call with ``enable_gqa`` that the
     folding replaces."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, kv_heads, dim = head_layout(config)
 
     def probe(b: int, n: int, e: int, masked: bool) -> str:
         q = torch.zeros(b, heads, n, dim, dtype=dtype, device=device)

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from shared.kv_pool import head_layout
 from shared.models import ModelSpecError, tokenizer_fingerprint
 from verifier_service.engine import ModelInfo
 
@@ -81,9 +82,7 @@ DEFAULT_KV_BUDGET = 65536  # tokens, where the pool is not sized from free devic
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     """Keys and values of one token over every layer."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    _, kv_heads, head_dim = head_layout(config)
     size = torch.empty(0, dtype=dtype).element_size()
     return int(2 * config.num_hidden_layers * kv_heads * head_dim * size)
 
