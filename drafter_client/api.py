@@ -10,14 +10,15 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import torch
 
 from drafter_client.draft_length import make_draft_length
 from drafter_client.drafters import (
@@ -36,6 +37,12 @@ from drafter_client.model_free import (
     PromptLookupDrafter,
 )
 from drafter_client.pooled import PooledDrafter
+from drafter_client.settings import (
+    MODEL_FREE_DRAFTERS,
+    ClientSettings,
+    DrafterOptions,
+    Sampling,
+)
 from drafter_client.speculative import (
     BlockOutcome,
     GenerationResult,
@@ -55,39 +62,6 @@ from shared.models import (
 from shared.schema import PROTOCOL_VERSION, GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
-
-MODEL_FREE_DRAFTERS = ("ngram", "prompt-lookup", "bigram")
-
-
-@dataclass(frozen=True)
-class DrafterOptions:
-    """Options of the built-in drafters (see drafter_client/model_free.py)."""
-
-    ngram_n: int = 3
-    ngram_kind: str = "multi"  # "simple" (SimpleDynaGram) or "multi" (MultiDynaGram)
-    ngram_top_k_filler: int = 0
-    ngram_stop_if_unknown: bool = False
-    lookup_min_ngram: int = 1
-    lookup_max_ngram: int = 3
-    draft_min_prob: float = 0.0  # model drafter: stop a block below this top probability
-    tree_width: int = 1  # model drafter: > 1 drafts a token tree (runner-ups as leaves)
-    lookup: bool = True  # model drafter: hybrid with prompt lookup (drafter_client/hybrid.py)
-    lookup_tokens: int = 0  # hybrid: longest lookup draft; 0: the block's k
-    overlap: bool = False  # model drafter: draft the next block while this one is verified
-    # model drafter: KV in a slot, one-token steps as CUDA graphs (drafter_client/pooled.py)
-    cuda_graphs: bool = False
-    # model drafter: what runs it - transformers, or llama.cpp for a GGUF (shared/llama_runtime)
-    engine: str = "auto"
-    threads: int = 0  # llama.cpp drafter: its threads (0: every core this process may use)
-
-
-# The one set of client defaults - the Python API, ``specdec generate`` / ``chat`` / ``serve``,
-# the demo and the benchmarks where unset - chosen by ``python -m scripts.bench client``
-# (docs/benchmarks.md): the cost model picks k (0 where drafting does not pay), the model
-# drafter is hybrid with prompt lookup, dtype ``auto`` is measured on this machine.
-DEFAULT_K = "auto"
-DEFAULT_OPTIONS = DrafterOptions()
-
 
 def build_model_free(name: str, options: DrafterOptions) -> Drafter:
     if name == "ngram":
@@ -124,17 +98,30 @@ class SpecDecClient:
     """
 
     def __init__(self, verifier_url: str | Verifier, drafter: str | Drafter | None = None,
-                 tokenizer: Any = None, dtype: str = "auto", device: str = "auto",
-                 http_client: httpx.Client | None = None, timeout_s: float = 120.0,
-                 options: DrafterOptions = DrafterOptions(),
-                 simulated_rtt_ms: float = 0.0, api_key: str | None = None,
-                 retry_budget_s: float = 60.0) -> None:
+                 tokenizer: Any = None, dtype: str | None = None, device: str | None = None,
+                 http_client: httpx.Client | None = None, timeout_s: float | None = None,
+                 options: DrafterOptions | None = None,
+                 simulated_rtt_ms: float | None = None, api_key: str | None = None,
+                 retry_budget_s: float | None = None,
+                 settings: ClientSettings | None = None) -> None:
+        # One settings object (drafter_client/settings.py); the keywords are shorthands that
+        # replace its fields.
+        given: dict[str, Any] = {
+            "dtype": dtype, "device": device, "timeout_s": timeout_s, "options": options,
+            "simulated_rtt_ms": simulated_rtt_ms, "retry_budget_s": retry_budget_s}
+        self.settings = dataclasses.replace(settings or ClientSettings(),
+                                            **{k: v for k, v in given.items() if v is not None})
+        dtype, device = self.settings.dtype, self.settings.device
+        options, retry_budget_s = self.settings.options, self.settings.retry_budget_s
+        if options.threads:
+            torch.set_num_threads(options.threads)
         if api_key is None:
             api_key = os.environ.get("SPECDEC_API_KEY") or None
         self.verifier: Verifier
         if isinstance(verifier_url, str):
-            self.verifier = HttpVerifier(verifier_url, timeout_s, http_client,
-                                         simulated_rtt_ms / 1e3, retry_budget_s=retry_budget_s,
+            self.verifier = HttpVerifier(verifier_url, self.settings.timeout_s, http_client,
+                                         self.settings.simulated_rtt_ms / 1e3,
+                                         retry_budget_s=retry_budget_s,
                                          api_key=api_key)
         else:
             self.verifier = verifier_url
@@ -158,7 +145,6 @@ class SpecDecClient:
         except (ModelSpecError, OSError) as exc:
             raise SpecDecError(f"cannot load a tokenizer: {exc}") from exc
         self.tokenizer = tokenizer
-        self.options = options
         self.drafter_name = (drafter if isinstance(drafter, str) or drafter is None
                              else getattr(drafter, "name", None))
         self._check_tokenizer()
@@ -206,6 +192,10 @@ class SpecDecClient:
                                f"drafter_client.drafters.Drafter (got {type(drafter).__name__}: "
                                "subclass Drafter)")
         self.drafter: Drafter | None = drafter
+
+    @property
+    def options(self) -> DrafterOptions:
+        return self.settings.options
 
     @staticmethod
     def _llama_drafter(spec: str, options: DrafterOptions, device: str = "auto") -> bool:
@@ -268,7 +258,7 @@ class SpecDecClient:
             raise SpecDecError("with_options() cannot change cuda_graphs or engine: the "
                                "drafter model is shared")
         twin = self._twin()
-        twin.options = options
+        twin.settings = dataclasses.replace(self.settings, options=options)
         twin.drafter = twin._build_model_drafter(options)
         return twin
 
@@ -336,15 +326,18 @@ class SpecDecClient:
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def generate(self, prompt: str | list[int], *, num_draft_tokens: int | str = DEFAULT_K,
-                 max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, chat: bool = False,
+    def generate(self, prompt: str | list[int], *, num_draft_tokens: int | str | None = None,
+                 max_new_tokens: int | None = None, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                 chat: bool = False,
                  on_tokens: Callable[[list[int]], None] | None = None,
                  on_block: Callable[[BlockOutcome], bool | None] | None = None,
-                 overlap: bool | None = None, reproducible: bool = False
+                 overlap: bool | None = None, reproducible: bool | None = None
                  ) -> GenerationResult:
         """Speculative generation; exactly the target's distribution for these settings.
 
+        An argument left out (None) is the client's ``settings``' (``settings.sampling``,
+        ``settings.num_draft_tokens``, ``settings.options.overlap``).
         ``num_draft_tokens``: k, or ``"auto"`` (cost model) or ``"heuristic"`` (grow/shrink).
         ``on_tokens`` gets each block's new ids; ``on_block`` each :class:`BlockOutcome`
         (drafts, how many were accepted, the new ids) and ends the generation by returning True
@@ -354,6 +347,9 @@ class SpecDecClient:
         drafter, k or timing (Gumbel-max with noise shared by drafter and target)."""
         if self.drafter is None:
             raise SpecDecError("this client has no drafter; use baseline() or pass drafter=")
+        s = self._sampling(max_new_tokens, temperature, top_k, top_p, seed, reproducible)
+        if num_draft_tokens is None:
+            num_draft_tokens = self.settings.num_draft_tokens
         try:
             draft_length = make_draft_length(str(num_draft_tokens), self.info.max_draft_tokens,
                                              self.info.verify_ms)
@@ -362,9 +358,9 @@ class SpecDecClient:
         try:
             prompt_ids, encoder_ids = self.inputs(prompt, chat)
             settings = GenerationSettings(
-                SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
-                               coupling_seed=seed if reproducible else None),
-                max_new_tokens, draft_length, seed, encoder_ids,
+                SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                               coupling_seed=s.seed if s.reproducible else None),
+                s.max_new_tokens, draft_length, s.seed, encoder_ids,
                 overlap=self.options.overlap if overlap is None else overlap)
             result = speculative_generate(self.verifier, self.drafter, prompt_ids, settings,
                                           self.info, _block_callback(on_tokens, on_block))
@@ -375,24 +371,27 @@ class SpecDecClient:
         result.text = self.decode(result.token_ids)
         return result
 
-    def baseline(self, prompt: str | list[int], *, max_new_tokens: int = 128,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+    def baseline(self, prompt: str | list[int], *, max_new_tokens: int | None = None,
+                 temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None,
                  chat: bool = False, num_beams: int = 1, length_penalty: float = 1.0,
                  early_stopping: bool | str = False,
-                 no_repeat_ngram_size: int = 0, reproducible: bool = False
+                 no_repeat_ngram_size: int = 0, reproducible: bool | None = None
                  ) -> GenerationResult:
         """Target-only generation on the verifier (``/v1/generate``), same sampling settings;
         with ``num_beams`` > 1 (greedy only) beam search as transformers' ``generate`` does it,
         with ``length_penalty``, ``early_stopping`` (True, False or "never") and
-        ``no_repeat_ngram_size``."""
+        ``no_repeat_ngram_size``. Sampling left out (None) is the client's ``settings``'."""
+        s = self._sampling(max_new_tokens, temperature, top_k, top_p, seed, reproducible)
+        max_new_tokens = s.max_new_tokens
         prompt_ids, encoder_ids = self.inputs(prompt, chat)
         sent, received = self.verifier.bytes_sent, self.verifier.bytes_received
         started = time.perf_counter()
         try:
             reply = self.verifier.generate(GenerateRequest(
-                prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, seed=seed,
-                sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
-                                        coupling_seed=seed if reproducible else None),
+                prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, seed=s.seed,
+                sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                        coupling_seed=s.seed if s.reproducible else None),
                 num_beams=num_beams, length_penalty=length_penalty,
                 early_stopping=early_stopping,  # type: ignore[arg-type]
                 no_repeat_ngram_size=no_repeat_ngram_size, encoder_ids=encoder_ids,
@@ -418,6 +417,16 @@ class SpecDecClient:
                                 self.decode(reply.token_ids),
                                 finish_reason(reply.token_ids, max_new_tokens,
                                               self.info.eos_token_ids))
+
+    def _sampling(self, max_new_tokens: int | None, temperature: float | None,
+                  top_k: int | None, top_p: float | None, seed: int | None,
+                  reproducible: bool | None) -> Sampling:
+        """The client's sampling settings with a call's own values in place of theirs."""
+        given: dict[str, Any] = {
+            "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
+            "top_p": top_p, "seed": seed, "reproducible": reproducible}
+        return dataclasses.replace(self.settings.sampling,
+                                   **{k: v for k, v in given.items() if v is not None})
 
     def close(self) -> None:
         self.verifier.close()

@@ -11,6 +11,7 @@ on the same verifier (`/v1/generate`, the same engine and dtype) and prints one 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -19,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter_client import SpecDecClient  # noqa: E402
-from drafter_client.api import DEFAULT_K, DEFAULT_OPTIONS  # noqa: E402
 from drafter_client.apps.output import TextStream  # noqa: E402
+from drafter_client.settings import DEFAULTS  # noqa: E402
 from scripts.bench.common import fetch_offline_models  # noqa: E402
 from scripts.harness.process import VerifierProcess  # noqa: E402
 
@@ -52,10 +53,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--drafter", default="qwen2.5-coder-0.5b")
-    parser.add_argument("-k", "--num-draft-tokens", default=DEFAULT_K)
+    parser.add_argument("-k", "--num-draft-tokens", default=DEFAULTS.num_draft_tokens)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args()
+    # The client's defaults (drafter_client/settings.py), with the demo's length and threads.
+    settings = dataclasses.replace(
+        DEFAULTS, num_draft_tokens=str(args.num_draft_tokens),
+        sampling=dataclasses.replace(DEFAULTS.sampling, max_new_tokens=args.max_new_tokens),
+        options=dataclasses.replace(DEFAULTS.options, threads=args.threads))
 
     fetch_offline_models(args.target, args.drafter)
     import torch
@@ -66,23 +72,22 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     with VerifierProcess(["--model", args.target], threads=args.threads) as verifier:
-        client = SpecDecClient(verifier.url, args.drafter)
+        client = SpecDecClient(verifier.url, args.drafter, settings=settings)
         info = client.info
         costs = ", ".join(f"k={k}: {ms:.0f} ms" for k, ms in (info.verify_ms or [])[:4])
         print(f"\nverifier: {args.target}, engine transformers, {info.dtype} on {info.device} "
               f"(dtype auto: measured on this machine); verify forwards {costs}")
-        print(f"drafter:  {client.drafter_name}, {client.drafter_dtype}; "
-              f"{'hybrid with prompt lookup' if DEFAULT_OPTIONS.lookup else 'model alone'}, "
-              f"-k {args.num_draft_tokens} (cost model; k = 0 where drafting does not pay)")
+        print(f"client:   {settings.describe(args.drafter)}; drafter dtype chosen: "
+              f"{client.drafter_dtype} (-k auto: a cost model, k = 0 where drafting does not "
+              "pay)")
         print(f"ready in {time.perf_counter() - started:.0f} s", flush=True)
         lines = []
         for name, prompt in TASKS:
             print(f"\n=== {name} ===\n{prompt}\n\n--- speculative ---", flush=True)
             stream = TextStream(client.decode)
-            spec = client.generate(prompt, chat=True, num_draft_tokens=args.num_draft_tokens,
-                                   max_new_tokens=args.max_new_tokens, on_tokens=stream)
+            spec = client.generate(prompt, chat=True, on_tokens=stream)
             stream.finish()
-            base = client.baseline(prompt, chat=True, max_new_tokens=args.max_new_tokens)
+            base = client.baseline(prompt, chat=True)
             s, b = spec.metrics.to_dict(), base.metrics.to_dict()
             differs = first_difference(spec.token_ids, base.token_ids)
             same = ("greedy outputs identical" if differs is None else

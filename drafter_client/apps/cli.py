@@ -11,19 +11,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import orjson
-import torch
-from pydantic import ValidationError
+# Only light imports here: the parser, --help and the flag checks run before torch and
+# transformers load (they take seconds); each command imports what it runs.
+from drafter_client.settings import DEFAULTS, ClientSettings, DrafterOptions, Sampling
 
-from drafter_client.api import DEFAULT_K, DEFAULT_OPTIONS, DrafterOptions, SpecDecClient
-from drafter_client.apps.console import run_console
-from drafter_client.apps.output import TextStream, summary
-from drafter_client.draft_length import make_draft_length
-from drafter_client.speculative import GenerationResult
-from drafter_client.transport import SpecDecError
-from shared.schema import GenerateRequest, SamplingParams
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
+    from drafter_client.api import SpecDecClient
+    from drafter_client.speculative import GenerationResult
+
+OPTIONS, SAMPLING = DEFAULTS.options, DEFAULTS.sampling
 
 
 def _connection(p: argparse.ArgumentParser) -> None:
@@ -33,20 +33,22 @@ def _connection(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                    help="the verifier's API key (default: $SPECDEC_API_KEY; prefer the "
                    "variable, a flag shows in ps)")
-    p.add_argument("--timeout-s", type=float, default=120.0, help="HTTP timeout per call")
-    p.add_argument("--retry-budget-s", type=float, default=60.0,
+    p.add_argument("--timeout-s", type=float, default=DEFAULTS.timeout_s,
+                   help="HTTP timeout per call")
+    p.add_argument("--retry-budget-s", type=float, default=DEFAULTS.retry_budget_s,
                    help="how long to keep retrying a verifier that is down or overloaded "
                    "before giving up (the first contact: at most 10 s)")
-    p.add_argument("--simulated-rtt-ms", type=float, default=0.0,
+    p.add_argument("--simulated-rtt-ms", type=float, default=DEFAULTS.simulated_rtt_ms,
                    help="add this delay before every call to the verifier (network studies)")
 
 
 def _sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables top-p")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=SAMPLING.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=SAMPLING.temperature,
+                   help="0 means greedy")
+    p.add_argument("--top-k", type=int, default=SAMPLING.top_k, help="0 disables top-k")
+    p.add_argument("--top-p", type=float, default=SAMPLING.top_p, help="1.0 disables top-p")
+    p.add_argument("--seed", type=int, default=SAMPLING.seed)
     p.add_argument("--reproducible", action="store_true",
                    help="sampled output identical to the target alone's with the same --seed, "
                    "whatever the drafter, -k or timing (Gumbel-max with noise shared by drafter "
@@ -67,50 +69,51 @@ def _drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True,
                    help="a model (short name, local folder, .gguf file, hub id), or one of "
                    "ngram, prompt-lookup, bigram")
-    p.add_argument("-k", "--num-draft-tokens", default=DEFAULT_K,
+    p.add_argument("-k", "--num-draft-tokens", default=DEFAULTS.num_draft_tokens,
                    help="drafts per block: an integer, 'auto' (default: a cost model of "
                    "measured acceptance, drafting time and round trip per k) or 'heuristic' "
                    "(grow by 2 after a fully accepted block, shrink by 1 otherwise)")
-    p.add_argument("--ngram-n", type=int, default=3, help="ngram: the order n")
-    p.add_argument("--ngram-kind", choices=["simple", "multi"], default="multi",
+    p.add_argument("--ngram-n", type=int, default=OPTIONS.ngram_n, help="ngram: the order n")
+    p.add_argument("--ngram-kind", choices=["simple", "multi"], default=OPTIONS.ngram_kind,
                    help="ngram: fixed n (SimpleDynaGram) or all orders 2..n longest first "
                    "(MultiDynaGram)")
-    p.add_argument("--ngram-top-k-filler", type=int, default=0, metavar="K",
+    p.add_argument("--ngram-top-k-filler", type=int, default=OPTIONS.ngram_top_k_filler,
+                   metavar="K",
                    help="ngram: also learn the target's top-K ids at each scored position")
     p.add_argument("--ngram-stop-if-unknown", action="store_true",
                    help="ngram: stop a draft at an unknown context instead of padding it")
-    p.add_argument("--lookup-min-ngram", type=int, default=1,
+    p.add_argument("--lookup-min-ngram", type=int, default=OPTIONS.lookup_min_ngram,
                    help="prompt-lookup: shortest match")
-    p.add_argument("--lookup-max-ngram", type=int, default=3,
+    p.add_argument("--lookup-max-ngram", type=int, default=OPTIONS.lookup_max_ngram,
                    help="prompt-lookup: longest match")
-    p.add_argument("--draft-min-prob", type=float, default=0.0, metavar="P",
+    p.add_argument("--draft-min-prob", type=float, default=OPTIONS.draft_min_prob, metavar="P",
                    help="model drafter: stop a block when its top probability drops below P")
-    p.add_argument("--tree-width", type=int, default=1, metavar="W",
+    p.add_argument("--tree-width", type=int, default=OPTIONS.tree_width, metavar="W",
                    help="model drafter: draft a token tree - the drafter's best chain and, at "
                    "each position, up to W-1 runner-up tokens as leaves (1: a chain)")
     p.add_argument("--lookup", action=argparse.BooleanOptionalAction,
-                   default=DEFAULT_OPTIONS.lookup,
+                   default=OPTIONS.lookup,
                    help="model drafter: hybrid with prompt lookup - a trusted match in the "
                    "context drafts for free, the model drafts where there is none (default: "
                    "on; --no-lookup: the model alone)")
-    p.add_argument("--lookup-tokens", type=int, default=0, metavar="N",
+    p.add_argument("--lookup-tokens", type=int, default=OPTIONS.lookup_tokens, metavar="N",
                    help="hybrid: the longest prompt-lookup draft (0: the block's k)")
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=OPTIONS.overlap,
                    help="model drafter: draft the next block while this one is verified "
                    "(pays off when the verifier runs on other cores or another host)")
     p.add_argument("--cuda-graphs", action="store_true",
                    help="model drafter: keep its KV cache in a preallocated slot and replay "
                    "its one-token steps as captured CUDA graphs (a GPU client; on a CPU the "
                    "same static steps run eagerly)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
-                                                        "float16"])
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--drafter-engine", default="auto", choices=["auto", "transformers",
-                                                                  "llama-cpp"],
+    p.add_argument("--dtype", default=DEFAULTS.dtype,
+                   choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=DEFAULTS.device, help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--drafter-engine", default=OPTIONS.engine,
+                   choices=["auto", "transformers", "llama-cpp"],
                    help="what runs a model drafter: transformers, or llama.cpp for a .gguf "
                    "file or a short name whose GGUF is kept (the [llama] extra); auto: "
                    "llama.cpp for a .gguf file on a CPU where it is installed")
-    p.add_argument("--threads", type=int, default=0,
+    p.add_argument("--threads", type=int, default=OPTIONS.threads,
                    help="CPU threads of the drafter (torch's, or llama.cpp's); 0: the default")
 
 
@@ -179,6 +182,8 @@ EXIT_PARTIAL = 3  # some tokens were generated (printed), then an unrecoverable 
 
 
 def _print_json(result: GenerationResult, error: str | None = None) -> None:
+    import orjson
+
     body: dict[str, Any] = {
         "text": result.text, "token_ids": result.token_ids,
         "prompt_token_ids": result.prompt_token_ids, "finish_reason": result.finish_reason,
@@ -199,6 +204,10 @@ def _flag_problem(exc: ValidationError) -> str:
 
 def _check_arguments(args: argparse.Namespace) -> str | None:
     """One line naming the first bad flag, or None."""
+    from pydantic import ValidationError
+
+    from shared.schema import GenerateRequest, SamplingParams
+
     if "temperature" in args:
         try:
             SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -217,6 +226,12 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
         if args.num_beams > 1 and args.temperature != 0.0:
             return "--num-beams: beam search is greedy; use --temperature 0"
     if "tree_width" in args:
+        from drafter_client.draft_length import make_draft_length
+
+        try:  # the form of -k here; its bound, the verifier's max_draft_tokens, once connected
+            make_draft_length(str(args.num_draft_tokens), sys.maxsize)
+        except ValueError as exc:
+            return str(exc)
         if args.tree_width < 1:
             return f"--tree-width must be at least 1 (got {args.tree_width})"
         if args.lookup_tokens < 0:
@@ -230,14 +245,17 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
     return None
 
 
-def make_client(args: argparse.Namespace, with_drafter: bool = True) -> SpecDecClient:
-    """The client the flags describe (``_connection`` and, with a drafter, ``_drafter``)."""
-    if not with_drafter:
-        return SpecDecClient(args.verifier_url, None, args.tokenizer, timeout_s=args.timeout_s,
-                             simulated_rtt_ms=args.simulated_rtt_ms, api_key=args.api_key,
-                             retry_budget_s=args.retry_budget_s)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def client_settings(args: argparse.Namespace) -> ClientSettings:
+    """The client settings the flags describe (a command without drafter flags keeps the
+    defaults for them)."""
+    sampling = (Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                         reproducible=args.reproducible)
+                if "temperature" in args else SAMPLING)
+    connection = {"timeout_s": args.timeout_s, "retry_budget_s": args.retry_budget_s,
+                  "simulated_rtt_ms": args.simulated_rtt_ms}
+    if "drafter" not in args:
+        return ClientSettings(sampling=sampling, **connection)
     options = DrafterOptions(
         ngram_n=args.ngram_n, ngram_kind=args.ngram_kind,
         ngram_top_k_filler=args.ngram_top_k_filler,
@@ -246,16 +264,25 @@ def make_client(args: argparse.Namespace, with_drafter: bool = True) -> SpecDecC
         draft_min_prob=args.draft_min_prob, tree_width=args.tree_width, lookup=args.lookup,
         lookup_tokens=args.lookup_tokens, overlap=args.overlap,
         cuda_graphs=args.cuda_graphs, engine=args.drafter_engine, threads=args.threads)
-    return SpecDecClient(args.verifier_url, args.drafter, args.tokenizer, args.dtype,
-                         args.device, timeout_s=args.timeout_s, options=options,
-                         simulated_rtt_ms=args.simulated_rtt_ms, api_key=args.api_key,
-                         retry_budget_s=args.retry_budget_s)
+    return ClientSettings(num_draft_tokens=str(args.num_draft_tokens), options=options,
+                          sampling=sampling, dtype=args.dtype, device=args.device,
+                          **connection)
+
+
+def make_client(args: argparse.Namespace, with_drafter: bool = True) -> SpecDecClient:
+    """The client the flags describe (``_connection`` and, with a drafter, ``_drafter``)."""
+    from drafter_client.api import SpecDecClient
+
+    return SpecDecClient(args.verifier_url, args.drafter if with_drafter else None,
+                         args.tokenizer, settings=client_settings(args), api_key=args.api_key)
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from drafter_client.draft_length import make_draft_length
     from drafter_client.gateway import GatewaySettings, create_gateway
+    from drafter_client.transport import SpecDecError
 
     template = None
     if args.chat_template:
@@ -273,7 +300,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     settings = GatewaySettings(
         served_model_name=args.served_model_name or client.info.model,
-        num_draft_tokens=str(args.num_draft_tokens), max_concurrency=args.max_concurrency,
+        max_concurrency=args.max_concurrency,
         max_waiting=args.max_waiting, chat_template=template,
         max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
         api_key=args.serve_api_key or None)  # empty (compose passes "" when unset): open
@@ -292,7 +319,11 @@ def run(argv: list[str] | None = None) -> int:
         return EXIT_ERROR
     if args.command == "serve":
         return _serve(args)
+    from drafter_client.apps.output import TextStream, summary
+    from drafter_client.transport import SpecDecError
+
     if args.command == "chat":
+        from drafter_client.apps.console import run_console
 
         try:
             client = make_client(args)
@@ -300,16 +331,12 @@ def run(argv: list[str] | None = None) -> int:
             print(f"specdec: error: {exc}", file=sys.stderr)
             return EXIT_ERROR
         return run_console(client, args)
-    sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "chat": args.chat,
-                "reproducible": args.reproducible}
     prompt = _read_prompt(args)
     try:
         if args.command == "generate":
             client = make_client(args)
             stream = None if args.json else TextStream(client.decode)
-            result = client.generate(prompt, num_draft_tokens=args.num_draft_tokens,
-                                     on_tokens=stream, **sampling)
+            result = client.generate(prompt, chat=args.chat, on_tokens=stream)
             if stream is not None:
                 stream.finish()
         else:
@@ -317,7 +344,8 @@ def run(argv: list[str] | None = None) -> int:
             early: bool | str = {"true": True, "false": False}.get(args.early_stopping, "never")
             result = client.baseline(prompt, num_beams=args.num_beams,
                                      length_penalty=args.length_penalty, early_stopping=early,
-                                     no_repeat_ngram_size=args.no_repeat_ngram_size, **sampling)
+                                     no_repeat_ngram_size=args.no_repeat_ngram_size,
+                                     chat=args.chat)
             if not args.json:
                 sys.stdout.write(result.text)
     except SpecDecError as exc:

@@ -22,6 +22,7 @@ from drafter_client.apps.output import TextStream, summary
 from drafter_client.draft_length import make_draft_length
 from drafter_client.drafters import LMDrafter
 from drafter_client.hybrid import HybridDrafter
+from drafter_client.settings import DEFAULTS, ClientSettings
 from drafter_client.speculative import GenerationResult
 from drafter_client.transport import SpecDecError
 from shared.schema import SamplingParams
@@ -49,15 +50,25 @@ HELP = """commands (between turns):
 
 @dataclass
 class ChatSettings:
-    k: str = "4"
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    max_tokens: int = 128
-    seed: int = 0
-    reproducible: bool = False
+    """What the console's commands change, starting from the client's settings."""
+
+    k: str = DEFAULTS.num_draft_tokens
+    temperature: float = DEFAULTS.sampling.temperature
+    top_k: int = DEFAULTS.sampling.top_k
+    top_p: float = DEFAULTS.sampling.top_p
+    max_tokens: int = DEFAULTS.sampling.max_new_tokens
+    seed: int = DEFAULTS.sampling.seed
+    reproducible: bool = DEFAULTS.sampling.reproducible
     compare: bool = False
     system: str | None = None
+
+    @classmethod
+    def of(cls, settings: ClientSettings, compare: bool = False,
+           system: str | None = None) -> ChatSettings:
+        s = settings.sampling
+        return cls(k=settings.num_draft_tokens, temperature=s.temperature, top_k=s.top_k,
+                   top_p=s.top_p, max_tokens=s.max_new_tokens, seed=s.seed,
+                   reproducible=s.reproducible, compare=compare, system=system)
 
 
 @dataclass
@@ -164,7 +175,8 @@ class Console:
         if not arg:
             raise ValueError("name a drafter: a model, ngram, prompt-lookup or bigram")
         self.say(f"loading drafter {arg} ...")
-        self.client = SpecDecClient(self.client.verifier, arg, self.client.tokenizer)
+        self.client = SpecDecClient(self.client.verifier, arg, self.client.tokenizer,
+                                    settings=self.client.settings)
         self.say(f"drafter = {arg}")
 
     def _toggle_compare(self, _: str) -> None:
@@ -251,10 +263,7 @@ class Console:
 
 
 def run_console(client: SpecDecClient, args: argparse.Namespace) -> int:
-    settings = ChatSettings(k=str(args.num_draft_tokens), temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, max_tokens=args.max_new_tokens,
-                            seed=args.seed, reproducible=args.reproducible,
-                            compare=args.compare, system=args.system)
+    settings = ChatSettings.of(client.settings, args.compare, args.system)
     try:
         make_draft_length(settings.k, client.info.max_draft_tokens)
     except ValueError as exc:

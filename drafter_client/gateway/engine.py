@@ -22,7 +22,7 @@ import orjson
 from fastapi import Request
 from pydantic import ValidationError
 
-from drafter_client.api import DEFAULT_K, SpecDecClient
+from drafter_client.api import SpecDecClient
 from drafter_client.gateway.metrics import GatewayMetrics
 from drafter_client.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIError
 from drafter_client.speculative import BlockOutcome, GenerationResult
@@ -35,7 +35,6 @@ from shared.schema import SamplingParams
 @dataclass(frozen=True)
 class GatewaySettings:
     served_model_name: str
-    num_draft_tokens: str = DEFAULT_K  # k: an integer, "auto" or "heuristic"
     max_concurrency: int = 8  # generations running at once (worker threads)
     max_waiting: int = 64  # admitted requests waiting for a worker; beyond: 429
     chat_template: str | None = None  # overrides the tokenizer's
@@ -230,7 +229,7 @@ class Gateway:
 
         try:
             result = client.generate(
-                job.prompt_ids, num_draft_tokens=self.settings.num_draft_tokens,
+                job.prompt_ids,  # k: the client's settings.num_draft_tokens
                 max_new_tokens=job.max_tokens, temperature=job.sampling.temperature,
                 top_k=job.sampling.top_k, top_p=job.sampling.top_p, seed=job.seed,
                 reproducible=job.reproducible, on_block=on_block)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from drafter_client import SpecDecClient
+from drafter_client import ClientSettings, SpecDecClient
 from drafter_client.gateway import GatewaySettings, create_gateway
 from scripts.bench.common import (
     add_base_arguments,
@@ -96,9 +96,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with verifier(args) as url:
         drafter = args.drafter if args.drafter_kind == "model" else args.drafter_kind
         client = SpecDecClient(url, drafter, None if args.drafter_kind == "model"
-                               else args.drafter, dtype=args.dtype)
-        settings = GatewaySettings(NAME, num_draft_tokens=str(args.k),
-                                   max_concurrency=max(args.concurrency))
+                               else args.drafter,
+                               settings=ClientSettings(num_draft_tokens=str(args.k),
+                                                       dtype=args.dtype))
+        settings = GatewaySettings(NAME, max_concurrency=max(args.concurrency))
         import openai  # here, not at import: `python -m scripts.bench` runs without it (GPU box)
 
         with ThreadedServer(create_gateway(client, settings)) as gateway:

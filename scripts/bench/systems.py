@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from drafter_client import SpecDecClient
-from drafter_client.api import DEFAULT_K, DEFAULT_OPTIONS, MODEL_FREE_DRAFTERS, DrafterOptions
+from drafter_client.settings import DEFAULTS, MODEL_FREE_DRAFTERS, ClientSettings, DrafterOptions
 from scripts.bench.common import assistant_defaults, hf_generate
 from shared.models import load_causal_lm, pick_device, pick_dtype
 
@@ -43,7 +43,8 @@ class System:
         k, reproducible, beams = None, False, 1
         opts: dict[str, Any] = {"lookup": False}  # a named method alone unless it says lookup
         if method == "default":
-            method, k, opts = "model", DEFAULT_K, dataclasses.asdict(DEFAULT_OPTIONS)
+            method, k, opts = ("model", DEFAULTS.num_draft_tokens,
+                               dataclasses.asdict(DEFAULTS.options))
         for word in rest:
             key, _, value = word.partition("=")
             if key == "k":
@@ -63,6 +64,11 @@ class System:
             else:
                 raise SystemExit(f"system {text!r}: unknown setting {word!r}")
         return cls(text, kind, method, k, DrafterOptions(**opts), reproducible, beams)
+
+    def client_settings(self, dtype: str) -> ClientSettings:
+        """The client settings of a specdec system: the client's defaults where it is silent."""
+        return dataclasses.replace(DEFAULTS, num_draft_tokens=self.k or DEFAULTS.num_draft_tokens,
+                                   options=self.options, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -94,10 +100,10 @@ class Runner:
                 continue
             if s.method in MODEL_FREE_DRAFTERS:
                 self.clients[s.text] = SpecDecClient(url, s.method, tokenizer=drafter,
-                                                     options=s.options)
+                                                     settings=s.client_settings(dtype))
             elif model_client is None:
                 model_client = self.clients[s.text] = SpecDecClient(
-                    url, drafter, dtype=dtype, options=s.options)
+                    url, drafter, settings=s.client_settings(dtype))
             else:
                 self.clients[s.text] = model_client.with_options(s.options)
         self.hf_target: Any = None
@@ -135,7 +141,7 @@ class Runner:
             return Run(result.token_ids, result.metrics.wall_s, result.metrics.to_dict(),
                        result.text)
         result = self.clients[s.text].generate(
-            ids, num_draft_tokens=s.k or DEFAULT_K, max_new_tokens=max_new,
+            ids, num_draft_tokens=s.k or DEFAULTS.num_draft_tokens, max_new_tokens=max_new,
             reproducible=s.reproducible, **kw)  # type: ignore[arg-type]
         return Run(result.token_ids, result.metrics.wall_s, result.metrics.to_dict())
 

@@ -1,0 +1,108 @@
+"""The client's settings: one object, one set of defaults.
+
+The Python API (``SpecDecClient(..., settings=)``), ``specdec generate`` / ``chat`` / ``serve``
+(their flags default to these fields), the demo and the benchmarks all build a client from a
+:class:`ClientSettings`. The defaults were chosen by ``python -m scripts.bench client``
+(docs/benchmarks.md): the cost model picks k per block (0 where drafting does not pay, then
+plain steps), the model drafter is hybrid with prompt lookup, dtype ``auto`` is measured on this
+machine, greedy, 128 new tokens.
+
+This module imports nothing heavy, so the command line can parse and check its flags (and print
+``--help``) before it loads torch and transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MODEL_FREE_DRAFTERS = ("ngram", "prompt-lookup", "bigram")
+
+
+@dataclass(frozen=True)
+class DrafterOptions:
+    """Options of the built-in drafters (see drafter_client/model_free.py)."""
+
+    ngram_n: int = 3
+    ngram_kind: str = "multi"  # "simple" (SimpleDynaGram) or "multi" (MultiDynaGram)
+    ngram_top_k_filler: int = 0
+    ngram_stop_if_unknown: bool = False
+    lookup_min_ngram: int = 1
+    lookup_max_ngram: int = 3
+    draft_min_prob: float = 0.0  # model drafter: stop a block below this top probability
+    tree_width: int = 1  # model drafter: > 1 drafts a token tree (runner-ups as leaves)
+    lookup: bool = True  # model drafter: hybrid with prompt lookup (drafter_client/hybrid.py)
+    lookup_tokens: int = 0  # hybrid: longest lookup draft; 0: the block's k
+    overlap: bool = False  # model drafter: draft the next block while this one is verified
+    # model drafter: KV in a slot, one-token steps as CUDA graphs (drafter_client/pooled.py)
+    cuda_graphs: bool = False
+    # model drafter: what runs it - transformers, or llama.cpp for a GGUF (shared/llama_runtime)
+    engine: str = "auto"
+    # the drafter's CPU threads: torch's intra-op threads (set for the process) or llama.cpp's;
+    # 0: the engine's default (every core this process may use)
+    threads: int = 0
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A generation's sampling and length (the verifier checks them again: shared/schema.py)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int = 0
+    # sampled output identical to the target alone's with the same seed (Gumbel-max noise
+    # shared by drafter and target), whatever the drafter, k or timing
+    reproducible: bool = False
+
+    def as_kwargs(self) -> dict[str, float | int | bool]:
+        """The keyword arguments of ``SpecDecClient.generate`` / ``baseline``."""
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed,
+                "reproducible": self.reproducible}
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """Everything a client is built from but the verifier's URL, the drafter and the tokenizer.
+
+    ``num_draft_tokens``: the k policy - an integer, ``"auto"`` (a cost model of measured
+    acceptance, drafting time, verify cost per block size and round trip; it drafts nothing
+    where no k pays) or ``"heuristic"`` (grow by 2 after a fully accepted block, shrink by 1).
+    ``dtype`` / ``device``: a model drafter's (``auto``: measured on this machine / CUDA when
+    there is one). ``sampling``: what ``generate`` and ``baseline`` use where a call does not
+    say. The connection: ``timeout_s`` per HTTP call, ``retry_budget_s`` to keep retrying a
+    verifier that is down or overloaded, ``simulated_rtt_ms`` added before every call."""
+
+    num_draft_tokens: str = "auto"
+    options: DrafterOptions = field(default_factory=DrafterOptions)
+    sampling: Sampling = field(default_factory=Sampling)
+    dtype: str = "auto"
+    device: str = "auto"
+    timeout_s: float = 120.0
+    retry_budget_s: float = 60.0
+    simulated_rtt_ms: float = 0.0
+
+    def describe(self, drafter: str | None) -> str:
+        """One line saying what a client with these settings runs (the demo prints it)."""
+        o = self.options
+        if drafter is None:
+            kind = "no drafter (the target alone)"
+        elif drafter in MODEL_FREE_DRAFTERS:
+            kind = f"{drafter} drafter"
+        else:
+            how = "hybrid with prompt lookup" if o.lookup else "the model alone"
+            kind = f"model drafter {drafter} ({how}, engine {o.engine}, dtype {self.dtype})"
+        extras = [name for name, on in (("overlap", o.overlap), ("cuda graphs", o.cuda_graphs),
+                                        (f"trees of width {o.tree_width}", o.tree_width > 1))
+                  if on]
+        s = self.sampling
+        mode = ("greedy" if s.temperature == 0 else
+                f"temperature {s.temperature}, top-k {s.top_k}, top-p {s.top_p}")
+        return (f"{kind}; k {self.num_draft_tokens}{''.join(', ' + e for e in extras)}; "
+                f"{mode}; up to {s.max_new_tokens} new tokens")
+
+
+DEFAULTS = ClientSettings()
+DEFAULT_K = DEFAULTS.num_draft_tokens
+DEFAULT_OPTIONS = DEFAULTS.options
