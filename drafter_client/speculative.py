@@ -87,12 +87,15 @@ class InFlight:
     k: int
     config: SamplingConfig
     generator: torch.Generator
+    room: int  # tokens the generation may still add, this block's included
     ahead: tuple[list[int], Draft] | None = None  # (tokens it assumes this block outputs, draft)
     drafting_s: float = 0.0
 
     def work(self, draft: Draft) -> None:
         t0 = time.perf_counter()
         assumed = draft.first_chain()  # what the block outputs if every first test passes
+        if len(assumed) + 1 >= self.room:
+            return  # then this block ends the generation: no block follows to draft for
         made = self.drafter.speculate(assumed, self.k, self.config, self.generator)
         if made is not None:
             guess, next_draft = made
@@ -305,7 +308,8 @@ def speculative_generate(
                 # whatever happens, so a seed gives the same output however the timing falls.
                 seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
                 in_flight = InFlight(pool, drafter, k, config,
-                                     torch.Generator().manual_seed(seed))
+                                     torch.Generator().manual_seed(seed),
+                                     room=settings.max_new_tokens - generated)
             run = schedule.plain_run(max_depth) if k == 0 else 0
             outcome = speculative_block(session, drafter, k, config, generator, info,
                                         max_depth, drafted=ahead, in_flight=in_flight,

@@ -1,9 +1,10 @@
 """The output distribution of speculative sampling is exactly the target's.
 
-For a vocabulary of 16, the exact probability of every pair of first two generated tokens is
-enumerated from the target (processed with transformers' own logits warpers, an independent
-implementation), then compared with 5,000 seeded speculative generations by a chi-square test
-(cells with expected count < 5 pooled). Correct sampling must pass at p > 1e-3 and total
+For a vocabulary of 16, the exact probability of every pair of first two generated tokens (of
+the first three, where drafts made ahead must be reached) is enumerated from the target
+(processed with transformers' own logits warpers, an independent implementation), then
+compared with 5,000 seeded speculative generations by a chi-square test (cells with expected
+count < 5 pooled). Correct sampling must pass at p > 1e-3 and total
 variation < 0.1 after all its draws; the negative controls (a wrong acceptance rule, a fresh
 resample instead of the residual) must fail the same test at p < 1e-6 within 2,000 draws (they
 stop at the first check, every 250 draws, that is already below it).
@@ -40,6 +41,7 @@ from tests.support.statistics import (
     accept_everything,
     chi_square_p,
     exact_pair_distribution,
+    exact_token_distribution,
     sample_pairs,
 )
 
@@ -230,13 +232,33 @@ def tree_client(verifier: InProcessVerifier, options: DrafterOptions,
 @pytest.mark.parametrize("name", list(TREES))
 def test_trees_and_hybrid_follow_the_target(name: str, verifier: InProcessVerifier,
                                             tiny_models: dict[str, Path],
-                                            repeat_prompt: list[int]) -> None:
+                                            repeat_prompt: list[int],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
     options, params = TREES[name]
     client = tree_client(verifier, options, tiny_models)
     prompt = repeat_prompt if options.lookup else PROMPT  # a lookup match for the hybrid
-    exact = exact_pair_distribution(tiny_models["peaky-target"], params,
-                                     client.info.eos_token_ids, prompt)
-    p_value, tv = chi_square_p(sample_pairs(client, params, RUNS, prompt, k=2), exact)
+    if not options.overlap:
+        exact = exact_pair_distribution(tiny_models["peaky-target"], params,
+                                         client.info.eos_token_ids, prompt)
+        counts = sample_pairs(client, params, RUNS, prompt, k=2)
+    else:
+        # A draft made ahead is for the block after a fully accepted one: with k = 1 the first
+        # block outputs at most 2 tokens, so the first 3 tokens are where drafts made ahead are
+        # verified (about one draw in three here); the first 2 would never see one.
+        exact = exact_token_distribution(tiny_models["peaky-target"], params,
+                                         client.info.eos_token_ids, prompt, n=3)
+        used = []
+        take = speculative.InFlight.take
+
+        def counted_take(self, tokens):  # type: ignore[no-untyped-def]
+            draft = take(self, tokens)
+            used.extend([1] if draft is not None else [])
+            return draft
+
+        monkeypatch.setattr(speculative.InFlight, "take", counted_take)
+        counts = sample_pairs(client, params, RUNS, prompt, k=1, n=3)
+        assert len(used) > RUNS // 10, f"only {len(used)} blocks were drafted ahead"
+    p_value, tv = chi_square_p(counts, exact)
     assert p_value > 1e-3, f"{name}: chi-square p = {p_value:.2e}, TV = {tv:.3f}"
     assert tv < 0.1, f"{name}: TV = {tv:.3f}"
 
@@ -300,3 +322,4 @@ def test_negative_control_noise_shared_across_positions(client: SpecDecClient,
     counts = sample_pairs(client, {**params, "reproducible": True}, RUNS, exact=exact)
     p_value, tv = chi_square_p(counts, exact)
     assert p_value < 1e-6, f"position-blind noise not caught: p = {p_value:.2e}, TV = {tv:.3f}"
+

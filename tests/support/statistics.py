@@ -55,6 +55,29 @@ def exact_pair_distribution(model_dir: Path, params: dict[str, float], eos: list
     return pair_cells(first, second, eos)
 
 
+def exact_token_distribution(model_dir: Path, params: dict[str, float], eos: list[int],
+                             prompt: list[int] = PROMPT, n: int = 3
+                             ) -> dict[tuple[int, ...], float]:
+    """P(first n tokens), enumerated over every prefix (V^(n-1) rows at the last depth); a
+    sequence ends at an EOS: the cells after it are -1."""
+    model = load_causal_lm(str(model_dir), torch.float32, torch.device("cpu"))
+    cells: dict[tuple[int, ...], float] = {(): 1.0}
+    live = [()]  # prefixes without an EOS, still growing
+    with torch.no_grad():
+        for _ in range(n):
+            batch = torch.tensor([[*prompt, *prefix] for prefix in live])
+            probs = reference_probs(model(batch).logits[:, -1], params)  # [prefixes, V]
+            grown: list[tuple[int, ...]] = []
+            for row, prefix in enumerate(live):
+                mass = cells.pop(prefix)
+                for t in range(probs.shape[1]):
+                    cells[(*prefix, t)] = mass * float(probs[row, t])
+                    if t not in eos:
+                        grown.append((*prefix, t))
+            live = grown
+    return {cell + (-1,) * (n - len(cell)): p for cell, p in cells.items()}
+
+
 def pair_cells(first: torch.Tensor, second: torch.Tensor,
                eos: list[int]) -> dict[tuple[int, int], float]:
     """[V] P(t1) and [V, V] P(t2 | t1) -> P(t1, t2); an EOS first token ends the sequence: its
@@ -81,30 +104,32 @@ def accept_everything(monkeypatch: Any) -> None:
     monkeypatch.setattr(reply_checks, "accept_drafts", accept_all)
 
 
-def first_pair(client: SpecDecClient, prompt: list[int], seed: int, k: int | str,
-               params: dict[str, Any]) -> tuple[int, int]:
-    """One seeded draw of the first two tokens ((eos, -1) when the first ends the sequence).
+def first_tokens(client: SpecDecClient, prompt: list[int], seed: int, k: int | str,
+                 params: dict[str, Any], n: int = 2) -> tuple[int, ...]:
+    """One seeded draw of the first n tokens (-1 after an EOS that ends the sequence).
 
-    It asks for 3 tokens, so the first block drafts k = 2 (a block leaves room for its bonus
-    token), and stops once two are committed: the tokens after the counted ones are never
-    drawn. Stopping on a count of committed tokens leaves their distribution unchanged."""
+    It asks for n + 1 tokens, so that the block after the first can still draft (a block
+    leaves room for its bonus token), and stops once n are committed: the tokens after the
+    counted ones are never drawn. Stopping on a count of committed tokens leaves their
+    distribution unchanged."""
     committed = 0
 
     def counted(outcome: Any) -> bool:
         nonlocal committed
         committed += len(outcome.tokens)
-        return committed >= 2
+        return committed >= n
 
-    ids = client.generate(prompt, num_draft_tokens=k, max_new_tokens=3, seed=seed,
+    ids = client.generate(prompt, num_draft_tokens=k, max_new_tokens=n + 1, seed=seed,
                           on_block=counted, **params).token_ids
-    return (ids[0], ids[1] if len(ids) > 1 else -1)
+    return tuple(ids[i] if i < len(ids) else -1 for i in range(n))
 
 
 def sample_pairs(client: SpecDecClient, params: dict[str, float], runs: int,
                  prompt: list[int] = PROMPT, k: int | str = 2, seeds: range | None = None,
-                 exact: dict[tuple[int, int], float] | None = None,
-                 stop_below: float = 1e-6, every: int = 250, workers: int = 1) -> Counter:
-    """``runs`` seeded draws of the first two tokens (seeds 0..runs - 1, or ``seeds``).
+                 exact: dict[tuple[int, ...], float] | None = None,
+                 stop_below: float = 1e-6, every: int = 250, workers: int = 1,
+                 n: int = 2) -> Counter:
+    """``runs`` seeded draws of the first ``n`` tokens (seeds 0..runs - 1, or ``seeds``).
 
     Against an in-process verifier the draws run on ``workers`` forks of the client, one thread
     each, whose calls share the verifier's batched forwards (``CallGroup``); each seed's draw
@@ -123,9 +148,9 @@ def sample_pairs(client: SpecDecClient, params: dict[str, float], runs: int,
     for start in range(0, len(order), step):
         chunk = order[start:start + step]
         if len(forks) == 1:
-            counts.update(first_pair(client, prompt, seed, k, params) for seed in chunk)
+            counts.update(first_tokens(client, prompt, seed, k, params, n) for seed in chunk)
         else:
-            counts.update(_draw_together(forks, verifier, chunk, prompt, k, params))
+            counts.update(_draw_together(forks, verifier, chunk, prompt, k, params, n))
         if (exact is not None and start + step < len(order)
                 and _p_value(counts, exact) < stop_below):
             break
@@ -133,7 +158,7 @@ def sample_pairs(client: SpecDecClient, params: dict[str, float], runs: int,
 
 
 def _draw_together(forks: list[SpecDecClient], verifier: Any, seeds: list[int],
-                   prompt: list[int], k: int | str, params: dict[str, Any]) -> Counter:
+                   prompt: list[int], k: int | str, params: dict[str, Any], n: int) -> Counter:
     members = min(len(forks), len(seeds))
     verifier.group = CallGroup(verifier.engine, members)
     found: list[Counter] = [Counter() for _ in range(members)]
@@ -142,7 +167,7 @@ def _draw_together(forks: list[SpecDecClient], verifier: Any, seeds: list[int],
     def work(index: int) -> None:
         try:
             for seed in seeds[index::members]:
-                found[index][first_pair(forks[index], prompt, seed, k, params)] += 1
+                found[index][first_tokens(forks[index], prompt, seed, k, params, n)] += 1
         except BaseException as exc:  # reported below, after the others finish
             errors.append(exc)
         finally:
@@ -164,7 +189,7 @@ def _draw_together(forks: list[SpecDecClient], verifier: Any, seeds: list[int],
     return total
 
 
-def _pooled(counts: Counter, exact: dict[tuple[int, int], float]) -> tuple[np.ndarray, np.ndarray]:
+def _pooled(counts: Counter, exact: dict[tuple[int, ...], float]) -> tuple[np.ndarray, np.ndarray]:
     """Observed and expected counts per cell, cells with expected count < 5 pooled in one."""
     assert set(counts) <= set(exact), "a pair outside the target's support was generated"
     runs = sum(counts.values())
@@ -175,13 +200,13 @@ def _pooled(counts: Counter, exact: dict[tuple[int, int], float]) -> tuple[np.nd
             np.append(expected[~small], expected[small].sum()))
 
 
-def _p_value(counts: Counter, exact: dict[tuple[int, int], float]) -> float:
+def _p_value(counts: Counter, exact: dict[tuple[int, ...], float]) -> float:
     observed, expected = _pooled(counts, exact)
     statistic = float(((observed - expected) ** 2 / np.maximum(expected, 1e-12)).sum())
     return float(stats.chi2.sf(statistic, len(expected) - 1))
 
 
-def chi_square_p(counts: Counter, exact: dict[tuple[int, int], float]) -> tuple[float, float]:
+def chi_square_p(counts: Counter, exact: dict[tuple[int, ...], float]) -> tuple[float, float]:
     """(p-value, total variation) of the observed counts against the exact distribution."""
     p_value = _p_value(counts, exact)
     runs = sum(counts.values())
