@@ -17,6 +17,7 @@ draws through a real uvicorn verifier over HTTP with batching on.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -210,21 +211,41 @@ def test_distribution_holds_with_concurrent_clients(server: LiveServer,
 
 # Token trees (one-hot candidates, several per position) and hybrid drafting. The tree's
 # children are tested one after another without replacement (shared/sampling.py); the naive rule
-# - every child tested against the untouched p - must fail the same test.
+# - every child tested against the untouched p - must fail the same test. Trees, the hybrid and
+# drafting ahead are the model drafters' common code (``LMDrafter``): these draw with the
+# drafter on llama.cpp (the same weights as a float32 GGUF; its forwards cost half of
+# transformers' on a model this small); transformers' drafter draws in the tests above and in
+# the naive-tree control. (Whatever q a drafter computes, exactness holds as long as it reports
+# the q it drew from: what an engine does wrong shows in acceptance, not in the distribution.)
 TREES = {
-    "tree3,T=1": (DrafterOptions(lookup=False, tree_width=3, draft_min_prob=0.6), CONFIGS["T=1"]),
-    "tree3,T=0.7,top-k=5": (DrafterOptions(lookup=False, tree_width=3), CONFIGS["T=0.7,top-k=5"]),
+    "tree3,T=1": (DrafterOptions(lookup=False, tree_width=3, draft_min_prob=0.6), CONFIGS["T=1"],
+                  "llama-cpp"),
+    "tree3,T=0.7,top-k=5": (DrafterOptions(lookup=False, tree_width=3),
+                            CONFIGS["T=0.7,top-k=5"], "llama-cpp"),
     "hybrid+tree,T=1,top-p=0.8": (DrafterOptions(tree_width=2, lookup=True),
-                                  CONFIGS["T=1,top-p=0.8"]),
-    "hybrid,T=1": (DrafterOptions(lookup=True), CONFIGS["T=1"]),
-    "overlap,T=1": (DrafterOptions(lookup=False, overlap=True), CONFIGS["T=1"]),
+                                  CONFIGS["T=1,top-p=0.8"], "llama-cpp"),
+    "hybrid,T=1": (DrafterOptions(lookup=True), CONFIGS["T=1"], "llama-cpp"),
+    "overlap,T=1": (DrafterOptions(lookup=False, overlap=True), CONFIGS["T=1"], "llama-cpp"),
     "overlap+tree3,T=0.7,top-k=5": (DrafterOptions(lookup=False, overlap=True, tree_width=3),
-                                    CONFIGS["T=0.7,top-k=5"]),
+                                    CONFIGS["T=0.7,top-k=5"], "llama-cpp"),
 }
 
 
+@pytest.fixture(scope="module")
+def peaky_gguf(tiny_models: dict[str, Path]) -> Path:
+    from scripts.harness.tiny_gguf import save_tiny_gguf
+
+    return save_tiny_gguf(tiny_models["peaky-drafter"])
+
+
 def tree_client(verifier: InProcessVerifier, options: DrafterOptions,
-                tiny_models: dict[str, Path]) -> SpecDecClient:
+                tiny_models: dict[str, Path], engine: str = "transformers",
+                gguf: Path | None = None) -> SpecDecClient:
+    if engine == "llama-cpp":
+        assert gguf is not None
+        return SpecDecClient(verifier, str(gguf), tokenizer=str(tiny_models["peaky-target"]),
+                             options=dataclasses.replace(options, engine="llama-cpp",
+                                                         threads=1))
     return SpecDecClient(verifier, str(tiny_models["peaky-drafter"]), dtype="float32",
                          device="cpu", options=options)
 
@@ -233,9 +254,10 @@ def tree_client(verifier: InProcessVerifier, options: DrafterOptions,
 def test_trees_and_hybrid_follow_the_target(name: str, verifier: InProcessVerifier,
                                             tiny_models: dict[str, Path],
                                             repeat_prompt: list[int],
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    options, params = TREES[name]
-    client = tree_client(verifier, options, tiny_models)
+                                            monkeypatch: pytest.MonkeyPatch,
+                                            peaky_gguf: Path) -> None:
+    options, params, engine = TREES[name]
+    client = tree_client(verifier, options, tiny_models, engine, peaky_gguf)
     prompt = repeat_prompt if options.lookup else PROMPT  # a lookup match for the hybrid
     if not options.overlap:
         exact = exact_pair_distribution(tiny_models["peaky-target"], params,
@@ -284,7 +306,7 @@ def test_negative_control_naive_tree_rule(verifier: InProcessVerifier,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sampling, "accept_tree", naive_accept_tree)
     monkeypatch.setattr(reply_checks, "accept_tree", naive_accept_tree)
-    options, params = TREES["tree3,T=1"]
+    options, params, _ = TREES["tree3,T=1"]
     client = tree_client(verifier, options, tiny_models)
     exact = exact_pair_distribution(tiny_models["peaky-target"], params,
                                      client.info.eos_token_ids)
