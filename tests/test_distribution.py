@@ -175,18 +175,28 @@ def test_negative_control_fresh_resample_for_one_hot_drafts(
 
 
 @pytest.fixture(scope="module")
+def peaky_gguf(tiny_models: dict[str, Path]) -> Path:
+    from scripts.harness.tiny_gguf import save_tiny_gguf
+
+    return save_tiny_gguf(tiny_models["peaky-drafter"])
+
+
+@pytest.fixture(scope="module")
 def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
     with LiveServer(fp32_settings(tiny_models["peaky-target"], max_draft_tokens=8)) as live:
         yield live
 
 
 def test_distribution_holds_with_concurrent_clients(server: LiveServer,
-                                                    tiny_models: dict[str, Path]) -> None:
+                                                    tiny_models: dict[str, Path],
+                                                    peaky_gguf: Path) -> None:
     """Four clients at once over HTTP, their blocks batched into shared forwards: still
-    exact. Seeds RUNS..2 RUNS - 1, so these draws are independent of the in-process ones."""
+    exact. Seeds RUNS..2 RUNS - 1, so these draws are independent of the in-process ones. The
+    drafters run on llama.cpp (which lets go of the GIL while it decodes)."""
     params = CONFIGS["T=1"]
-    clients = [SpecDecClient(server.url, str(tiny_models["peaky-drafter"]), dtype="float32",
-                             device="cpu") for _ in range(4)]
+    clients = [SpecDecClient(server.url, str(peaky_gguf), tokenizer=str(
+        tiny_models["peaky-target"]), options=DrafterOptions(engine="llama-cpp", threads=1))
+        for _ in range(4)]
     before = httpx.get(f"{server.url}/v1/metrics").json()
     counts: Counter = Counter()
 
@@ -229,13 +239,6 @@ TREES = {
     "overlap+tree3,T=0.7,top-k=5": (DrafterOptions(lookup=False, overlap=True, tree_width=3),
                                     CONFIGS["T=0.7,top-k=5"], "llama-cpp"),
 }
-
-
-@pytest.fixture(scope="module")
-def peaky_gguf(tiny_models: dict[str, Path]) -> Path:
-    from scripts.harness.tiny_gguf import save_tiny_gguf
-
-    return save_tiny_gguf(tiny_models["peaky-drafter"])
 
 
 def tree_client(verifier: InProcessVerifier, options: DrafterOptions,
