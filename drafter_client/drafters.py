@@ -383,7 +383,11 @@ class LlamaCppDrafter(LMDrafter):
 class HFSeq2SeqDrafter(HFDrafter):
     """An encoder-decoder drafter (T5, BART, ...) for an encoder-decoder target with the same
     tokenizer: it encodes the source once per sequence and drafts decoder tokens with its own
-    decoder cache (self-attention cropped like :class:`HFDrafter`'s, cross-attention kept)."""
+    decoder cache (self-attention cropped like :class:`HFDrafter`'s, cross-attention kept). A
+    new sequence with the same source keeps the encoding, the cross-attention and the decoder
+    cache's common prefix."""
+
+    source: list[int] | None = None  # the encoder ids of ``encoded``
 
     def warm_up(self) -> None:
         ids = [i % self.model.config.vocab_size for i in range(16)]
@@ -393,9 +397,14 @@ class HFSeq2SeqDrafter(HFDrafter):
     def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
         if encoder_ids is None:
             raise ValueError("an encoder-decoder drafter needs the source (encoder_ids)")
+        if encoder_ids == self.source and self.cache is not None:
+            self.committed = []
+            self.commit(list(prompt_ids))  # crops the decoder's self-attention cache
+            return
         self.committed = list(prompt_ids)
         self.cached = []
         self.cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        self.source = list(encoder_ids)
         with torch.inference_mode():
             self.encoded = self.model.get_encoder()(
                 input_ids=torch.tensor([encoder_ids], device=self.device))

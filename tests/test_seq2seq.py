@@ -187,3 +187,32 @@ def test_openai_completions_on_an_encoder_decoder_target(pair: Any,
     assert reply.choices[0].text == expected.text
     assert reply.usage is not None
     assert reply.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_drafter_keeps_the_encoding_of_the_same_source(tiny_models: dict[str, Path]) -> None:
+    """A new sequence on the same source reuses the drafter's encoding and cross-attention (one
+    encoder run), and drafts what a fresh drafter drafts; another source is encoded anew."""
+    from drafter_client.drafters import HFSeq2SeqDrafter
+    from shared.sampling import SamplingConfig
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(str(tiny_models["t5-drafter"])).eval()
+    encoder = model.get_encoder()
+    runs = []
+    hook = encoder.register_forward_hook(lambda *_: runs.append(1))
+    config = SamplingConfig(temperature=1.0)
+    source, other = [5, 6, 7, 8, 1], [9, 10, 11, 1]
+
+    def draft(drafter: HFSeq2SeqDrafter, src: list[int], seed: int) -> list[int]:
+        drafter.reset([0], src)
+        drafter.commit([])
+        return drafter.propose(3, config, torch.Generator().manual_seed(seed)).ids
+
+    kept = HFSeq2SeqDrafter(model, 64)
+    first = draft(kept, source, 1)
+    draft(kept, source, 2)  # a second sequence (the first's cache is rolled back)
+    again = draft(kept, source, 1)
+    assert len(runs) == 1 and again == first
+    draft(kept, other, 1)
+    assert len(runs) == 2
+    hook.remove()
+    assert first == draft(HFSeq2SeqDrafter(model, 64), source, 1)
