@@ -3,36 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from types import ModuleType
 from typing import Any
 
-from scripts.bench import (
-    attack,
-    batching,
-    calls,
-    client,
-    gateway,
-    gpu,
-    gpu_smoke,
-    llama,
-    network,
-    profile,
-    report,
-    suite,
-)
-
-COMMANDS = {"suite": suite, "client": client, "batching": batching, "calls": calls,
-            "network": network,
-            "profile": profile, "attack": attack, "gateway": gateway, "gpu": gpu,
-            "gpu-smoke": gpu_smoke, "llama": llama, "report": report}
+# Each command's module (scripts/bench/NAME.py), imported when it is chosen: a spawned worker
+# process imports this entry point again, and should not load every benchmark with it.
+COMMANDS = {"suite": "suite", "client": "client", "batching": "batching", "calls": "calls",
+            "network": "network", "profile": "profile", "attack": "attack",
+            "gateway": "gateway", "gpu": "gpu", "gpu-smoke": "gpu_smoke", "llama": "llama",
+            "report": "report"}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_module(name: str) -> ModuleType:
+    return importlib.import_module(f"scripts.bench.{COMMANDS[name]}")
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command's flags (``only``: that command's alone, the others without theirs)."""
     parser = argparse.ArgumentParser(prog="python -m scripts.bench",
                                      description=sys.modules["scripts.bench"].__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, module in COMMANDS.items():
+    for name in COMMANDS:
+        if only is not None and name != only:
+            sub.add_parser(name)
+            continue
+        module = command_module(name)
         doc = module.__doc__ or name
         command = sub.add_parser(name, help=doc.splitlines()[0], description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,9 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> Any:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(chosen).parse_args(argv)
     args.command_line = "python -m scripts.bench " + " ".join(argv)
-    return COMMANDS[args.command].run(args)
+    return command_module(args.command).run(args)
 
 
 if __name__ == "__main__":

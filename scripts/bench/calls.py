@@ -18,7 +18,6 @@ the mean batch size.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import multiprocessing
 import os
 import tempfile
@@ -31,6 +30,7 @@ import orjson
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from scripts.bench.call_client import client_process
 from scripts.bench.common import machine_record, markdown_table, write_json
 from scripts.harness.process import VerifierProcess
 from scripts.harness.tiny_models import build_tokenizer
@@ -81,54 +81,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-async def _session_loop(http: httpx.AsyncClient, k: int, vocab: int, stop_at: float) -> int:
-    prompt = [(i * 37) % vocab for i in range(16)]
-    created = orjson.loads((await http.post("/v1/sessions", content=orjson.dumps(
-        {"prompt_ids": prompt}), headers={"content-type": "application/json"})).content)
-    sid, position, last, calls = created["session_id"], created["position"], prompt[-1], 0
-    while time.perf_counter() < stop_at:
-        body = {"position": position, "last_token": last,
-                "draft_ids": [(position + i) % vocab for i in range(k)],
-                "log_uniforms": [-0.5] * k, "final_uniform": 0.5}
-        reply = await http.post(f"/v1/sessions/{sid}/verify", content=orjson.dumps(body),
-                                headers={"content-type": "application/json"})
-        if reply.status_code != 200:
-            raise RuntimeError(f"verify: {reply.status_code} {reply.text[:200]}")
-        answer = orjson.loads(reply.content)
-        position, last = answer["position"], answer["next_token"]
-        calls += 1
-        if position > 3000:  # stay inside the slot: a new session
-            await http.delete(f"/v1/sessions/{sid}")
-            return calls + await _session_loop(http, k, vocab, stop_at)
-    await http.delete(f"/v1/sessions/{sid}")
-    return calls
-
-
-def _client_process(url: str, sessions: int, k: int, vocab: int, seconds: float, ready: Any,
-                    go: Any, out: Any) -> None:
-    async def main() -> int:
-        limits = httpx.Limits(max_connections=sessions, max_keepalive_connections=sessions)
-        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as http:
-            await http.get("/healthz")
-            ready.put(True)
-            await asyncio.get_running_loop().run_in_executor(None, go.wait)
-            stop_at = time.perf_counter() + seconds
-            done = await asyncio.gather(*(_session_loop(http, k, vocab, stop_at)
-                                          for _ in range(sessions)))
-            return sum(done)
-
-    started = time.process_time()
-    calls = asyncio.run(main())
-    out.put((calls, time.process_time() - started))
-
-
 def measure(url: str, pid: int, sessions: int, args: argparse.Namespace,
             vocab: int) -> dict[str, Any]:
     procs = min(args.client_processes, sessions)
     shares = [sessions // procs + (1 if i < sessions % procs else 0) for i in range(procs)]
     spawn = multiprocessing.get_context("spawn")
     ready, out, go = spawn.Queue(), spawn.Queue(), spawn.Event()
-    workers = [spawn.Process(target=_client_process,
+    workers = [spawn.Process(target=client_process,
                              args=(url, n, args.k, vocab, args.seconds, ready, go, out))
                for n in shares]
     for worker in workers:
