@@ -325,18 +325,30 @@ class CostModelLength:
             self._rtt[i] += v
 
 
-def make_draft_length(spec: str, max_k: int,
-                      verify_ms: list[tuple[int, float]] | None = None) -> DraftLength:
-    """``-k`` values: an integer, ``auto`` (cost model, seeded with the verifier's measured
-    ``verify_ms``) or ``heuristic``."""
-    if spec == "auto":
-        return CostModelLength(max_k=max_k, verify_ms=verify_ms)
-    if spec == "heuristic":
-        return HeuristicLength(max_k=max_k)
+def parse_k(spec: str) -> int | str:
+    """A ``-k`` value's form: an integer >= 0, ``auto`` or ``heuristic`` (ValueError if not);
+    its upper bound is the verifier's (``make_draft_length``)."""
+    if spec in ("auto", "heuristic"):
+        return spec
     try:
         k = int(spec)
     except ValueError:
         raise ValueError(f"-k must be an integer, 'auto' or 'heuristic'; got {spec!r}") from None
+    if k < 0:
+        raise ValueError(f"-k must be at least 0; got {k}")
+    return k
+
+
+def make_draft_length(spec: str, max_k: int,
+                      verify_ms: list[tuple[int, float]] | None = None) -> DraftLength:
+    """``-k`` values: an integer, ``auto`` (cost model, seeded with the verifier's measured
+    ``verify_ms``) or ``heuristic``."""
+    k = parse_k(spec)
+    if k == "auto":
+        return CostModelLength(max_k=max_k, verify_ms=verify_ms)
+    if k == "heuristic":
+        return HeuristicLength(max_k=max_k)
+    assert isinstance(k, int)
     if not 0 <= k <= max_k:
         raise ValueError(f"-k must be in [0, {max_k}] (the verifier's max_draft_tokens); got {k}")
     return FixedLength(k)

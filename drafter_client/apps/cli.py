@@ -226,10 +226,10 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
         if args.num_beams > 1 and args.temperature != 0.0:
             return "--num-beams: beam search is greedy; use --temperature 0"
     if "tree_width" in args:
-        from drafter_client.draft_length import make_draft_length
+        from drafter_client.draft_length import parse_k
 
         try:  # the form of -k here; its bound, the verifier's max_draft_tokens, once connected
-            make_draft_length(str(args.num_draft_tokens), sys.maxsize)
+            parse_k(str(args.num_draft_tokens))
         except ValueError as exc:
             return str(exc)
         if args.tree_width < 1:
