@@ -36,7 +36,6 @@ from drafter_client.model_free import (
     NGramOptions,
     PromptLookupDrafter,
 )
-from drafter_client.pooled import PooledDrafter
 from drafter_client.settings import (
     MODEL_FREE_DRAFTERS,
     ClientSettings,
@@ -229,6 +228,8 @@ class SpecDecClient:
                                        min_prob=options.draft_min_prob,
                                        tree_width=options.tree_width)
             elif options.cuda_graphs:
+                from drafter_client.pooled import PooledDrafter  # the KV pool: heavy imports
+
                 made = PooledDrafter(model, vocab, slot_tokens, name=spec,
                                      min_prob=options.draft_min_prob,
                                      tree_width=options.tree_width)
