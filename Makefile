@@ -86,7 +86,7 @@ lint: install
 fetch-models: install
 	$(BIN)/python scripts/fetch_models.py
 
-demo: install fetch-models
+demo: install  # scripts/demo.py fetches the two models it runs (once; then "ready")
 	$(BIN)/python scripts/demo.py
 
 # Every benchmark is a subcommand of one tool: python -m scripts.bench --help

@@ -350,9 +350,10 @@ def test_reproducible_sampling_follows_the_target(name: str, llama_client: SpecD
     assert tv < 0.1, f"{name}: TV = {tv:.3f}"
 
 
-def test_negative_control_noise_shared_across_positions(client: SpecDecClient,
+def test_negative_control_noise_shared_across_positions(llama_client: SpecDecClient,
                                                         tiny_models: dict[str, Path],
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    client = llama_client  # the same drafter as the tests it controls
     real = sampling.gumbel_noise
     monkeypatch.setattr(sampling, "gumbel_noise",
                         lambda seed, position, vocab: real(seed, 0, vocab))
