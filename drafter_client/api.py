@@ -41,6 +41,7 @@ from drafter_client.settings import (
     ClientSettings,
     DrafterOptions,
     Sampling,
+    replaced,
 )
 from drafter_client.speculative import (
     BlockOutcome,
@@ -105,11 +106,10 @@ class SpecDecClient:
                  settings: ClientSettings | None = None) -> None:
         # One settings object (drafter_client/settings.py); the keywords are shorthands that
         # replace its fields.
-        given: dict[str, Any] = {
-            "dtype": dtype, "device": device, "timeout_s": timeout_s, "options": options,
-            "simulated_rtt_ms": simulated_rtt_ms, "retry_budget_s": retry_budget_s}
-        self.settings = dataclasses.replace(settings or ClientSettings(),
-                                            **{k: v for k, v in given.items() if v is not None})
+        self.settings = replaced(settings or ClientSettings(), dtype=dtype, device=device,
+                                 timeout_s=timeout_s, options=options,
+                                 simulated_rtt_ms=simulated_rtt_ms,
+                                 retry_budget_s=retry_budget_s)
         dtype, device = self.settings.dtype, self.settings.device
         options, retry_budget_s = self.settings.options, self.settings.retry_budget_s
         if options.threads:
@@ -423,11 +423,9 @@ class SpecDecClient:
                   top_k: int | None, top_p: float | None, seed: int | None,
                   reproducible: bool | None) -> Sampling:
         """The client's sampling settings with a call's own values in place of theirs."""
-        given: dict[str, Any] = {
-            "max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k,
-            "top_p": top_p, "seed": seed, "reproducible": reproducible}
-        return dataclasses.replace(self.settings.sampling,
-                                   **{k: v for k, v in given.items() if v is not None})
+        return replaced(self.settings.sampling, max_new_tokens=max_new_tokens,
+                        temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                        reproducible=reproducible)
 
     def close(self) -> None:
         self.verifier.close()

@@ -13,9 +13,20 @@ This module imports nothing heavy, so the command line can parse and check its f
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 MODEL_FREE_DRAFTERS = ("ngram", "prompt-lookup", "bigram")
+
+T = TypeVar("T")
+
+
+def replaced(settings: T, **values: Any) -> T:
+    """``settings`` with the fields given a value (not None) replaced: a call's own values over
+    the client's."""
+    given = {k: v for k, v in values.items() if v is not None}
+    return dataclasses.replace(settings, **given)  # type: ignore[type-var]
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,7 @@ class Sampling:
     # shared by drafter and target), whatever the drafter, k or timing
     reproducible: bool = False
 
-    def as_kwargs(self) -> dict[str, float | int | bool]:
+    def as_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``SpecDecClient.generate`` / ``baseline``."""
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                 "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed,

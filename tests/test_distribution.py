@@ -73,8 +73,7 @@ def client(verifier: InProcessVerifier, tiny_models: dict[str, Path]) -> SpecDec
 def llama_client(verifier: InProcessVerifier, tiny_models: dict[str, Path],
                  peaky_gguf: Path) -> SpecDecClient:
     """The client's defaults with the drafter on llama.cpp (the peaky drafter as a GGUF)."""
-    return SpecDecClient(verifier, str(peaky_gguf), tokenizer=str(tiny_models["peaky-target"]),
-                         options=DrafterOptions(engine="llama-cpp", threads=1))
+    return tree_client(verifier, DrafterOptions(), tiny_models, "llama-cpp", peaky_gguf)
 
 
 # Which engine runs the model drafter (see the trees below for why either shows the same).

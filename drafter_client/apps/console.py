@@ -22,7 +22,7 @@ from drafter_client.apps.output import TextStream, summary
 from drafter_client.draft_length import make_draft_length
 from drafter_client.drafters import LMDrafter
 from drafter_client.hybrid import HybridDrafter
-from drafter_client.settings import DEFAULTS, ClientSettings
+from drafter_client.settings import DEFAULTS, ClientSettings, Sampling, replaced
 from drafter_client.speculative import GenerationResult
 from drafter_client.transport import SpecDecError
 from shared.schema import SamplingParams
@@ -53,22 +53,14 @@ class ChatSettings:
     """What the console's commands change, starting from the client's settings."""
 
     k: str = DEFAULTS.num_draft_tokens
-    temperature: float = DEFAULTS.sampling.temperature
-    top_k: int = DEFAULTS.sampling.top_k
-    top_p: float = DEFAULTS.sampling.top_p
-    max_tokens: int = DEFAULTS.sampling.max_new_tokens
-    seed: int = DEFAULTS.sampling.seed
-    reproducible: bool = DEFAULTS.sampling.reproducible
+    sampling: Sampling = DEFAULTS.sampling
     compare: bool = False
     system: str | None = None
 
     @classmethod
     def of(cls, settings: ClientSettings, compare: bool = False,
            system: str | None = None) -> ChatSettings:
-        s = settings.sampling
-        return cls(k=settings.num_draft_tokens, temperature=s.temperature, top_k=s.top_k,
-                   top_p=s.top_p, max_tokens=s.max_new_tokens, seed=s.seed,
-                   reproducible=s.reproducible, compare=compare, system=system)
+        return cls(settings.num_draft_tokens, settings.sampling, compare, system)
 
 
 @dataclass
@@ -138,13 +130,14 @@ class Console:
     def _sampling(self, attr: str, kind: Callable[[str], Any]) -> Callable[[str], None]:
         def set_value(arg: str) -> None:
             value = kind(arg)
-            values = {"temperature": self.settings.temperature, "top_k": self.settings.top_k,
-                      "top_p": self.settings.top_p, attr: value}
+            s = self.settings.sampling
+            values = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+                      attr: value}
             try:
                 SamplingParams(**values)
             except Exception as exc:  # noqa: BLE001 - pydantic's message names the field
                 raise ValueError(str(exc).splitlines()[-1].strip()) from None
-            setattr(self.settings, attr, value)
+            self.settings.sampling = replaced(s, **{attr: value})
             self.say(f"{attr} = {value}")
         return set_value
 
@@ -152,12 +145,12 @@ class Console:
         value = int(arg)
         if value < 1:
             raise ValueError("must be at least 1")
-        self.settings.max_tokens = value
+        self.settings.sampling = replaced(self.settings.sampling, max_new_tokens=value)
         self.say(f"max tokens = {value}")
 
     def _set_seed(self, arg: str) -> None:
-        self.settings.seed = int(arg)
-        self.say(f"seed = {self.settings.seed}")
+        self.settings.sampling = replaced(self.settings.sampling, seed=int(arg))
+        self.say(f"seed = {self.settings.sampling.seed}")
 
     def _set_min_prob(self, arg: str) -> None:
         value = float(arg)
@@ -198,11 +191,11 @@ class Console:
         self.say("new conversation")
 
     def _show_settings(self, _: str) -> None:
-        s = self.settings
+        k, s = self.settings.k, self.settings.sampling
         drafter = self.client.drafter_name
-        self.say(f"drafter {drafter}, k {s.k}, temperature {s.temperature}, top-k {s.top_k}, "
-                 f"top-p {s.top_p}, max tokens {s.max_tokens}, seed {s.seed}, compare "
-                 f"{'on' if s.compare else 'off'}")
+        self.say(f"drafter {drafter}, k {k}, temperature {s.temperature}, top-k {s.top_k}, "
+                 f"top-p {s.top_p}, max tokens {s.max_new_tokens}, seed {s.seed}, compare "
+                 f"{'on' if self.settings.compare else 'off'}")
 
     # -- a turn ------------------------------------------------------------------------------
     def prompt_ids(self, text: str) -> list[int]:
@@ -217,9 +210,7 @@ class Console:
         s = self.settings
         ids = self.prompt_ids(text)
         stream = TextStream(self.client.decode, self._show)
-        sampling: dict[str, Any] = {"max_new_tokens": s.max_tokens, "temperature": s.temperature,
-                    "top_k": s.top_k, "top_p": s.top_p, "seed": s.seed + self.turn,
-                    "reproducible": s.reproducible}
+        sampling = replaced(s.sampling, seed=s.sampling.seed + self.turn).as_kwargs()
         try:
             result = self.client.generate(ids, num_draft_tokens=s.k, on_block=stream.block,
                                           **sampling)
@@ -256,7 +247,7 @@ class Console:
         speedup = fast["tokens_per_s"] / slow["tokens_per_s"] if slow["tokens_per_s"] else 0.0
         same = alone.token_ids == result.token_ids
         note = ("identical output" if same else "different output"
-                + (" (expected when sampling)" if self.settings.temperature > 0 else
+                + (" (expected when sampling)" if self.settings.sampling.temperature > 0 else
                    " - greedy outputs should match"))
         self.say(f"[target alone: {slow['tokens_per_s']:.1f} tok/s; speculative "
                  f"{speedup:.2f}x; {note}]")

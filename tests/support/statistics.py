@@ -44,15 +44,9 @@ def reference_probs(logits: torch.Tensor, params: dict[str, float]) -> torch.Ten
 
 
 def exact_pair_distribution(model_dir: Path, params: dict[str, float], eos: list[int],
-                            prompt: list[int] = PROMPT) -> dict[tuple[int, int], float]:
+                            prompt: list[int] = PROMPT) -> dict[tuple[int, ...], float]:
     """P(first two tokens); a first token that is EOS ends the sequence: cell (eos, -1)."""
-    model = load_causal_lm(str(model_dir), torch.float32, torch.device("cpu"))
-    with torch.no_grad():
-        first = reference_probs(model(torch.tensor([prompt])).logits[0, -1:], params)[0]  # [V]
-        vocab = first.shape[0]
-        batch = torch.tensor([[*prompt, t] for t in range(vocab)])  # [V, len + 1]
-        second = reference_probs(model(batch).logits[:, -1], params)  # [V, V]
-    return pair_cells(first, second, eos)
+    return exact_token_distribution(model_dir, params, eos, prompt, n=2)
 
 
 def exact_token_distribution(model_dir: Path, params: dict[str, float], eos: list[int],
