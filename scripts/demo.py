@@ -64,12 +64,9 @@ def main() -> None:
         options=dataclasses.replace(DEFAULTS.options, threads=args.threads))
 
     fetch_offline_models(args.target, args.drafter)
-    import torch
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the drafter's load: one line of ours says what it chose
-
-    torch.set_num_threads(args.threads)
     started = time.perf_counter()
     with VerifierProcess(["--model", args.target], threads=args.threads) as verifier:
         client = SpecDecClient(verifier.url, args.drafter, settings=settings)
