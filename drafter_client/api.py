@@ -160,7 +160,7 @@ class SpecDecClient:
                 raise SpecDecError(f"drafter {drafter}: {exc}") from exc
         elif isinstance(drafter, str) and self._llama_drafter(drafter, options, device):
             path, _ = resolve_gguf(drafter)
-            weights = GGUFWeights(path)
+            weights = GGUFWeights(path, options.threads or 0)
             self.drafter_dtype = "gguf (llama.cpp)"
             self._model_drafter = (weights, drafter, False)
             drafter = self._build_model_drafter(options)

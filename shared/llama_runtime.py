@@ -17,7 +17,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import importlib.util
+import json
+import logging
 import os
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +30,8 @@ from typing import Any
 import numpy as np
 
 from shared.models import OFFLINE_MODELS, ModelSpecError, offline_model_dir, specdec_home
+
+log = logging.getLogger(__name__)
 
 ENGINES = ("auto", "transformers", "llama-cpp")
 _BACKEND_LOCK = threading.Lock()
@@ -119,16 +125,160 @@ def _silence(llama_cpp: Any) -> None:
     llama_cpp.llama_log_set(quiet, ctypes.c_void_p(0))
 
 
+def extra_buffer_types() -> list[str]:
+    """The weight layouts llama.cpp's CPU backend offers beside its plain one (``AMX``,
+    ``CPU_REPACK``, ...): the weights it repacks into them at load run its faster kernels."""
+    import llama_cpp
+
+    folder = Path(llama_cpp.__file__).parent / "lib"
+    base = ctypes.CDLL(str(folder / "libggml-base.so"))
+    cpu = ctypes.CDLL(str(folder / "libggml-cpu.so"))
+    cpu.ggml_backend_cpu_reg.restype = ctypes.c_void_p
+    base.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    base.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    base.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
+    base.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    base.ggml_backend_buft_name.restype = ctypes.c_char_p
+    base.ggml_backend_buft_name.argtypes = [ctypes.c_void_p]
+    reg = cpu.ggml_backend_cpu_reg()
+    address = base.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not address:
+        return []
+    listing = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(address)
+    found = listing(base.ggml_backend_reg_dev_get(reg, 0))
+    names: list[str] = []
+    while found and found[len(names)]:
+        names.append(base.ggml_backend_buft_name(found[len(names)]).decode())
+    return names
+
+
+# Loads a GGUF with llama.cpp's defaults, prints whether weights went into the AMX layout, then
+# decodes one 4-token batch (a multi-token decode is what runs the AMX tile kernels) and prints
+# its return code.
+_AMX_PROBE = """
+import ctypes, sys
+import llama_cpp as L
+L.llama_backend_init()
+used = []
+@L.llama_log_callback
+def hear(level, text, user):
+    used.append(b"AMX model buffer" in text)
+L.llama_log_set(hear, ctypes.c_void_p(0))
+params = L.llama_model_default_params()
+params.n_gpu_layers = 0
+model = L.llama_model_load_from_file(sys.argv[1].encode(), params)
+cp = L.llama_context_default_params()
+cp.n_ctx = 64
+cp.n_threads = cp.n_threads_batch = int(sys.argv[2])
+ctx = L.llama_init_from_model(model, cp) if model else None
+if ctx:
+    print("amx" if any(used) else "no-amx", flush=True)
+    tokens = (ctypes.c_int32 * 4)(1, 2, 3, 4)
+    print(L.llama_decode(ctx, L.llama_batch_get_one(tokens, 4)), flush=True)
+"""
+
+
+def probe_amx(path: str, threads: int) -> str:
+    """Run :data:`_AMX_PROBE` in a child: ``amx-ran``, ``amx-failed`` (a crash, an error code
+    or a hang), ``no-amx`` (no weight of ``path`` in the AMX layout) or ``not-loaded``."""
+    try:
+        done = subprocess.run([sys.executable, "-c", _AMX_PROBE, path, str(threads)],
+                              capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return "amx-failed"
+    said = done.stdout.split()
+    if not said:
+        return "not-loaded"
+    if said[0] != "amx":
+        return "no-amx"
+    return "amx-ran" if done.returncode == 0 and said[1:] == ["0"] else "amx-failed"
+
+
+def amx_cache_path() -> Path:
+    """``$SPECDEC_LLAMA_AMX_CACHE``, else ``$SPECDEC_HOME/llama-cpp-amx.json``."""
+    return Path(os.environ.get("SPECDEC_LLAMA_AMX_CACHE")
+                or specdec_home() / "llama-cpp-amx.json")
+
+
+def _amx_machine_key() -> str:
+    import llama_cpp
+
+    from shared.dtype_choice import cpu_name
+
+    return f"{cpu_name()}|llama-cpp-python={llama_cpp.__version__}"
+
+
+def _file_key(path: str) -> str:
+    stat = Path(path).stat()
+    return f"{Path(path).resolve()}|{stat.st_size}|{int(stat.st_mtime)}"
+
+
+def _read_amx_cache() -> dict[str, Any]:
+    try:
+        data = json.loads(amx_cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_amx_cache(data: dict[str, Any]) -> None:
+    path = amx_cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only home: probe again next time
+        log.warning("cannot record llama.cpp's AMX probe in %s: %s", path, exc)
+
+
+def amx_works(path: str, threads: int) -> bool | None:
+    """Whether llama.cpp's AMX kernels run on this machine: True / False as measured here once
+    (per machine and llama-cpp-python version, kept in :func:`amx_cache_path`), None when
+    ``path`` puts no weight in the AMX layout (remembered per file: nothing of it runs them).
+    They crash some machines that report AMX (a virtual machine here: a segmentation fault in
+    the first multi-token decode, as in llama.cpp issue 20824), so they are tried in a child
+    process, never in this one. ``SPECDEC_LLAMA_AMX=0`` / ``1`` decides without trying."""
+    setting = os.environ.get("SPECDEC_LLAMA_AMX", "auto")
+    if setting in ("0", "1"):
+        return setting == "1"
+    machine, file = _amx_machine_key(), _file_key(path)
+    data = _read_amx_cache()
+    known = data.get(machine)
+    if isinstance(known, bool):
+        return known
+    if file in data.get("no-amx", {}):
+        return None
+    outcome = probe_amx(path, threads)
+    data = _read_amx_cache()  # another process may have written meanwhile
+    if outcome == "no-amx":
+        data.setdefault("no-amx", {})[file] = True
+    elif outcome in ("amx-ran", "amx-failed"):
+        data[machine] = outcome == "amx-ran"
+    else:
+        return None
+    _write_amx_cache(data)
+    if outcome == "amx-failed":
+        log.warning("llama.cpp's AMX kernels fail on this machine (tried once in a child "
+                    "process): GGUF weights stay in llama.cpp's plain layout here "
+                    "(SPECDEC_LLAMA_AMX=1 forces them)")
+    return {"amx-ran": True, "amx-failed": False}.get(outcome)
+
+
 class GGUFWeights:
     """A GGUF model's weights loaded by llama.cpp (memory-mapped), shared by its contexts."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, threads: int = 0) -> None:
         if not Path(path).is_file():
             raise ModelSpecError(f"GGUF file {path!r} does not exist")
         self.path = path
         lib = self.lib = _library()
         model_params = lib.llama_model_default_params()
         model_params.n_gpu_layers = 0
+        # Repacked layouts (llama.cpp's default) only where they run: AMX's are tried first.
+        self.extra_layouts = ("AMX" not in extra_buffer_types()
+                              or amx_works(path, threads or default_threads()) is not False)
+        model_params.use_extra_bufts = self.extra_layouts
         self.model = lib.llama_model_load_from_file(path.encode(), model_params)
         if not self.model:
             raise ModelSpecError(f"llama.cpp cannot load {path!r}")
@@ -170,7 +320,8 @@ class LlamaModel:
 
     def __init__(self, weights: str | GGUFWeights, n_seqs: int = 1, seq_tokens: int = 4096,
                  threads: int = 0, batch_tokens: int = 2048, cells: int = 0) -> None:
-        self.weights = weights if isinstance(weights, GGUFWeights) else GGUFWeights(weights)
+        self.weights = (weights if isinstance(weights, GGUFWeights)
+                        else GGUFWeights(weights, threads))
         lib = self.lib = self.weights.lib
         self.model = self.weights.model
         self.vocab_size, self.model_limit = self.weights.vocab_size, self.weights.model_limit

@@ -21,15 +21,20 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session", autouse=True)
 def dtype_choices(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """``--dtype auto`` records its measured choices for the tests' tiny models in the session's
-    temporary folder, not in the user's $SPECDEC_HOME (subprocesses inherit it)."""
-    previous = os.environ.get("SPECDEC_DTYPE_CACHE")
-    os.environ["SPECDEC_DTYPE_CACHE"] = str(tmp_path_factory.mktemp("dtype") / "choices.json")
+    """``--dtype auto`` records its measured choices for the tests' tiny models, and llama.cpp's
+    AMX probe its findings, in the session's temporary folder, not in the user's $SPECDEC_HOME
+    (subprocesses inherit it)."""
+    folder = tmp_path_factory.mktemp("dtype")
+    names = {"SPECDEC_DTYPE_CACHE": folder / "choices.json",
+             "SPECDEC_LLAMA_AMX_CACHE": folder / "llama-cpp-amx.json"}
+    previous = {name: os.environ.get(name) for name in names}
+    os.environ.update({name: str(path) for name, path in names.items()})
     yield
-    if previous is None:
-        os.environ.pop("SPECDEC_DTYPE_CACHE", None)
-    else:
-        os.environ["SPECDEC_DTYPE_CACHE"] = previous
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

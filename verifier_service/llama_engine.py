@@ -134,7 +134,7 @@ def load_llama_engine(spec: str, max_context: int = 0, kv_budget_tokens: int = 3
     as many as ``kv_budget_tokens`` holds, in one cache."""
     started = time.perf_counter()
     path, tokenizer_spec = resolve_gguf(spec)
-    weights = GGUFWeights(path)
+    weights = GGUFWeights(path, threads)
     limit = weights.model_limit
     context = min(max_context or limit, limit, kv_budget_tokens)
     num_slots = max(1, min(kv_budget_tokens // context, MAX_SLOTS))
