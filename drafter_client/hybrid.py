@@ -15,8 +15,11 @@ text but costs a drafter forward per token. Every block the lookup proposes (fre
 * otherwise the model drafts. With a model tree (``tree_width`` > 1, greedy) a lookup match
   also rides along as one more branch of the tree.
 
-Proposals that were not sent are scored too (against what was committed), so an untrusted
-lookup earns trust back without costing a verify slot.
+The lookup's trust is kept per match length (``TRUST_LENGTHS``): a 12-token match of the tail
+is copied right far more often than a 1-token one, so a long match can go alone, and long,
+where short ones in the same text would not. Proposals that were not sent are scored too
+(against what was committed), so an untrusted lookup earns trust back without costing a verify
+slot.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ from drafter_client.model_free import PromptLookupDrafter
 from shared.sampling import SamplingConfig
 
 SCORE_TOKENS = 2  # the shortest lookup proposal scored in a block (free: no forward)
+LOOK_TOKENS = 32  # the longest lookup proposal looked at (what is sent is cut from it)
+TRUST_LENGTHS = (1, 2, 3, 4, 8)  # match lengths with a trust of their own: 1, 2, 3, 4-7, 8+
+
+
+def trust_class(matched: int) -> int:
+    """The :data:`TRUST_LENGTHS` entry a match of ``matched`` tokens is trusted by."""
+    return max((length for length in TRUST_LENGTHS if length <= matched), default=1)
 
 
 class HybridDrafter(Drafter):
@@ -49,7 +59,9 @@ class HybridDrafter(Drafter):
         self.reset_scores()
 
     def reset_scores(self) -> None:
-        self.lookup_score = 0.5  # running share of each proposal the target output
+        # running share of each proposal the target output: the lookup's per match length
+        self.lookup_scores = dict.fromkeys(TRUST_LENGTHS, 0.5)
+        self._class = TRUST_LENGTHS[0]  # the trust class of this block's lookup match
         self.model_score = 0.5
         self._looked: list[int] = []  # this block's lookup proposal (sent or not)
         self._modelled: list[int] = []  # this block's model chain, when the model drafted
@@ -61,6 +73,15 @@ class HybridDrafter(Drafter):
         self.model.reset(prompt_ids, encoder_ids)
         self.lookup.reset(prompt_ids, encoder_ids)
         self.reset_scores()
+
+    @property
+    def lookup_score(self) -> float:
+        """The trust of this block's lookup match (by its length)."""
+        return self.lookup_scores[self._class]
+
+    @lookup_score.setter
+    def lookup_score(self, value: float) -> None:
+        self.lookup_scores[self._class] = value
 
     def trusted(self) -> bool:
         """A lookup match goes alone: the advisor (``-k auto``'s cost model) expects it to
@@ -76,12 +97,15 @@ class HybridDrafter(Drafter):
                 and self.lookup_score >= self.model_score - self.margin)
 
     def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
+        # Looked up every block, even when nothing would be sent (k = 0, no free length), so
+        # its score keeps following what the target outputs and lost trust can come back.
+        looked = self.lookup.propose(max(LOOK_TOKENS, k, self.lookup_tokens), config,
+                                     generator).ids
+        self._class = trust_class(self.lookup.matched)
         free = (self.advisor.free_k(self.lookup_score)
                 if self.advisor is not None and not self.lookup_tokens else None)
         send = max(k, self.lookup_tokens) if free is None else free  # a trusted match's length
-        # Looked up every block, even when nothing would be sent (k = 0, no free length), so
-        # its score keeps following what the target outputs and lost trust can come back.
-        looked = self.lookup.propose(max(send, k, SCORE_TOKENS), config, generator).ids
+        looked = looked[:max(send, k, SCORE_TOKENS)]
         self._looked, self._modelled = looked, []
         self.sent_lookup = send > 0 and self.trusted()
         if self.sent_lookup:

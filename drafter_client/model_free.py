@@ -148,8 +148,13 @@ class NGramDrafter(_SequenceDrafter):
 
 
 class PromptLookupDrafter(_SequenceDrafter):
-    """Match the last m tokens (m = max_ngram .. min_ngram) against the earlier context and
-    propose what followed the most recent match."""
+    """Find the longest match (``min_ngram`` .. ``max_ngram`` tokens) of the sequence's tail in
+    its earlier tokens, the most recent of the longest, and propose what followed it; else the
+    same in the source of an encoder-decoder target (summaries and edits copy from it).
+    :attr:`matched` is the last proposal's match length (0: none), a measure of how much to
+    trust it (the hybrid keeps its trust per match length)."""
+
+    CANDIDATES = 256  # most recent earlier places of the last token tried per proposal
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 3) -> None:
         super().__init__()
@@ -158,23 +163,58 @@ class PromptLookupDrafter(_SequenceDrafter):
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self.name = f"prompt-lookup-{min_ngram}-{max_ngram}"
         self.stop_if_unknown = True  # nothing to pad with that is better than stopping
+        self.matched = 0
+        self._places: dict[int, list[int]] = {}  # token -> its indices in the sequence
+        self._source_places: dict[int, list[int]] = {}
 
     def _on_reset(self) -> None:
-        pass
+        self._places, self._source_places = {}, {}
+        for index, token in enumerate(self.source):
+            self._source_places.setdefault(token, []).append(index)
+
+    def _learn(self, index: int) -> None:
+        self._places.setdefault(self.tokens[index], []).append(index)
+
+    def _longest(self, haystack: list[int], places: list[int], before: int) -> tuple[int, int]:
+        """(match length, index after the match) of the longest match of the sequence's tail
+        ending at one of ``places`` below ``before``, most recent first."""
+        tokens, best, after = self.tokens, 0, -1
+        tried = 0
+        for end in reversed(places):
+            if end >= before:
+                continue
+            length = 1
+            while (length < self.max_ngram and end - length >= 0
+                   and length < len(tokens)
+                   and haystack[end - length] == tokens[-1 - length]):
+                length += 1
+            if length > best:
+                best, after = length, end + 1
+                if best == self.max_ngram:
+                    break
+            tried += 1
+            if tried >= self.CANDIDATES:
+                break
+        return best, after
 
     def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
-        """The longest tail match in the sequence (most recent first), else in the source of an
-        encoder-decoder target (summaries and edits copy from it)."""
+        self.matched = 0
         tokens = self.tokens
-        for m in range(min(self.max_ngram, len(tokens)), self.min_ngram - 1, -1):
-            tail = tokens[-m:]
-            for start in range(len(tokens) - m - 1, -1, -1):  # most recent match first
-                if tokens[start:start + m] == tail:
-                    return Draft(tokens[start + m:start + m + k], None, None)
-            for start in range(len(self.source) - m):
-                if self.source[start:start + m] == tail:
-                    return Draft(self.source[start + m:start + m + k], None, None)
-        return Draft([], None, None)
+        if not tokens:
+            return Draft([], None, None)
+        last = tokens[-1]
+        # an earlier place: the continuation has at least one token
+        length, after = self._longest(tokens, self._places.get(last, []), len(tokens) - 1)
+        haystack = tokens
+        if self.source and length < self.max_ngram:
+            in_source = self._longest(self.source, self._source_places.get(last, []),
+                                      len(self.source) - 1)
+            if in_source[0] > length:
+                (length, after), haystack = in_source, self.source
+        if length < self.min_ngram:
+            return Draft([], None, None)
+        self.matched = length
+        return Draft(haystack[after:after + k], None, None)
 
 
 class BigramDrafter(_SequenceDrafter):

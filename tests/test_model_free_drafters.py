@@ -14,7 +14,7 @@ from drafter_client.draft_length import (
     make_draft_length,
 )
 from drafter_client.drafters import Drafter
-from drafter_client.hybrid import HybridDrafter
+from drafter_client.hybrid import HybridDrafter, trust_class
 from drafter_client.model_free import (
     BigramDrafter,
     NGramDrafter,
@@ -87,6 +87,54 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
     assert propose(drafter, 2) == [6, 8]
     drafter.reset([1, 2, 3])
     assert propose(drafter, 2) == []  # no earlier match
+
+
+def test_prompt_lookup_prefers_the_longest_match_over_a_more_recent_one() -> None:
+    sequence = [1, 2, 3, 10, 11, 8, 3, 20, 1, 2, 3]  # "1 2 3" at 0, a lone "3" at 6
+    longest = PromptLookupDrafter(min_ngram=1, max_ngram=12)
+    longest.reset(sequence)
+    assert propose(longest, 2) == [10, 11] and longest.matched == 3
+    shortest = PromptLookupDrafter(min_ngram=1, max_ngram=1)
+    shortest.reset(sequence)
+    assert propose(shortest, 2) == [20, 1] and shortest.matched == 1
+    strict = PromptLookupDrafter(min_ngram=4, max_ngram=12)
+    strict.reset(sequence)
+    assert propose(strict, 2) == [] and strict.matched == 0
+    longest.commit([10])  # the tail moves on: "1 2 3 10" matched, 4 tokens
+    assert propose(longest, 3) == [11, 8, 3] and longest.matched == 4
+
+
+def test_prompt_lookup_copies_from_a_longer_match_in_the_source() -> None:
+    drafter = PromptLookupDrafter(min_ngram=1, max_ngram=8)
+    drafter.reset([7, 5, 6, 1, 2], encoder_ids=[9, 1, 2, 3, 4])  # "1 2" only in the source
+    drafter.commit([])
+    assert propose(drafter, 2) == [3, 4] and drafter.matched == 2
+
+
+def test_the_hybrid_trusts_each_match_length_by_its_own_record() -> None:
+    class Model(Drafter):
+        name = "m"
+
+        def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
+            pass
+
+        def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Any:
+            from drafter_client.drafters import Draft
+            return Draft([0] * k, None, None)
+
+        def commit(self, tokens: list[int]) -> None:
+            pass
+
+    assert [trust_class(m) for m in (0, 1, 2, 3, 4, 7, 8, 30)] == [1, 1, 2, 3, 4, 4, 8, 8]
+    hybrid = HybridDrafter(Model(), PromptLookupDrafter(1, 12))  # type: ignore[arg-type]
+    copied = list(range(10, 22))
+    hybrid.reset([*copied, 5, *copied[:9]])  # the tail matches 9 tokens back
+    draft = hybrid.propose(2, SamplingConfig(), torch.Generator())
+    assert hybrid.lookup.matched == 9 and hybrid.lookup_score == 0.5
+    hybrid.commit(copied[9:11])  # the target went on as the match did
+    assert hybrid.lookup_scores[8] > 0.5
+    assert all(hybrid.lookup_scores[length] == 0.5 for length in (1, 2, 3, 4))
+    assert draft.ids
 
 
 def test_bigram_chains_the_most_frequent_successor() -> None:
@@ -233,7 +281,7 @@ def test_the_hybrid_drafts_free_lookup_matches_at_the_cost_models_length() -> No
 
     hybrid = HybridDrafter(Model(), PromptLookupDrafter(1, 3))  # type: ignore[arg-type]
     hybrid.reset([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 5, 6])  # "5 6" seen before: 7 8 9 ... next
-    hybrid.lookup_score = 0.9
+    hybrid.lookup_scores = dict.fromkeys(hybrid.lookup_scores, 0.9)  # every match trusted
 
     class Advisor:
         def free_k(self, trust: float) -> int:
