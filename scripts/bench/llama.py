@@ -185,6 +185,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     records: list[dict[str, Any]] = []
     servers: dict[str, LlamaServer] = {}
+    layouts = extra_buffer_types()  # llama.cpp's repacked weight layouts, and AMX's fate here
+    engine: dict[str, Any] = {"extra_layouts": layouts, "amx_works": (
+        amx_works(str(target), args.threads) if "AMX" in layouts else None)}
     verifier = VerifierProcess(["--model", str(target), "--engine", "llama-cpp",
                                 "--kv-budget-tokens", str(args.kv_budget_tokens),
                                 "--max-context", "4096"], threads=args.threads)
@@ -206,6 +209,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, (kind, options, k) in SPECDEC.items():
             if kind is None:
                 clients[name] = (SpecDecClient(verifier.url, None, tokenizer=tokenizer), k, True)
+                engine["verify_ms"] = clients[name][0].info.verify_ms  # timed at its start
             else:
                 spec = str(drafter) if kind == "model" else kind
                 opts = DrafterOptions(**{**(options or DrafterOptions()).__dict__,
@@ -232,7 +236,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hf_verifier.stop()
     two_host = two_host_runs(args, binary, target, drafter, tokenizer, prompts, ids_of) \
         if args.two_host else []
-    return report(records, args, two_host)
+    return report(records, args, two_host, engine)
 
 
 def two_host_runs(args: argparse.Namespace, binary: Path, target: Path, drafter: Path,
@@ -282,7 +286,8 @@ def two_host_runs(args: argparse.Namespace, binary: Path, target: Path, drafter:
 
 
 def report(records: list[dict[str, Any]], args: argparse.Namespace,
-           two_host: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+           two_host: list[dict[str, Any]] | None = None,
+           engine: dict[str, Any] | None = None) -> dict[str, Any]:
     for r in records:
         r["tok_s"] = len(r["tokens"]) / r["wall_s"] if r["wall_s"] else 0.0
     alone = "llama-server: target alone"
@@ -330,7 +335,7 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace,
     payload = {"command": " ".join(["python -m scripts.bench llama", *sys.argv[2:]]),
                "machine": {"cpus": os.cpu_count(), "threads": args.threads,
                            "target": args.target, "drafter": args.drafter,
-                           "max_new_tokens": args.max_new_tokens},
+                           "max_new_tokens": args.max_new_tokens, "llama_cpp": engine or {}},
                "rows": rows, "runs": records, "table": table,
                "two_host_rows": two_host_rows, "two_host_runs": two_host or [],
                "two_host_table": two_host_table}
