@@ -17,7 +17,9 @@ text but costs a drafter forward per token. Every block the lookup proposes (fre
 
 The lookup's trust is kept per match length (``TRUST_LENGTHS``): a 12-token match of the tail
 is copied right far more often than a 1-token one, so a long match can go alone, and long,
-where short ones in the same text would not. Proposals that were not sent are scored too
+where short ones in the same text would not. Each length's record estimates the chance that
+each token of its proposals passes (tokens passed and failures seen, decayed per block), and a
+length is trusted at least as much as any shorter one. Proposals that were not sent are scored too
 (against what was committed), so an untrusted lookup earns trust back without costing a verify
 slot.
 """
@@ -59,10 +61,12 @@ class HybridDrafter(Drafter):
         self.reset_scores()
 
     def reset_scores(self) -> None:
-        # running share of each proposal the target output: the lookup's per match length
-        self.lookup_scores = dict.fromkeys(TRUST_LENGTHS, 0.5)
+        # The lookup's record per match length: [tokens that passed, tokens that failed], both
+        # decayed per block, from one of each: its rate estimates the chance that each token
+        # of a proposal passes (a run of passes ending at the first failure).
+        self.lookup_counts = {length: [1.0, 1.0] for length in TRUST_LENGTHS}
         self._class = TRUST_LENGTHS[0]  # the trust class of this block's lookup match
-        self.model_score = 0.5
+        self.model_score = 0.5  # running share of each model chain the target output
         self._looked: list[int] = []  # this block's lookup proposal (sent or not)
         self._modelled: list[int] = []  # this block's model chain, when the model drafted
 
@@ -75,13 +79,16 @@ class HybridDrafter(Drafter):
         self.reset_scores()
 
     @property
-    def lookup_score(self) -> float:
-        """The trust of this block's lookup match (by its length)."""
-        return self.lookup_scores[self._class]
+    def lookup_scores(self) -> dict[int, float]:
+        """Per match length: the estimated chance that each token of its proposal passes."""
+        return {length: passed / (passed + failed)
+                for length, (passed, failed) in self.lookup_counts.items()}
 
-    @lookup_score.setter
-    def lookup_score(self, value: float) -> None:
-        self.lookup_scores[self._class] = value
+    @property
+    def lookup_score(self) -> float:
+        """The trust of this block's lookup match: its length's rate, or a shorter length's
+        where that is higher (a longer match of the tail is copied right at least as often)."""
+        return max(rate for length, rate in self.lookup_scores.items() if length <= self._class)
 
     def trusted(self) -> bool:
         """A lookup match goes alone: the advisor (``-k auto``'s cost model) expects it to
@@ -133,9 +140,17 @@ class HybridDrafter(Drafter):
         kept = common_prefix(proposal, tokens) / len(proposal)
         return self.decay * score + (1 - self.decay) * kept
 
+    def _count(self, proposal: list[int], tokens: list[int]) -> None:
+        """Score this block's lookup proposal in its length's record: the tokens that passed,
+        and a failure where one was seen (not where the commit ended first: censored)."""
+        kept = common_prefix(proposal, tokens)
+        record = self.lookup_counts[self._class]
+        record[0] = self.decay * record[0] + kept
+        record[1] = self.decay * record[1] + (kept < min(len(proposal), len(tokens)))
+
     def commit(self, tokens: list[int]) -> None:
         if self._looked:
-            self.lookup_score = self._score(self.lookup_score, self._looked, tokens)
+            self._count(self._looked, tokens)
         if self._modelled:
             self.model_score = self._score(self.model_score, self._modelled, tokens)
         self._looked, self._modelled = [], []

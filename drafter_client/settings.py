@@ -38,7 +38,7 @@ class DrafterOptions:
     ngram_top_k_filler: int = 0
     ngram_stop_if_unknown: bool = False
     lookup_min_ngram: int = 1
-    lookup_max_ngram: int = 3
+    lookup_max_ngram: int = 12  # the longest match wins; a long one is trusted by its own record
     draft_min_prob: float = 0.0  # model drafter: stop a block below this top probability
     tree_width: int = 1  # model drafter: > 1 drafts a token tree (runner-ups as leaves)
     lookup: bool = True  # model drafter: hybrid with prompt lookup (drafter_client/hybrid.py)

@@ -131,10 +131,19 @@ def test_the_hybrid_trusts_each_match_length_by_its_own_record() -> None:
     hybrid.reset([*copied, 5, *copied[:9]])  # the tail matches 9 tokens back
     draft = hybrid.propose(2, SamplingConfig(), torch.Generator())
     assert hybrid.lookup.matched == 9 and hybrid.lookup_score == 0.5
-    hybrid.commit(copied[9:11])  # the target went on as the match did
-    assert hybrid.lookup_scores[8] > 0.5
+    hybrid.commit(copied[9:11])  # the target went on as the match did: 2 passed, no failure
+    assert hybrid.lookup_counts[8] == [0.7 + 2, 0.7]
     assert all(hybrid.lookup_scores[length] == 0.5 for length in (1, 2, 3, 4))
     assert draft.ids
+    hybrid.propose(2, SamplingConfig(), torch.Generator())
+    hybrid.commit([copied[11], 99])  # the first passed, the second failed
+    assert hybrid.lookup_counts[8] == pytest.approx([0.7 * 2.7 + 1, 0.7 * 0.7 + 1])
+    hybrid.reset([1, 2, 3, 1, 2])  # a 2-token match: trusted as the 8+ record was
+    hybrid.lookup_counts[8] = [9.0, 1.0]
+    hybrid.propose(2, SamplingConfig(), torch.Generator())
+    assert hybrid.lookup.matched == 2 and hybrid.lookup_score == 0.5
+    hybrid.lookup_counts[1] = [9.0, 1.0]
+    assert hybrid.lookup_score == pytest.approx(0.9)  # a shorter length's higher rate counts
 
 
 def test_bigram_chains_the_most_frequent_successor() -> None:
@@ -281,7 +290,7 @@ def test_the_hybrid_drafts_free_lookup_matches_at_the_cost_models_length() -> No
 
     hybrid = HybridDrafter(Model(), PromptLookupDrafter(1, 3))  # type: ignore[arg-type]
     hybrid.reset([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 5, 6])  # "5 6" seen before: 7 8 9 ... next
-    hybrid.lookup_scores = dict.fromkeys(hybrid.lookup_scores, 0.9)  # every match trusted
+    hybrid.lookup_counts = {length: [9.0, 1.0] for length in hybrid.lookup_counts}  # 0.9
 
     class Advisor:
         def free_k(self, trust: float) -> int:
