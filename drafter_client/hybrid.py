@@ -61,10 +61,12 @@ class HybridDrafter(Drafter):
         self.reset_scores()
 
     def reset_scores(self) -> None:
-        # The lookup's record per match length: [tokens that passed, tokens that failed], both
-        # decayed per block, from one of each: its rate estimates the chance that each token
-        # of a proposal passes (a run of passes ending at the first failure).
-        self.lookup_counts = {length: [1.0, 1.0] for length in TRUST_LENGTHS}
+        # The lookup's records: [tokens that passed, failures seen], decayed per block, from
+        # one of each; a rate estimates the chance that each token of a proposal passes (a run
+        # of passes ending at the first failure). One over every proposal, and one per match
+        # length once that length has been scored.
+        self.lookup_pooled = [1.0, 1.0]
+        self.lookup_counts: dict[int, list[float]] = {}
         self._class = TRUST_LENGTHS[0]  # the trust class of this block's lookup match
         self.model_score = 0.5  # running share of each model chain the target output
         self._looked: list[int] = []  # this block's lookup proposal (sent or not)
@@ -80,15 +82,19 @@ class HybridDrafter(Drafter):
 
     @property
     def lookup_scores(self) -> dict[int, float]:
-        """Per match length: the estimated chance that each token of its proposal passes."""
+        """Per match length scored so far: the estimated chance that each token of its
+        proposal passes."""
         return {length: passed / (passed + failed)
                 for length, (passed, failed) in self.lookup_counts.items()}
 
     @property
     def lookup_score(self) -> float:
-        """The trust of this block's lookup match: its length's rate, or a shorter length's
-        where that is higher (a longer match of the tail is copied right at least as often)."""
-        return max(rate for length, rate in self.lookup_scores.items() if length <= self._class)
+        """The trust of this block's lookup match: its length's rate (before that length is
+        scored, the rate over every proposal), or a scored shorter length's where that is
+        higher (a longer match of the tail is copied right at least as often)."""
+        passed, failed = self.lookup_counts.get(self._class, self.lookup_pooled)
+        shorter = [rate for length, rate in self.lookup_scores.items() if length < self._class]
+        return max([passed / (passed + failed), *shorter])
 
     def trusted(self) -> bool:
         """A lookup match goes alone: the advisor (``-k auto``'s cost model) expects it to
@@ -144,9 +150,10 @@ class HybridDrafter(Drafter):
         """Score this block's lookup proposal in its length's record: the tokens that passed,
         and a failure where one was seen (not where the commit ended first: censored)."""
         kept = common_prefix(proposal, tokens)
-        record = self.lookup_counts[self._class]
-        record[0] = self.decay * record[0] + kept
-        record[1] = self.decay * record[1] + (kept < min(len(proposal), len(tokens)))
+        failed = kept < min(len(proposal), len(tokens))
+        for record in (self.lookup_pooled, self.lookup_counts.setdefault(self._class, [1.0, 1.0])):
+            record[0] = self.decay * record[0] + kept
+            record[1] = self.decay * record[1] + failed
 
     def commit(self, tokens: list[int]) -> None:
         if self._looked:

@@ -132,18 +132,20 @@ def test_the_hybrid_trusts_each_match_length_by_its_own_record() -> None:
     draft = hybrid.propose(2, SamplingConfig(), torch.Generator())
     assert hybrid.lookup.matched == 9 and hybrid.lookup_score == 0.5
     hybrid.commit(copied[9:11])  # the target went on as the match did: 2 passed, no failure
-    assert hybrid.lookup_counts[8] == [0.7 + 2, 0.7]
-    assert all(hybrid.lookup_scores[length] == 0.5 for length in (1, 2, 3, 4))
+    assert hybrid.lookup_counts == {8: [0.7 + 2, 0.7]} and hybrid.lookup_pooled == [2.7, 0.7]
     assert draft.ids
     hybrid.propose(2, SamplingConfig(), torch.Generator())
     hybrid.commit([copied[11], 99])  # the first passed, the second failed
     assert hybrid.lookup_counts[8] == pytest.approx([0.7 * 2.7 + 1, 0.7 * 0.7 + 1])
-    hybrid.reset([1, 2, 3, 1, 2])  # a 2-token match: trusted as the 8+ record was
-    hybrid.lookup_counts[8] = [9.0, 1.0]
+    hybrid.reset([1, 2, 3, 1, 2])  # a 2-token match, its length not scored yet
     hybrid.propose(2, SamplingConfig(), torch.Generator())
-    assert hybrid.lookup.matched == 2 and hybrid.lookup_score == 0.5
+    assert hybrid.lookup.matched == 2 and hybrid.lookup_score == 0.5  # the pooled prior
+    hybrid.lookup_pooled = [1.0, 9.0]  # every proposal failing: an unscored length too
+    assert hybrid.lookup_score == pytest.approx(0.1)
     hybrid.lookup_counts[1] = [9.0, 1.0]
     assert hybrid.lookup_score == pytest.approx(0.9)  # a shorter length's higher rate counts
+    hybrid.lookup_counts[2] = [1.0, 9.0]
+    assert hybrid.lookup_score == pytest.approx(0.9)
 
 
 def test_bigram_chains_the_most_frequent_successor() -> None:
@@ -290,7 +292,7 @@ def test_the_hybrid_drafts_free_lookup_matches_at_the_cost_models_length() -> No
 
     hybrid = HybridDrafter(Model(), PromptLookupDrafter(1, 3))  # type: ignore[arg-type]
     hybrid.reset([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 5, 6])  # "5 6" seen before: 7 8 9 ... next
-    hybrid.lookup_counts = {length: [9.0, 1.0] for length in hybrid.lookup_counts}  # 0.9
+    hybrid.lookup_pooled = [9.0, 1.0]  # every match trusted: 0.9
 
     class Advisor:
         def free_k(self, trust: float) -> int:
