@@ -15,10 +15,8 @@ wins after narrowing, it is loaded again from disk rather than widened back.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import platform
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Any
 
 import torch
 
+from shared.machine_cache import cpu_name, read_json, write_json
 from shared.models import load_lm, pick_dtype, resolve_model_spec, specdec_home
 from shared.timing import plain_step_ms
 
@@ -55,16 +54,6 @@ def cache_path() -> Path:
     return Path(os.environ.get("SPECDEC_DTYPE_CACHE") or specdec_home() / "dtype-choices.json")
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cache_key(spec: str) -> str:
     path, gguf_file = resolve_model_spec(spec)
     folder = Path(path).resolve()
@@ -75,24 +64,13 @@ def cache_key(spec: str) -> str:
 
 
 def _read_cache() -> dict[str, str]:
-    try:
-        data = json.loads(cache_path().read_text())
-        return {str(k): str(v) for k, v in data.items()} if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
+    return {str(k): str(v) for k, v in read_json(cache_path()).items()}
 
 
 def _write_cache(key: str, dtype: torch.dtype) -> None:
     data = _read_cache()
     data[key] = str(dtype).removeprefix("torch.")
-    path = cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)
-    except OSError as exc:  # a read-only home: measure again next time
-        log.warning("cannot record the dtype choice in %s: %s", path, exc)
+    write_json(cache_path(), data, "the dtype choice")
 
 
 def block_ms(model: Any, repeats: int = 3) -> dict[int, float]:

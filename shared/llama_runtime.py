@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib.util
-import json
 import logging
 import os
 import subprocess
@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from shared.machine_cache import cpu_name, read_json, write_json
 from shared.models import OFFLINE_MODELS, ModelSpecError, offline_model_dir, specdec_home
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,8 @@ def _silence(llama_cpp: Any) -> None:
     llama_cpp.llama_log_set(quiet, ctypes.c_void_p(0))
 
 
-def extra_buffer_types() -> list[str]:
+@functools.cache
+def extra_buffer_types() -> tuple[str, ...]:
     """The weight layouts llama.cpp's CPU backend offers beside its plain one (``AMX``,
     ``CPU_REPACK``, ...): the weights it repacks into them at load run its faster kernels."""
     import llama_cpp
@@ -143,13 +145,13 @@ def extra_buffer_types() -> list[str]:
     reg = cpu.ggml_backend_cpu_reg()
     address = base.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
     if not address:
-        return []
+        return ()
     listing = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(address)
     found = listing(base.ggml_backend_reg_dev_get(reg, 0))
     names: list[str] = []
     while found and found[len(names)]:
         names.append(base.ggml_backend_buft_name(found[len(names)]).decode())
-    return names
+    return tuple(names)
 
 
 # Loads a GGUF with llama.cpp's defaults, prints whether weights went into the AMX layout, then
@@ -203,33 +205,12 @@ def amx_cache_path() -> Path:
 def _amx_machine_key() -> str:
     import llama_cpp
 
-    from shared.dtype_choice import cpu_name
-
     return f"{cpu_name()}|llama-cpp-python={llama_cpp.__version__}"
 
 
 def _file_key(path: str) -> str:
     stat = Path(path).stat()
     return f"{Path(path).resolve()}|{stat.st_size}|{int(stat.st_mtime)}"
-
-
-def _read_amx_cache() -> dict[str, Any]:
-    try:
-        data = json.loads(amx_cache_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _write_amx_cache(data: dict[str, Any]) -> None:
-    path = amx_cache_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        tmp.replace(path)
-    except OSError as exc:  # a read-only home: probe again next time
-        log.warning("cannot record llama.cpp's AMX probe in %s: %s", path, exc)
 
 
 def amx_works(path: str, threads: int) -> bool | None:
@@ -243,21 +224,21 @@ def amx_works(path: str, threads: int) -> bool | None:
     if setting in ("0", "1"):
         return setting == "1"
     machine, file = _amx_machine_key(), _file_key(path)
-    data = _read_amx_cache()
+    data = read_json(amx_cache_path())
     known = data.get(machine)
     if isinstance(known, bool):
         return known
     if file in data.get("no-amx", {}):
         return None
     outcome = probe_amx(path, threads)
-    data = _read_amx_cache()  # another process may have written meanwhile
+    data = read_json(amx_cache_path())  # another process may have written meanwhile
     if outcome == "no-amx":
         data.setdefault("no-amx", {})[file] = True
     elif outcome in ("amx-ran", "amx-failed"):
         data[machine] = outcome == "amx-ran"
     else:
         return None
-    _write_amx_cache(data)
+    write_json(amx_cache_path(), data, "llama.cpp's AMX probe")
     if outcome == "amx-failed":
         log.warning("llama.cpp's AMX kernels fail on this machine (tried once in a child "
                     "process): GGUF weights stay in llama.cpp's plain layout here "
