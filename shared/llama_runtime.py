@@ -246,6 +246,12 @@ def amx_works(path: str, threads: int) -> bool | None:
     return {"amx-ran": True, "amx-failed": False}.get(outcome)
 
 
+def repacked_layouts_run(path: str, threads: int) -> bool:
+    """Whether ``path`` may load into llama.cpp's repacked layouts here (its default): not
+    where they include AMX and its kernels fail on this machine (:func:`amx_works`)."""
+    return "AMX" not in extra_buffer_types() or amx_works(path, threads) is not False
+
+
 class GGUFWeights:
     """A GGUF model's weights loaded by llama.cpp (memory-mapped), shared by its contexts."""
 
@@ -257,8 +263,7 @@ class GGUFWeights:
         model_params = lib.llama_model_default_params()
         model_params.n_gpu_layers = 0
         # Repacked layouts (llama.cpp's default) only where they run: AMX's are tried first.
-        self.extra_layouts = ("AMX" not in extra_buffer_types()
-                              or amx_works(path, threads or default_threads()) is not False)
+        self.extra_layouts = repacked_layouts_run(path, threads or default_threads())
         model_params.use_extra_bufts = self.extra_layouts
         self.model = lib.llama_model_load_from_file(path.encode(), model_params)
         if not self.model:

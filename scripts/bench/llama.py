@@ -32,7 +32,7 @@ from scripts.bench.common import fetch_offline_models, markdown_table, write_jso
 from scripts.bench.suite import workloads
 from scripts.fetch_models import fetch_gguf
 from scripts.harness.process import VerifierProcess, free_port
-from shared.llama_runtime import amx_works, extra_buffer_types
+from shared.llama_runtime import amx_works, extra_buffer_types, repacked_layouts_run
 from shared.models import OFFLINE_MODELS, load_tokenizer, specdec_home
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the [llama] extra's pin: its vendored llama.cpp is the peer
@@ -72,7 +72,7 @@ class LlamaServer:
     def __init__(self, binary: Path, model: Path, threads: int, extra: list[str],
                  pin: str | None = None) -> None:
         self.port = free_port()
-        if "AMX" in extra_buffer_types() and amx_works(str(model), threads) is False:
+        if not repacked_layouts_run(str(model), threads):
             extra = ["--no-repack", *extra]  # plain weights where AMX crashes, as specdec's
         self.cmd = [*(["taskset", "-c", pin] if pin else []), str(binary), "-m", str(model),
                     "--port", str(self.port), "-t", str(threads), "-c", "4096", "-np", "1",
