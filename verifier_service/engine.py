@@ -25,7 +25,7 @@ from shared.engine import ForwardItem
 from shared.sampling import Verdict
 from verifier_service.acceptance import Check, decide
 
-VERIFY_KS = (0, 1, 2, 3, 4, 6, 8)  # drafts per block timed at start (``verify_ms``)
+VERIFY_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # drafts per block timed at start (``verify_ms``)
 
 
 @dataclass(frozen=True)

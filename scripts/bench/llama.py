@@ -31,20 +31,22 @@ from drafter_client.api import DrafterOptions
 from scripts.bench.common import fetch_offline_models, markdown_table, write_json
 from scripts.bench.suite import workloads
 from scripts.fetch_models import fetch_gguf
+from scripts.llama_build import LLAMA_CPP_PYTHON, build_tag, cmake_args
 from scripts.harness.process import VerifierProcess, free_port
 from shared.llama_runtime import amx_works, extra_buffer_types, repacked_layouts_run
 from shared.models import OFFLINE_MODELS, load_tokenizer, specdec_home
 
-LLAMA_CPP_PYTHON = "0.3.36"  # the [llama] extra's pin: its vendored llama.cpp is the peer
 WORKLOADS = ("code", "input-grounded", "english")
 
 
 # -- the peer ------------------------------------------------------------------------------------
 def llama_server_binary() -> Path:
     """``llama-server`` built once from the sdist of the pinned llama-cpp-python (about 8
-    minutes on 2 cores), then reused."""
+    minutes on 2 cores), then reused; with the flags of specdec's own llama-cpp-python build
+    (scripts/llama_build.py: AMX off on x86), so both run the same kernels."""
     home = specdec_home() / "llama-server" / LLAMA_CPP_PYTHON
-    binary = home / "src" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
+    build = f"build-{build_tag()}"
+    binary = home / "src" / "vendor" / "llama.cpp" / build / "bin" / "llama-server"
     if binary.exists():
         return binary
     home.mkdir(parents=True, exist_ok=True)
@@ -53,15 +55,16 @@ def llama_server_binary() -> Path:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
                         ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(home)],
                        check=True)
-    with tarfile.open(sdist) as archive:
-        archive.extractall(home, filter="data")
-    (home / f"llama_cpp_python-{LLAMA_CPP_PYTHON}").rename(home / "src")
+    if not (home / "src").exists():
+        with tarfile.open(sdist) as archive:
+            archive.extractall(home, filter="data")
+        (home / f"llama_cpp_python-{LLAMA_CPP_PYTHON}").rename(home / "src")
     source = home / "src" / "vendor" / "llama.cpp"
-    print(f"building llama-server in {source} (minutes)", flush=True)
-    subprocess.run(["cmake", "-B", "build", "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"], cwd=source,
-                   check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", "build", "--target", "llama-server", "-j",
+    print(f"building llama-server in {source / build} (minutes)", flush=True)
+    subprocess.run(["cmake", "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *cmake_args()],
+                   cwd=source, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(["cmake", "--build", build, "--target", "llama-server", "-j",
                     str(os.cpu_count() or 1)], cwd=source, check=True, stdout=subprocess.DEVNULL)
     return binary
 
