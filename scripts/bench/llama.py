@@ -31,8 +31,8 @@ from drafter_client.api import DrafterOptions
 from scripts.bench.common import fetch_offline_models, markdown_table, write_json
 from scripts.bench.suite import workloads
 from scripts.fetch_models import fetch_gguf
-from scripts.llama_build import LLAMA_CPP_PYTHON, build_tag, cmake_args
 from scripts.harness.process import VerifierProcess, free_port
+from scripts.llama_build import LLAMA_CPP_PYTHON, build_tag, cmake_args
 from shared.llama_runtime import amx_works, extra_buffer_types, repacked_layouts_run
 from shared.models import OFFLINE_MODELS, load_tokenizer, specdec_home
 
