@@ -35,6 +35,7 @@ from typing import Protocol
 
 DRAFT_SAMPLES = 7  # per-token drafting times the cost model's median is over
 PLAIN_RUN = 8  # most extra plain steps asked for in one round trip where k = 0
+COPY_SAVING = 0.6  # the share of a plain step that a copied (free-draft) token saves
 OPTIMISTIC_ACCEPTANCE = 0.9  # a probe is made only where drafting would pay at this rate
 
 
@@ -52,18 +53,22 @@ class DraftLength(Protocol):
         """Whether such a free draft is expected to give more tokens per second than the
         model drafter at its best k; None: no opinion (the hybrid's own trust rule)."""
 
-    def plain_run(self, room: int) -> int:
+    def plain_run(self, room: int, copy_rate: float | None = None) -> int:
         """With k = 0 chosen: how many more plain steps to ask for in the same round trip (a
-        plain run, ``more_uniforms``), at most ``room``."""
+        plain run, ``more_uniforms``), at most ``room``; ``copy_rate``: the drafter's
+        ``Drafter.copy_rate``, how often a free draft begins inside a run."""
 
     def seed_drafting(self, seconds_per_token: float) -> None:
         """The drafter's cost per token measured before the first block (its warm-up)."""
 
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
-               free: bool = False, plain_tokens: int = 1) -> None:
+               free: bool = False, plain_tokens: int = 1, forward_s: float | None = None,
+               ) -> None:
         """What the last block did: drafts proposed and accepted, and what it cost; ``free``:
         its draft cost nothing to make (a prompt-lookup match sent alone); ``plain_tokens``:
-        the tokens of a plain run (k = 0), whose round trip paid for them all."""
+        the tokens of a plain run (k = 0), whose round trip paid for them all;
+        ``forward_s``: the verifier's forward time within the round trip (the rest is the
+        call's overhead: network, HTTP, queueing)."""
 
 
 class NoCostModel:
@@ -76,7 +81,7 @@ class NoCostModel:
     def prefers_free(self, acceptance: float) -> bool | None:
         return None
 
-    def plain_run(self, room: int) -> int:
+    def plain_run(self, room: int, copy_rate: float | None = None) -> int:
         return max(0, min(room, PLAIN_RUN))
 
     def seed_drafting(self, seconds_per_token: float) -> None:
@@ -91,7 +96,8 @@ class FixedLength(NoCostModel):
         return self.k
 
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
-               free: bool = False, plain_tokens: int = 1) -> None:
+               free: bool = False, plain_tokens: int = 1, forward_s: float | None = None,
+               ) -> None:
         pass
 
 
@@ -107,7 +113,8 @@ class HeuristicLength(NoCostModel):
         return self.k
 
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
-               free: bool = False, plain_tokens: int = 1) -> None:
+               free: bool = False, plain_tokens: int = 1, forward_s: float | None = None,
+               ) -> None:
         if proposed and accepted == proposed:
             self.k = min(self.k + 2, self.max_k)
         elif proposed:
@@ -145,6 +152,7 @@ class CostModelLength:
         # on the tokens of plain steps - does not stand for the drafter's speed.
         self.blocks = 0
         self._draft_samples: list[float] = []
+        self._overhead = [0.0, 0.0]  # decayed (weight, sum) of a call's round trip less forward
         for k, ms in verify_ms or []:
             if k <= max_k:
                 self._rtt_at[k] = [1.0, ms / 1e3]  # one block's weight at the verifier's cost
@@ -283,19 +291,38 @@ class CostModelLength:
         if self.draft_s_per_token is None:
             self.draft_s_per_token = seconds_per_token
 
-    def plain_run(self, room: int) -> int:
+    def plain_run(self, room: int, copy_rate: float | None = None) -> int:
         """Plain steps up to the next probe, so a run never delays one (at most
-        ``PLAIN_RUN``); a plain step's cost is then per token of the run."""
+        ``PLAIN_RUN``); a plain step's cost is then per token of the run. Where free drafts
+        (copies) begin inside runs at ``copy_rate`` per token, a run of n tokens delays such a
+        copy by (n - 1) / 2 tokens on average, each losing ``COPY_SAVING`` of a step t, while
+        its round trip's overhead o is shared by n tokens: n = sqrt(o / (c t COPY_SAVING / 2))
+        minimises o / n + c (n - 1) t COPY_SAVING / 2 per token - short runs next to a
+        verifier whose calls cost little, long ones across a network."""
         if self.could_pay():
             room = min(room, max(self.probe_gap - self.plain_steps, 0))
-        return max(0, min(room, PLAIN_RUN))
+        longest = PLAIN_RUN
+        overhead, step = self.call_overhead(), self.rtt(0)
+        if copy_rate and overhead is not None and step > 0:
+            tokens = (overhead / (copy_rate * step * COPY_SAVING / 2)) ** 0.5
+            longest = min(longest, max(0, round(tokens) - 1))
+        return max(0, min(room, longest))
+
+    def call_overhead(self) -> float | None:
+        """A verify call's round trip less the verifier's forward (decayed mean, seconds)."""
+        weight, total = self._overhead
+        return total / weight if weight > 1e-9 else None
 
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
-               free: bool = False, plain_tokens: int = 1) -> None:
+               free: bool = False, plain_tokens: int = 1, forward_s: float | None = None,
+               ) -> None:
         """A free block (a lookup match sent alone) tells the verify cost of its length, not
         the model's acceptance or drafting time: those stay the model's own. A plain run's
         round trip counts per token, and its tokens as plain steps."""
         d = self.decay
+        if forward_s is not None and self.blocks:
+            self._overhead = [d * self._overhead[0] + 1.0,
+                              d * self._overhead[1] + max(rtt_s - forward_s, 0.0)]
         if proposed == 0 and plain_tokens > 1:
             rtt_s /= plain_tokens
             self.plain_steps += plain_tokens - 1

@@ -123,6 +123,13 @@ class Drafter:
         draft-length policy's estimate before the first block."""
         return None
 
+    @property
+    def copy_rate(self) -> float | None:
+        """How often, per token of a plain run (k = 0), a free draft would have begun inside
+        the run - a copy that the run then output (None: not tracked). The cost model shortens
+        plain runs where this is high (``DraftLength.plain_run``)."""
+        return None
+
 
 class TreeBuilder:
     """Collects paths into one token tree, sharing common prefixes (a trie)."""

@@ -22,6 +22,13 @@ each token of its proposals passes (tokens passed and failures seen, decayed per
 length is trusted at least as much as any shorter one. Proposals that were not sent are scored too
 (against what was committed), so an untrusted lookup earns trust back without costing a verify
 slot.
+
+Where nothing is drafted, the loop asks for plain runs of several steps per round trip, and the
+lookup is not consulted inside a run: a copy of the prompt that begins there is found only after
+the run. So the hybrid replays each plain run's tokens through the lookup and counts where a
+copy began (a match of at least ``COPY_MATCH`` tokens whose proposal the run then output):
+:attr:`copy_rate`, per plain token, lets the cost model shorten plain runs where copies begin
+often and round trips are cheap.
 """
 
 from __future__ import annotations
@@ -36,6 +43,15 @@ from shared.sampling import SamplingConfig
 SCORE_TOKENS = 2  # the shortest lookup proposal scored in a block (free: no forward)
 LOOK_TOKENS = 32  # the longest lookup proposal looked at (what is sent is cut from it)
 TRUST_LENGTHS = (1, 2, 3, 4, 8)  # match lengths with a trust of their own: 1, 2, 3, 4-7, 8+
+# The lookup's record before any proposal is scored: (tokens passed, failures) = a third. Its
+# proposals are scored whether sent or not, so a wary start costs little: one right proposal
+# lifts it to two thirds.
+LOOKUP_PRIOR = (1.0, 2.0)
+COPY_MATCH = 4  # the shortest match of the tail whose proposal counts as a copy in a plain run
+COPY_PRIOR = (0.1, 10.0)  # (copies begun, plain tokens) before any plain run was seen
+
+
+_NO_DRAWS = torch.Generator()  # the lookup draws nothing
 
 
 def trust_class(matched: int) -> int:
@@ -62,15 +78,16 @@ class HybridDrafter(Drafter):
 
     def reset_scores(self) -> None:
         # The lookup's records: [tokens that passed, failures seen], decayed per block, from
-        # one of each; a rate estimates the chance that each token of a proposal passes (a run
+        # LOOKUP_PRIOR; a rate estimates the chance that each token of a proposal passes (a run
         # of passes ending at the first failure). One over every proposal, and one per match
         # length once that length has been scored.
-        self.lookup_pooled = [1.0, 1.0]
+        self.lookup_pooled = list(LOOKUP_PRIOR)
         self.lookup_counts: dict[int, list[float]] = {}
         self._class = TRUST_LENGTHS[0]  # the trust class of this block's lookup match
         self.model_score = 0.5  # running share of each model chain the target output
         self._looked: list[int] = []  # this block's lookup proposal (sent or not)
         self._modelled: list[int] = []  # this block's model chain, when the model drafted
+        self.copies = list(COPY_PRIOR)  # [copies begun, plain tokens], decayed per plain run
 
     def warm_up(self) -> None:
         self.model.warm_up()
@@ -151,18 +168,44 @@ class HybridDrafter(Drafter):
         and a failure where one was seen (not where the commit ended first: censored)."""
         kept = common_prefix(proposal, tokens)
         failed = kept < min(len(proposal), len(tokens))
-        for record in (self.lookup_pooled, self.lookup_counts.setdefault(self._class, [1.0, 1.0])):
+        own = self.lookup_counts.setdefault(self._class, list(LOOKUP_PRIOR))
+        for record in (self.lookup_pooled, own):
             record[0] = self.decay * record[0] + kept
             record[1] = self.decay * record[1] + failed
 
     def commit(self, tokens: list[int]) -> None:
+        plain_run = len(tokens) > 1 and not self.sent_lookup and not self._modelled
         if self._looked:
             self._count(self._looked, tokens)
         if self._modelled:
             self.model_score = self._score(self.model_score, self._modelled, tokens)
         self._looked, self._modelled = [], []
         self.model.commit(tokens)
-        self.lookup.commit(tokens)
+        if plain_run:
+            self._replay(tokens)
+        else:
+            self.lookup.commit(tokens)
+
+    def _replay(self, tokens: list[int]) -> None:
+        """Commit a plain run's tokens one at a time, counting the places inside it where the
+        lookup would have proposed a copy that the run went on to output."""
+        begun, copying = 0, False
+        for i, token in enumerate(tokens):
+            self.lookup.commit([token])
+            rest = tokens[i + 1:i + 1 + SCORE_TOKENS]
+            if not rest:
+                break
+            proposal = self.lookup.propose(len(rest), SamplingConfig(), _NO_DRAWS).ids
+            copy = self.lookup.matched >= COPY_MATCH and proposal == rest
+            begun += copy and not copying
+            copying = copy
+        self.copies = [self.decay * self.copies[0] + begun,
+                       self.decay * self.copies[1] + len(tokens) - 1]
+
+    @property
+    def copy_rate(self) -> float:
+        """Copies begun inside plain runs per plain token (decayed)."""
+        return self.copies[0] / self.copies[1]
 
     def advise(self, schedule: DraftLength) -> None:
         self.advisor = schedule

@@ -310,7 +310,7 @@ def speculative_generate(
                 in_flight = InFlight(pool, drafter, k, config,
                                      torch.Generator().manual_seed(seed),
                                      room=settings.max_new_tokens - generated)
-            run = schedule.plain_run(max_depth) if k == 0 else 0
+            run = schedule.plain_run(max_depth, drafter.copy_rate) if k == 0 else 0
             outcome = speculative_block(session, drafter, k, config, generator, info,
                                         max_depth, drafted=ahead, in_flight=in_flight,
                                         plain_run=run)
@@ -322,7 +322,8 @@ def speculative_generate(
             schedule.update(outcome.depth, outcome.num_accepted, outcome.drafting_s,
                             outcome.round_trip_s,
                             free=drafter.free_draft and not outcome.drafted_ahead,
-                            plain_tokens=len(outcome.tokens) if not outcome.draft_ids else 1)
+                            plain_tokens=len(outcome.tokens) if not outcome.draft_ids else 1,
+                            forward_s=outcome.verifier_s)
             if on_block is not None and on_block(outcome):
                 stopped = True
                 break

@@ -14,7 +14,7 @@ from drafter_client.draft_length import (
     make_draft_length,
 )
 from drafter_client.drafters import Drafter
-from drafter_client.hybrid import HybridDrafter, trust_class
+from drafter_client.hybrid import COPY_PRIOR, LOOKUP_PRIOR, HybridDrafter, trust_class
 from drafter_client.model_free import (
     BigramDrafter,
     NGramDrafter,
@@ -130,22 +130,60 @@ def test_the_hybrid_trusts_each_match_length_by_its_own_record() -> None:
     copied = list(range(10, 22))
     hybrid.reset([*copied, 5, *copied[:9]])  # the tail matches 9 tokens back
     draft = hybrid.propose(2, SamplingConfig(), torch.Generator())
-    assert hybrid.lookup.matched == 9 and hybrid.lookup_score == 0.5
+    passed, failed = LOOKUP_PRIOR  # a third: wary until a proposal is scored
+    assert hybrid.lookup.matched == 9 and hybrid.lookup_score == pytest.approx(1 / 3)
     hybrid.commit(copied[9:11])  # the target went on as the match did: 2 passed, no failure
-    assert hybrid.lookup_counts == {8: [0.7 + 2, 0.7]} and hybrid.lookup_pooled == [2.7, 0.7]
+    after = [0.7 * passed + 2, 0.7 * failed]
+    assert hybrid.lookup_counts == {8: after} and hybrid.lookup_pooled == after
     assert draft.ids
     hybrid.propose(2, SamplingConfig(), torch.Generator())
     hybrid.commit([copied[11], 99])  # the first passed, the second failed
-    assert hybrid.lookup_counts[8] == pytest.approx([0.7 * 2.7 + 1, 0.7 * 0.7 + 1])
+    assert hybrid.lookup_counts[8] == pytest.approx([0.7 * after[0] + 1, 0.7 * after[1] + 1])
     hybrid.reset([1, 2, 3, 1, 2])  # a 2-token match, its length not scored yet
     hybrid.propose(2, SamplingConfig(), torch.Generator())
-    assert hybrid.lookup.matched == 2 and hybrid.lookup_score == 0.5  # the pooled prior
+    assert hybrid.lookup.matched == 2 and hybrid.lookup_score == pytest.approx(1 / 3)  # prior
     hybrid.lookup_pooled = [1.0, 9.0]  # every proposal failing: an unscored length too
     assert hybrid.lookup_score == pytest.approx(0.1)
     hybrid.lookup_counts[1] = [9.0, 1.0]
     assert hybrid.lookup_score == pytest.approx(0.9)  # a shorter length's higher rate counts
     hybrid.lookup_counts[2] = [1.0, 9.0]
     assert hybrid.lookup_score == pytest.approx(0.9)
+
+
+def test_the_hybrid_counts_copies_that_begin_inside_plain_runs() -> None:
+    class Model(Drafter):
+        name = "m"
+
+        def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
+            pass
+
+        def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Any:
+            from drafter_client.drafters import Draft
+            return Draft([0] * k, None, None)
+
+        def commit(self, tokens: list[int]) -> None:
+            pass
+
+    passage = list(range(10, 30))
+    hybrid = HybridDrafter(Model(), PromptLookupDrafter(1, 12))  # type: ignore[arg-type]
+    hybrid.reset([*passage, 1])
+    assert hybrid.copy_rate == pytest.approx(COPY_PRIOR[0] / COPY_PRIOR[1])
+    hybrid.propose(0, SamplingConfig(), torch.Generator())  # k = 0: nothing sent
+    assert not hybrid.sent_lookup
+    # a plain run of 9: 3 fresh tokens, then the passage's first 6 (a copy begins at the
+    # 4th token's place: after passage[:4] the tail matches 4 tokens and proposes the rest)
+    run = [2, 3, 4, *passage[:6]]
+    hybrid.commit(run)
+    assert hybrid.lookup.tokens[-9:] == run  # every token reached the lookup
+    assert hybrid.copies == pytest.approx([0.7 * COPY_PRIOR[0] + 1, 0.7 * COPY_PRIOR[1] + 8])
+    hybrid.propose(0, SamplingConfig(), torch.Generator())
+    before = hybrid.copy_rate
+    hybrid.commit([5, 6, 7, 8])  # fresh text: no copy begun, the rate falls
+    assert hybrid.copy_rate < before
+    hybrid.propose(4, SamplingConfig(), torch.Generator())  # the model drafted: not a plain run
+    copies = list(hybrid.copies)
+    hybrid.commit([0, 0, 0])
+    assert hybrid.copies == copies
 
 
 def test_bigram_chains_the_most_frequent_successor() -> None:

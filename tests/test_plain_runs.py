@@ -80,6 +80,24 @@ def test_cost_model_asks_for_runs_where_drafting_cannot_pay() -> None:
     assert abs(model.rtt(0) - 0.010) < 1e-9  # a run's round trip counts per token
 
 
+def test_plain_runs_shorten_where_copies_begin_and_calls_are_cheap() -> None:
+    steep = [(k, 80.0 + 160.0 * k) for k in (0, 1, 2, 4, 8, 16)]  # drafting cannot pay: no probes
+    model = CostModelLength(verify_ms=steep)
+    model.update(2, 1, 0.010, 0.500, forward_s=0.4)  # the first block: prefills, not counted
+    assert model.call_overhead() is None
+    model.update(0, 0, 0.0, 0.725, plain_tokens=9, forward_s=0.72)  # 5 ms over the forwards
+    assert model.call_overhead() == pytest.approx(0.005)
+    assert model.plain_run(100) == PLAIN_RUN  # no copies tracked: the longest run
+    assert model.plain_run(100, copy_rate=0.0) == PLAIN_RUN
+    # one copy begun per 15 plain tokens: sqrt(0.005 / (0.067 * 0.08 * 0.3)) = 1.8 tokens
+    assert model.plain_run(100, copy_rate=1 / 15) == 1
+    assert model.plain_run(100, copy_rate=0.005) == 5  # rare copies: 6.5 -> a run of 6
+    far = CostModelLength(verify_ms=steep)
+    far.update(2, 1, 0.010, 0.500, forward_s=0.4)
+    far.update(0, 0, 0.0, 0.820, plain_tokens=9, forward_s=0.72)  # 100 ms round trips
+    assert far.plain_run(100, copy_rate=1 / 15) == 7  # sqrt(0.1 / 0.0017) = 7.6 tokens
+
+
 @pytest.mark.slow
 def test_sampled_plain_runs_follow_the_target(tiny_models: dict[str, Path]) -> None:
     verifier = InProcessVerifier.load(fp32_settings(tiny_models["peaky-target"],

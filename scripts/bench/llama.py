@@ -60,12 +60,15 @@ def llama_server_binary() -> Path:
             archive.extractall(home, filter="data")
         (home / f"llama_cpp_python-{LLAMA_CPP_PYTHON}").rename(home / "src")
     source = home / "src" / "vendor" / "llama.cpp"
-    print(f"building llama-server in {source / build} (minutes)", flush=True)
-    subprocess.run(["cmake", "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-                    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *cmake_args()],
-                   cwd=source, check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", build, "--target", "llama-server", "-j",
-                    str(os.cpu_count() or 1)], cwd=source, check=True, stdout=subprocess.DEVNULL)
+    log = home / f"{build}.log"
+    print(f"building llama-server in {source / build} (minutes; output in {log})", flush=True)
+    with log.open("w") as out:
+        for step in (["cmake", "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                      "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", *cmake_args()],
+                     ["cmake", "--build", build, "--target", "llama-server", "-j",
+                      str(os.cpu_count() or 1)]):
+            if subprocess.run(step, cwd=source, stdout=out, stderr=out).returncode:
+                raise RuntimeError(f"building llama-server failed: {' '.join(step)}; see {log}")
     return binary
 
 
