@@ -111,22 +111,25 @@ def test_prompt_lookup_copies_from_a_longer_match_in_the_source() -> None:
     assert propose(drafter, 2) == [3, 4] and drafter.matched == 2
 
 
+class ZeroModel(Drafter):
+    """A stand-in for the hybrid's model drafter: drafts k zeros, at no cost."""
+
+    name = "m"
+
+    def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
+        pass
+
+    def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Any:
+        from drafter_client.drafters import Draft
+        return Draft([0] * k, None, None)
+
+    def commit(self, tokens: list[int]) -> None:
+        pass
+
+
 def test_the_hybrid_trusts_each_match_length_by_its_own_record() -> None:
-    class Model(Drafter):
-        name = "m"
-
-        def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
-            pass
-
-        def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Any:
-            from drafter_client.drafters import Draft
-            return Draft([0] * k, None, None)
-
-        def commit(self, tokens: list[int]) -> None:
-            pass
-
     assert [trust_class(m) for m in (0, 1, 2, 3, 4, 7, 8, 30)] == [1, 1, 2, 3, 4, 4, 8, 8]
-    hybrid = HybridDrafter(Model(), PromptLookupDrafter(1, 12))  # type: ignore[arg-type]
+    hybrid = HybridDrafter(ZeroModel(), PromptLookupDrafter(1, 12))  # type: ignore[arg-type]
     copied = list(range(10, 22))
     hybrid.reset([*copied, 5, *copied[:9]])  # the tail matches 9 tokens back
     draft = hybrid.propose(2, SamplingConfig(), torch.Generator())
@@ -151,21 +154,8 @@ def test_the_hybrid_trusts_each_match_length_by_its_own_record() -> None:
 
 
 def test_the_hybrid_counts_copies_that_begin_inside_plain_runs() -> None:
-    class Model(Drafter):
-        name = "m"
-
-        def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
-            pass
-
-        def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Any:
-            from drafter_client.drafters import Draft
-            return Draft([0] * k, None, None)
-
-        def commit(self, tokens: list[int]) -> None:
-            pass
-
     passage = list(range(10, 30))
-    hybrid = HybridDrafter(Model(), PromptLookupDrafter(1, 12))  # type: ignore[arg-type]
+    hybrid = HybridDrafter(ZeroModel(), PromptLookupDrafter(1, 12))  # type: ignore[arg-type]
     hybrid.reset([*passage, 1])
     assert hybrid.copy_rate == pytest.approx(COPY_PRIOR[0] / COPY_PRIOR[1])
     hybrid.propose(0, SamplingConfig(), torch.Generator())  # k = 0: nothing sent
