@@ -88,6 +88,7 @@ class HybridDrafter(Drafter):
         self._looked: list[int] = []  # this block's lookup proposal (sent or not)
         self._modelled: list[int] = []  # this block's model chain, when the model drafted
         self.copies = list(COPY_PRIOR)  # [copies begun, plain tokens], decayed per plain run
+        self._nothing_sent = False  # the last proposal was empty (k = 0, no lookup sent)
 
     def warm_up(self) -> None:
         self.model.warm_up()
@@ -143,6 +144,7 @@ class HybridDrafter(Drafter):
             return Draft(self._looked, None, None)
         draft = self.model.propose(k, config, generator)
         self._modelled = draft.first_chain()
+        self._nothing_sent = not draft.ids  # a plain step (or run) follows
         chain = looked[:max(k, self.lookup_tokens)]
         if not chain or draft.parents is None:
             return draft
@@ -174,7 +176,9 @@ class HybridDrafter(Drafter):
             record[1] = self.decay * record[1] + failed
 
     def commit(self, tokens: list[int]) -> None:
-        plain_run = len(tokens) > 1 and not self.sent_lookup and not self._modelled
+        # a block of this drafter's proposing that sent nothing: not one drafted ahead
+        plain_run = len(tokens) > 1 and self._nothing_sent
+        self._nothing_sent = False
         if self._looked:
             self._count(self._looked, tokens)
         if self._modelled:

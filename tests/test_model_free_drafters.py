@@ -174,6 +174,8 @@ def test_the_hybrid_counts_copies_that_begin_inside_plain_runs() -> None:
     copies = list(hybrid.copies)
     hybrid.commit([0, 0, 0])
     assert hybrid.copies == copies
+    hybrid.commit([2, 3, 4, *passage[:6]])  # a block drafted ahead (no propose): not a run
+    assert hybrid.copies == copies
 
 
 def test_bigram_chains_the_most_frequent_successor() -> None:
