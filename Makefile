@@ -11,13 +11,13 @@ STAMP := $(VENV)/.installed
 install: $(STAMP)
 
 # torch==2.13.0 is the CPU wheel; installing it first keeps pip from pulling a CUDA build.
-$(STAMP): pyproject.toml Makefile scripts/llama_build.py
+$(STAMP): pyproject.toml Makefile scripts/llama_build.py shared/machine_cache.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install "torch==2.13.0"
 	# [llama]: llama-cpp-python, built from source once per machine kind (about 8 min on 2
 	# cores) without llama.cpp's AMX kernels, which crash on AMX cloud VMs (scripts/llama_build.py)
-	$(BIN)/pip install --no-deps --force-reinstall "$$($(BIN)/python scripts/llama_build.py wheel $(BIN)/python)"
+	$(BIN)/pip install --no-deps --force-reinstall "$$($(BIN)/python -m scripts.llama_build wheel $(BIN)/python)"
 	$(BIN)/pip install -e ".[dev,llama]"
 	# The oldest supported transformers (the GPU machine's), beside the venv for
 	# tests/test_min_transformers.py; with huggingface-hub < 2, which it needs.

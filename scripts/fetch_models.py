@@ -25,7 +25,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.models import OFFLINE_MODELS, OfflineModel, offline_model_dir, specdec_home  # noqa: E402
+from shared.machine_cache import specdec_home  # noqa: E402
+from shared.models import OFFLINE_MODELS, OfflineModel, offline_model_dir  # noqa: E402
 
 MARKER = "specdec_model.json"
 

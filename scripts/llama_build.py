@@ -17,10 +17,11 @@ flags), and the ``llama-server`` peer of ``scripts.bench llama`` is built with t
 ``SPECDEC_LLAMA_BUILD_AMX=1`` keeps AMX (a machine where its kernels work); ``CMAKE_ARGS`` set by
 the user is passed on (e.g. ``-DGGML_CUDA=on``).
 
-    python scripts/llama_build.py wheel PYTHON   # builds if missing, prints the wheel's path
-    python scripts/llama_build.py cmake-args     # the CMake arguments, one per line
+    python -m scripts.llama_build wheel PYTHON   # builds if missing, prints the wheel's path
+    python -m scripts.llama_build cmake-args     # the CMake arguments, one per line
 
-Standard library only: the Makefile runs it before the project is installed.
+Standard library only (and ``shared.machine_cache``, which is too): the Makefile runs it from
+the repository's root before the project is installed.
 """
 
 from __future__ import annotations
@@ -35,12 +36,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from shared.machine_cache import specdec_home
+
 LLAMA_CPP_PYTHON = "0.3.36"  # the [llama] extra's pin (pyproject.toml)
 AMX_OFF = ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16")
-
-
-def specdec_home() -> Path:
-    return Path(os.environ.get("SPECDEC_HOME", Path.home() / ".cache" / "specdec"))
 
 
 def compiler_flags() -> list[str]:

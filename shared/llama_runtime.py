@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from shared.machine_cache import cpu_name, read_json, write_json
-from shared.models import OFFLINE_MODELS, ModelSpecError, offline_model_dir, specdec_home
+from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
+from shared.models import OFFLINE_MODELS, ModelSpecError, offline_model_dir
 
 log = logging.getLogger(__name__)
 

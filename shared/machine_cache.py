@@ -14,6 +14,11 @@ from typing import Any
 log = logging.getLogger("specdec.machine")
 
 
+def specdec_home() -> Path:
+    """Where specdec keeps what it fetched, built or measured (``$SPECDEC_HOME``)."""
+    return Path(os.environ.get("SPECDEC_HOME", Path.home() / ".cache" / "specdec"))
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

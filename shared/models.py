@@ -11,13 +11,14 @@ A model spec is one of:
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from shared.machine_cache import specdec_home
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -65,10 +66,6 @@ _LOAD_LOCK = threading.RLock()
 
 class ModelSpecError(ValueError):
     """The model spec names nothing that can be loaded here."""
-
-
-def specdec_home() -> Path:
-    return Path(os.environ.get("SPECDEC_HOME", Path.home() / ".cache" / "specdec"))
 
 
 def offline_model_dir(short_name: str) -> Path:
