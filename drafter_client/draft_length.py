@@ -37,13 +37,16 @@ DRAFT_SAMPLES = 7  # per-token drafting times the cost model's median is over
 PLAIN_RUN = 8  # most extra plain steps asked for in one round trip where k = 0
 COPY_SAVING = 0.6  # the share of a plain step that a copied (free-draft) token saves
 OPTIMISTIC_ACCEPTANCE = 0.9  # a probe is made only where drafting would pay at this rate
+PROBE_SHARE = 0.03  # probes may cost at most this share of the time spent in plain steps
+MIN_PROBE_ROOM = 16  # no probe with fewer tokens left to generate: it could not repay
 
 
 class DraftLength(Protocol):
     name: str
 
-    def next_k(self) -> int:
-        """k for the next block."""
+    def next_k(self, catch_up_s: float = 0.0, room: int | None = None) -> int:
+        """k for the next block; ``catch_up_s``: what the drafter must spend before it can
+        draft (``Drafter.catch_up_s``), ``room``: tokens the generation may still add."""
 
     def free_k(self, acceptance: float) -> int | None:
         """How long a draft that costs nothing to make (a prompt-lookup match) should be when
@@ -63,12 +66,14 @@ class DraftLength(Protocol):
 
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
                free: bool = False, plain_tokens: int = 1, forward_s: float | None = None,
-               ) -> None:
+               catch_up_s: float = 0.0) -> None:
         """What the last block did: drafts proposed and accepted, and what it cost; ``free``:
         its draft cost nothing to make (a prompt-lookup match sent alone); ``plain_tokens``:
         the tokens of a plain run (k = 0), whose round trip paid for them all;
         ``forward_s``: the verifier's forward time within the round trip (the rest is the
-        call's overhead: network, HTTP, queueing)."""
+        call's overhead: network, HTTP, queueing); ``catch_up_s``: the share of
+        ``drafting_s`` that fed tokens the drafter had not seen (``Drafter.catch_up_s``), not
+        part of what drafting a token costs."""
 
 
 class NoCostModel:
@@ -92,12 +97,12 @@ class FixedLength(NoCostModel):
     def __init__(self, k: int) -> None:
         self.k, self.name = k, str(k)
 
-    def next_k(self) -> int:
+    def next_k(self, catch_up_s: float = 0.0, room: int | None = None) -> int:
         return self.k
 
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
                free: bool = False, plain_tokens: int = 1, forward_s: float | None = None,
-               ) -> None:
+               catch_up_s: float = 0.0) -> None:
         pass
 
 
@@ -109,12 +114,12 @@ class HeuristicLength(NoCostModel):
     def __init__(self, start: int = 4, max_k: int = 16) -> None:
         self.k, self.max_k = start, max_k
 
-    def next_k(self) -> int:
+    def next_k(self, catch_up_s: float = 0.0, room: int | None = None) -> int:
         return self.k
 
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
                free: bool = False, plain_tokens: int = 1, forward_s: float | None = None,
-               ) -> None:
+               catch_up_s: float = 0.0) -> None:
         if proposed and accepted == proposed:
             self.k = min(self.k + 2, self.max_k)
         elif proposed:
@@ -153,6 +158,9 @@ class CostModelLength:
         self.blocks = 0
         self._draft_samples: list[float] = []
         self._overhead = [0.0, 0.0]  # decayed (weight, sum) of a call's round trip less forward
+        self.plain_s = 0.0  # seconds spent in plain steps (round trips of blocks of k = 0)
+        self.probe_s = 0.0  # what the probes were expected to cost (``probe_cost``)
+        self.probe_waits = False  # a probe is due but not affordable yet (``affords_probe``)
         for k, ms in verify_ms or []:
             if k <= max_k:
                 self._rtt_at[k] = [1.0, ms / 1e3]  # one block's weight at the verifier's cost
@@ -264,7 +272,7 @@ class CostModelLength:
                 return True
         return False
 
-    def next_k(self) -> int:
+    def next_k(self, catch_up_s: float = 0.0, room: int | None = None) -> int:
         if self.draft_s_per_token is None or not (self._rtt[0] or self.measured(0)):
             return self.k  # not measured yet (nor seeded)
         if 0 not in self._rtt_at:
@@ -275,15 +283,42 @@ class CostModelLength:
         known = self.longest_known()
         longest = self.k if known is None else known
         best = max(range(1, min(self.max_k, longest + 1) + 1), key=self.expected_rate)
-        if self.expected_rate(best) >= self.plain_rate():
+        rate, plain = self.expected_rate(best), self.plain_rate()
+        due = rate < plain and self.plain_steps >= self.probe_gap and self.could_pay()
+        self.probe_waits = due and not self.affords_probe(catch_up_s, room)
+        if rate >= plain and self.repays(catch_up_s, rate, room):
             self.k, self.plain_steps, self.probe_gap = best, 0, self.probe_every
-        elif self.plain_steps >= self.probe_gap and self.could_pay():
+        elif due and not self.probe_waits:
             self.k, self.plain_steps = 1, 0  # drafting lost; look again now and then
             self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
+            self.probe_s += self.probe_cost(catch_up_s)
         else:
             self.k = 0
             self.plain_steps += 1
         return self.k
+
+    def repays(self, catch_up_s: float, rate: float, room: int | None) -> bool:
+        """Whether drafting at ``rate`` (tokens per second) over the tokens left to generate
+        saves more than the drafter's catch-up costs first (where it is behind: after plain
+        steps, lookup-only blocks, or before its first draft of the prompt)."""
+        if catch_up_s <= 0 or room is None:
+            return True
+        saved_per_token = 1.0 / self.plain_rate() - 1.0 / rate
+        return saved_per_token * room >= catch_up_s
+
+    def probe_cost(self, catch_up_s: float) -> float:
+        """A probe's seconds beyond the plain step it replaces: the drafter's catch-up, its
+        one draft and a 1-token verify's surplus over a plain step's."""
+        return (catch_up_s + (self.draft_s_per_token or 0.0)
+                + max(self.rtt(1) - self.rtt(0), 0.0))
+
+    def affords_probe(self, catch_up_s: float, room: int | None) -> bool:
+        """Probes, together, cost at most ``PROBE_SHARE`` of the time spent in plain steps -
+        a drafter far behind (the whole prompt before its first draft) waits until the plain
+        steps have paid for its catch-up - and none is made near the end."""
+        if room is not None and room < MIN_PROBE_ROOM:
+            return False
+        return self.probe_s + self.probe_cost(catch_up_s) <= PROBE_SHARE * self.plain_s
 
     def seed_drafting(self, seconds_per_token: float) -> None:
         """With the verifier's seeded verify costs, the first block is chosen on this
@@ -293,13 +328,14 @@ class CostModelLength:
 
     def plain_run(self, room: int, copy_rate: float | None = None) -> int:
         """Plain steps up to the next probe, so a run never delays one (at most
-        ``PLAIN_RUN``); a plain step's cost is then per token of the run. Where free drafts
-        (copies) begin inside runs at ``copy_rate`` per token, a run of n tokens delays such a
-        copy by (n - 1) / 2 tokens on average, each losing ``COPY_SAVING`` of a step t, while
-        its round trip's overhead o is shared by n tokens: n = sqrt(o / (c t COPY_SAVING / 2))
-        minimises o / n + c (n - 1) t COPY_SAVING / 2 per token - short runs next to a
+        ``PLAIN_RUN``; a probe waiting for its budget does not shorten runs); a plain step's
+        cost is then per token of the run. Where free drafts (copies) begin inside runs at
+        ``copy_rate`` per token, a run of n tokens delays such a copy by (n - 1) / 2 tokens on
+        average, each losing ``COPY_SAVING`` of a step t, while its round trip's overhead o is
+        shared by n tokens: n = sqrt(o / (c t COPY_SAVING / 2)) minimises
+        o / n + c (n - 1) t COPY_SAVING / 2 per token - short runs next to a
         verifier whose calls cost little, long ones across a network."""
-        if self.could_pay():
+        if self.could_pay() and not self.probe_waits:  # a run does not delay a probe
             room = min(room, max(self.probe_gap - self.plain_steps, 0))
         longest = PLAIN_RUN
         overhead, step = self.call_overhead(), self.rtt(0)
@@ -315,11 +351,12 @@ class CostModelLength:
 
     def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
                free: bool = False, plain_tokens: int = 1, forward_s: float | None = None,
-               ) -> None:
+               catch_up_s: float = 0.0) -> None:
         """A free block (a lookup match sent alone) tells the verify cost of its length, not
         the model's acceptance or drafting time: those stay the model's own. A plain run's
         round trip counts per token, and its tokens as plain steps."""
         d = self.decay
+        whole_rtt_s = rtt_s
         if forward_s is not None and self.blocks:
             self._overhead = [d * self._overhead[0] + 1.0,
                               d * self._overhead[1] + max(rtt_s - forward_s, 0.0)]
@@ -335,11 +372,14 @@ class CostModelLength:
                 self.reached[i] += 1
                 self.passed[i] += float(i < accepted)
             if proposed and self.blocks > 1:
+                drafting = max(drafting_s - catch_up_s, 0.0)
                 self._draft_samples = [*self._draft_samples[-(DRAFT_SAMPLES - 1):],
-                                       drafting_s / proposed]
+                                       drafting / proposed]
                 self.draft_s_per_token = statistics.median(self._draft_samples)
         if self.blocks == 1:
             return  # its round trip also paid for the prompt's prefill
+        if proposed == 0:
+            self.plain_s += whole_rtt_s
         for entry in self._rtt_at.values():
             entry[0] *= d
             entry[1] *= d

@@ -130,6 +130,14 @@ class Drafter:
         plain runs where this is high (``DraftLength.plain_run``)."""
         return None
 
+    @property
+    def catch_up_s(self) -> float:
+        """Seconds the next draft will spend first feeding committed tokens that the drafter
+        has not seen (a model drafter after plain steps or lookup-only blocks; the prompt
+        before its first draft), beyond the one or two every block feeds; 0: none or not
+        measured. The cost model weighs it before it drafts again."""
+        return 0.0
+
 
 class TreeBuilder:
     """Collects paths into one token tree, sharing common prefixes (a trie)."""
@@ -182,6 +190,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+WARM_UP_CONTEXT = 48  # tokens of the warm-up's prefill (timed: a catch-up's cost per token)
+FED_EVERY_BLOCK = 2  # tokens a block's draft feeds first anyway (the last draft and the bonus)
+MEASURED_FEED = 8  # the fewest tokens in one feed that time a catch-up
+
+
 class LMDrafter(Drafter):
     """A language model drafting with its own KV cache; a subclass runs the model
     (``reset``, ``_forward``, ``_roll_back``, ``warm_up``): :class:`HFDrafter` on transformers,
@@ -211,13 +224,14 @@ class LMDrafter(Drafter):
         self.last_logits = torch.empty(0)  # [vocab] after the last cached token
 
     measured_draft_s: float | None = None  # per drafted token, timed by ``warm_up``
+    measured_feed_s: float | None = None  # per token fed in one forward (a catch-up), timed
 
     def warm_up(self) -> None:
         """Throwaway drafts, so the first real block does not pay for kernel warm-up: the
-        prefill of a 16-token context and a first block, then one block of 4 timed after
-        it (``draft_cost_s``)."""
+        prefill of a 48-token context (timed: ``catch_up_s``) and a first block, then one
+        block of 4 timed after it (``draft_cost_s``)."""
         config, generator = SamplingConfig(), torch.Generator()
-        self.reset([i % self.vocab_size for i in range(16)])
+        self.reset([i % self.vocab_size for i in range(WARM_UP_CONTEXT)])
         first = self.propose(2, config, generator)
         self.commit([*first.ids, 0])
         started = time.perf_counter()
@@ -228,6 +242,27 @@ class LMDrafter(Drafter):
     @property
     def draft_cost_s(self) -> float | None:
         return self.measured_draft_s
+
+    @property
+    def behind(self) -> int:
+        """Committed tokens not yet in the cache (fed before the next draft)."""
+        return len(self.committed) - len(self.cached)
+
+    @property
+    def catch_up_s(self) -> float:
+        if self.measured_feed_s is None:
+            return 0.0
+        return max(self.behind - FED_EVERY_BLOCK, 0) * self.measured_feed_s
+
+    def _catch_up(self) -> torch.Tensor:
+        """Feed the committed tokens the cache lacks; a long feed (a catch-up) is timed, per
+        token, for ``catch_up_s`` (the latest measurement counts: it is this context's)."""
+        ids = self.committed[len(self.cached):]
+        started = time.perf_counter()
+        logits = self._forward(ids)
+        if len(ids) >= MEASURED_FEED:
+            self.measured_feed_s = (time.perf_counter() - started) / len(ids)
+        return logits
 
     def reset(self, prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
         self.committed = []
@@ -255,7 +290,7 @@ class LMDrafter(Drafter):
         tree = TreeBuilder()
         if k == 0:
             return tree.draft()
-        logits = self._forward(self.committed[len(self.cached):])  # [vocab]
+        logits = self._catch_up()  # [vocab]
         parent = -1
         for i in range(k):
             top = torch.topk(torch.softmax(logits, -1), self.tree_width)
@@ -278,7 +313,7 @@ class LMDrafter(Drafter):
             return self.propose_tree(k, config)
         if k == 0:
             return Draft([], None if config.deterministic else torch.empty(0), None)
-        logits = self._forward(self.committed[len(self.cached):])  # [vocab]
+        logits = self._catch_up()  # [vocab]
         ids: list[int] = []
         logprobs, rows = [], []
         for i in range(k):

@@ -222,3 +222,7 @@ class HybridDrafter(Drafter):
     def draft_cost_s(self) -> float | None:
         return self.model.draft_cost_s
 
+    @property
+    def catch_up_s(self) -> float:
+        return self.model.catch_up_s
+

@@ -301,7 +301,8 @@ def speculative_generate(
             # A block yields up to k + 1 tokens and needs position + k <= max_context.
             max_depth = max(0, min(settings.max_new_tokens - generated - 1,
                                    info.max_context - session.position))
-            k = min(schedule.next_k(), max_depth)
+            catch_up_s = drafter.catch_up_s  # the drafter's feed of tokens it has not seen
+            k = min(schedule.next_k(catch_up_s, settings.max_new_tokens - generated), max_depth)
             in_flight = None
             if pool is not None and k > 0:
                 # The draft ahead draws from its own generator, seeded from ours every block
@@ -323,7 +324,8 @@ def speculative_generate(
                             outcome.round_trip_s,
                             free=drafter.free_draft and not outcome.drafted_ahead,
                             plain_tokens=len(outcome.tokens) if not outcome.draft_ids else 1,
-                            forward_s=outcome.verifier_s)
+                            forward_s=outcome.verifier_s,
+                            catch_up_s=catch_up_s if outcome.draft_ids else 0.0)
             if on_block is not None and on_block(outcome):
                 stopped = True
                 break
