@@ -18,7 +18,11 @@ drafts nothing, so speculation is never slower than the target alone by more tha
 overhead. While it drafts nothing its acceptance estimates go stale, so every ``probe_every``
 plain steps it drafts one block of k = 1, the cheapest look (the gap doubles, up to
 ``max_probe_gap``, while probes do not win, and starts again when one does) - if drafting could
-pay at all: where it would lose even at 90% acceptance, no probe is made. Each choice
+pay at all: where it would lose even at 90% acceptance, no probe is made. A model drafter that
+has fallen behind must first feed what it has not seen (``Drafter.catch_up_s``: the whole
+prompt before its first draft, every plain token after a plain stretch): a switch to drafting
+must repay that over the tokens left, and probes together may cost at most ``PROBE_SHARE`` of
+the time spent in plain steps (none in the last ``MIN_PROBE_ROOM`` tokens). Each choice
 depends only on blocks already verified and on timings, never on the block about to be
 drafted, so the output distribution stays the target's.
 
