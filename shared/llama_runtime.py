@@ -208,6 +208,13 @@ def _amx_machine_key() -> str:
     return f"{cpu_name()}|llama-cpp-python={llama_cpp.__version__}"
 
 
+def cost_key(model: LlamaModel) -> str:
+    """What a timing of this model's forwards depends on: the file, the machine, the
+    llama-cpp-python version, the weights' layouts and the threads."""
+    return (f"{_file_key(model.weights.path)}|{_amx_machine_key()}"
+            f"|repacked={model.weights.extra_layouts}|threads={model.threads}")
+
+
 def _file_key(path: str) -> str:
     stat = Path(path).stat()
     return f"{Path(path).resolve()}|{stat.st_size}|{int(stat.st_mtime)}"

@@ -21,12 +21,14 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session", autouse=True)
 def dtype_choices(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """``--dtype auto`` records its measured choices for the tests' tiny models, and llama.cpp's
-    AMX probe its findings, in the session's temporary folder, not in the user's $SPECDEC_HOME
+    """``--dtype auto`` records its measured choices for the tests' tiny models, llama.cpp's
+    AMX probe its findings and the verifiers their verify costs, in the session's temporary
+    folder, not in the user's $SPECDEC_HOME
     (subprocesses inherit it)."""
     folder = tmp_path_factory.mktemp("dtype")
     names = {"SPECDEC_DTYPE_CACHE": folder / "choices.json",
-             "SPECDEC_LLAMA_AMX_CACHE": folder / "llama-cpp-amx.json"}
+             "SPECDEC_LLAMA_AMX_CACHE": folder / "llama-cpp-amx.json",
+             "SPECDEC_VERIFY_COSTS": folder / "verify-costs.json"}
     previous = {name: os.environ.get(name) for name in names}
     os.environ.update({name: str(path) for name, path in names.items()})
     yield

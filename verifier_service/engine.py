@@ -15,17 +15,38 @@ Implementations: the causal slot-pool engine (``target.py``), the encoder-decode
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from shared.engine import ForwardItem
+from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
 from shared.sampling import Verdict
 from verifier_service.acceptance import Check, decide
 
 VERIFY_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # drafts per block timed at start (``verify_ms``)
+
+log = logging.getLogger(__name__)
+
+
+def verify_costs_path() -> Path:
+    """``$SPECDEC_VERIFY_COSTS``, else ``$SPECDEC_HOME/verify-costs.json``: the verify costs
+    measured at earlier starts, per model, engine, dtype, device, threads and versions."""
+    return Path(os.environ.get("SPECDEC_VERIFY_COSTS")
+                or specdec_home() / "verify-costs.json")
+
+
+def device_name(device: torch.device | str) -> str:
+    """The chip a cost was measured on: the GPU's name, else the CPU's."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return cpu_name()
 
 
 @dataclass(frozen=True)
@@ -182,6 +203,27 @@ class BatchForward:
                 self.keep_path(item.slot, item.start, verdict.path)
             results[j] = verdict
         return results
+
+    def measured_verify_ms(self, slot: int, ids: list[int], key: str,
+                           ) -> list[tuple[int, float]]:
+        """The verify costs of :meth:`time_verify_blocks`, timed at this model's first start
+        with this ``key`` (engine, model file, dtype, device, threads, versions) and then read
+        from :func:`verify_costs_path`: on a CPU the sweep takes tens of seconds, and a start
+        on the same machine measures the same costs within its noise (the client's cost model
+        soon replaces them with what it measures itself)."""
+        ks = tuple(k for k in VERIFY_KS if 16 + k + 1 <= self.info.max_context)
+        key = f"{key}|ks={','.join(map(str, ks))}"
+        path = verify_costs_path()
+        known = read_json(path).get(key)
+        if isinstance(known, list) and all(
+                isinstance(pair, list) and len(pair) == 2 for pair in known):
+            log.info("verify costs of an earlier start (%s)", path)
+            return [(int(k), float(ms)) for k, ms in known]
+        timed = self.time_verify_blocks(slot, ids, ks)
+        data = read_json(path)
+        data[key] = [list(pair) for pair in timed]
+        write_json(path, data, "the verify costs")
+        return timed
 
     def time_verify_blocks(self, slot: int, ids: list[int], ks: tuple[int, ...] = VERIFY_KS,
                            repeats: int = 2) -> list[tuple[int, float]]:

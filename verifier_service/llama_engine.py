@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from shared.engine import ForwardItem
-from shared.llama_runtime import GGUFWeights, LlamaModel, Segment, resolve_gguf
+from shared.llama_runtime import GGUFWeights, LlamaModel, Segment, cost_key, resolve_gguf
 from shared.models import load_tokenizer, tokenizer_fingerprint
 from verifier_service.engine import BatchForward, ModelInfo
 
@@ -123,7 +123,8 @@ class LlamaCppEngine(BatchForward):
             return
         ids = [i % self.info.vocab_size for i in range(16)]
         self.forward([ForwardItem(slot, 0, ids, False)])
-        self.info = replace(self.info, verify_ms=self.time_verify_blocks(slot, ids))
+        key = f"llama.cpp|{cost_key(self.model)}"
+        self.info = replace(self.info, verify_ms=self.measured_verify_ms(slot, ids, key))
         self.release(slot)
 
 

@@ -17,7 +17,7 @@ from shared.graphs import StaticForwards
 from shared.kv_pool import ATTENTION_NAME, KVPool, attention_kernels
 from shared.llama_runtime import pick_engine
 from shared.models import ModelSpecError, load_tokenizer, pick_device
-from verifier_service.engine import BatchForward, Engine, PoolSlots
+from verifier_service.engine import BatchForward, Engine, PoolSlots, device_name
 from verifier_service.hf_models import (
     DEFAULT_KV_BUDGET,
     attention_devices,
@@ -96,7 +96,10 @@ class CausalEngine(PoolSlots, BatchForward):
         ids = [i % self.info.vocab_size for i in range(16)]
         self.forward([ForwardItem(slot, 0, ids, False)])
         self.forward([ForwardItem(slot, 16, ids[:5], True)])
-        self.info = replace(self.info, verify_ms=self.time_verify_blocks(slot, ids))
+        key = (f"transformers|{self.info.name}|{self.info.dtype}|{device_name(self.device)}"
+               f"|threads={torch.get_num_threads()}|attention={self.attention}"
+               f"|graphs={self.static is not None}|torch={torch.__version__}")
+        self.info = replace(self.info, verify_ms=self.measured_verify_ms(slot, ids, key))
         self.pool.release(slot)
         log.info("attention kernels (%s): %s", self.attention,
                  attention_kernels(self.model.config, self.dtype, self.device))
