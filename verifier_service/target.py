@@ -99,7 +99,11 @@ class CausalEngine(PoolSlots, BatchForward):
         key = (f"transformers|{self.info.name}|{self.info.dtype}|{device_name(self.device)}"
                f"|threads={torch.get_num_threads()}|attention={self.attention}"
                f"|graphs={self.static is not None}|torch={torch.__version__}")
-        self.info = replace(self.info, verify_ms=self.measured_verify_ms(slot, ids, key))
+        # Tensor parallel: every rank times (the same forwards, so their collectives match)
+        # rather than each deciding from a file that may differ between hosts.
+        costs = (self.time_verify_blocks(slot, ids) if dist.is_available() and
+                 dist.is_initialized() else self.measured_verify_ms(slot, ids, key))
+        self.info = replace(self.info, verify_ms=costs)
         self.pool.release(slot)
         log.info("attention kernels (%s): %s", self.attention,
                  attention_kernels(self.model.config, self.dtype, self.device))
