@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shared.dtype_choice import load_lm_auto
+from shared.dtype_choice import cache_key, load_lm_auto
 from shared.engine import ForwardItem, pooled_forward
 from shared.graphs import StaticForwards
 from shared.kv_pool import ATTENTION_NAME, KVPool, attention_kernels
@@ -96,9 +96,11 @@ class CausalEngine(PoolSlots, BatchForward):
         ids = [i % self.info.vocab_size for i in range(16)]
         self.forward([ForwardItem(slot, 0, ids, False)])
         self.forward([ForwardItem(slot, 16, ids[:5], True)])
-        key = (f"transformers|{self.info.name}|{self.info.dtype}|{device_name(self.device)}"
-               f"|threads={torch.get_num_threads()}|attention={self.attention}"
-               f"|graphs={self.static is not None}|torch={torch.__version__}")
+        # the model file on this machine, threads and torch (as --dtype auto's record), and
+        # what else the forwards depend on
+        key = (f"transformers|{cache_key(self.info.name)}|{self.info.dtype}"
+               f"|{device_name(self.device)}|attention={self.attention}"
+               f"|graphs={self.static is not None}")
         # Tensor parallel: every rank times (the same forwards, so their collectives match)
         # rather than each deciding from a file that may differ between hosts.
         costs = (self.time_verify_blocks(slot, ids) if dist.is_available() and
