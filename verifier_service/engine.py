@@ -211,7 +211,7 @@ class BatchForward:
         from :func:`verify_costs_path`: on a CPU the sweep takes tens of seconds, and a start
         on the same machine measures the same costs within its noise (the client's cost model
         soon replaces them with what it measures itself)."""
-        ks = tuple(k for k in VERIFY_KS if 16 + k + 1 <= self.info.max_context)
+        ks = self.verify_ks()
         key = f"{key}|ks={','.join(map(str, ks))}"
         path = verify_costs_path()
         known = read_json(path).get(key)
@@ -220,19 +220,22 @@ class BatchForward:
             log.info("verify costs of an earlier start (%s)", path)
             return [(int(k), float(ms)) for k, ms in known]
         timed = self.time_verify_blocks(slot, ids, ks)
-        data = read_json(path)
+        data = read_json(path)  # again: another verifier may have written during the sweep
         data[key] = [list(pair) for pair in timed]
         write_json(path, data, "the verify costs")
         return timed
 
-    def time_verify_blocks(self, slot: int, ids: list[int], ks: tuple[int, ...] = VERIFY_KS,
+    def verify_ks(self) -> tuple[int, ...]:
+        """The :data:`VERIFY_KS` whose block fits a session after the 16-token warm-up cache."""
+        return tuple(k for k in VERIFY_KS if 16 + k + 1 <= self.info.max_context)
+
+    def time_verify_blocks(self, slot: int, ids: list[int], ks: tuple[int, ...] | None = None,
                            repeats: int = 2) -> list[tuple[int, float]]:
-        """[k, ms] of a verify forward of k drafts on the 16-token warm-up cache (the fastest
-        of ``repeats``, after one untimed): what ``/v1/info`` reports as ``verify_ms``."""
+        """[k, ms] of a verify forward of k drafts (default: :meth:`verify_ks`) on the 16-token
+        warm-up cache (the fastest of ``repeats``, after one untimed): what ``/v1/info``
+        reports as ``verify_ms``."""
         timings = []
-        for k in ks:
-            if 16 + k + 1 > self.info.max_context:
-                break
+        for k in self.verify_ks() if ks is None else ks:
             block = [ids[i % len(ids)] for i in range(k + 1)]
             times = []
             for i in range(repeats + 1):
