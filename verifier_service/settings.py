@@ -26,7 +26,8 @@ class Settings(BaseSettings):
     engine: Literal["auto", "transformers", "llama-cpp"] = Field(
         "auto", description="what runs the target: transformers (any device), or llama.cpp "
         "for a .gguf file or a short name whose GGUF is kept (CPU; needs the [llama] extra); "
-        "auto: llama.cpp for a .gguf file on a CPU where it is installed, else transformers")
+        "auto: llama.cpp on a CPU where it is installed, for a .gguf file or a short name "
+        "whose GGUF is kept, else transformers")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: on a CPU the faster of float32 and bfloat16 for this "
         "model, measured at its first load here and cached in $SPECDEC_DTYPE_CACHE (default "

@@ -112,7 +112,8 @@ def _drafter(p: argparse.ArgumentParser) -> None:
                    choices=["auto", "transformers", "llama-cpp"],
                    help="what runs a model drafter: transformers, or llama.cpp for a .gguf "
                    "file or a short name whose GGUF is kept (the [llama] extra); auto: "
-                   "llama.cpp for a .gguf file on a CPU where it is installed")
+                   "llama.cpp on a CPU where it is installed, for a .gguf file or a short "
+                   "name whose GGUF is kept")
     p.add_argument("--threads", type=int, default=OPTIONS.threads,
                    help="CPU threads of the drafter (torch's, or llama.cpp's); 0: the default")
 

@@ -130,6 +130,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _verifier(args: argparse.Namespace, threads: int, cpus: str | None) -> VerifierProcess:
     # A small KV pool: one client at a time needs little, and this process holds two models.
     process = VerifierProcess(["--model", args.target, "--dtype", args.dtype,
+                               "--engine", args.engine,
                                "--kv-budget-tokens", "8192", "--max-context", "4096"],
                               threads=threads)
     if cpus is not None:
@@ -146,7 +147,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "greedy" in args.sections or "sampling" in args.sections:
         every = parse(args.systems) + parse(args.sampling_systems)
         with _verifier(args, args.threads, None) as process:
-            runner = Runner(process.url, args.target, args.drafter, args.dtype, every)
+            runner = Runner(process.url, args.target, args.drafter, args.dtype, every,
+                            engine=args.engine)
             runner.warm(every)
             if "greedy" in args.sections:
                 records += run_section("greedy", runner, parse(args.systems), prompts,
@@ -169,7 +171,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         work = workloads(1)
         first = [work[w][0] for w in args.two_host_workloads]
         with _verifier(args, 1, str(cpus[1])) as process:
-            runner = Runner(process.url, args.target, args.drafter, args.dtype, systems)
+            runner = Runner(process.url, args.target, args.drafter, args.dtype, systems,
+                            engine=args.engine)
             runner.warm(systems)
             for rtt in args.rtts:
                 records += run_section("two-host", runner, systems, first, Sampling(),

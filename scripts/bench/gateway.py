@@ -22,6 +22,7 @@ import torch
 
 from drafter_client import ClientSettings, SpecDecClient
 from drafter_client.gateway import GatewaySettings, create_gateway
+from drafter_client.settings import DrafterOptions
 from scripts.bench.common import (
     add_base_arguments,
     load_prompts,
@@ -97,8 +98,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         drafter = args.drafter if args.drafter_kind == "model" else args.drafter_kind
         client = SpecDecClient(url, drafter, None if args.drafter_kind == "model"
                                else args.drafter,
-                               settings=ClientSettings(num_draft_tokens=str(args.k),
-                                                       dtype=args.dtype))
+                               settings=ClientSettings(
+                                   num_draft_tokens=str(args.k), dtype=args.dtype,
+                                   options=DrafterOptions(engine=args.engine)))
         settings = GatewaySettings(NAME, max_concurrency=max(args.concurrency))
         import openai  # here, not at import: `python -m scripts.bench` runs without it (GPU box)
 

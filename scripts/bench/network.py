@@ -47,14 +47,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for delay in args.delays:
             how = net.impair(delay, args.loss)
             procs, url = net.serve(["--model", args.target, "--threads", str(args.threads),
-                                    "--dtype", args.dtype], delay_ms=delay)
+                                    "--dtype", args.dtype, "--engine", args.engine],
+                                   delay_ms=delay)
             try:
                 common = ["--verifier-url", url, "--prompt", prompt, "--chat",
                           "--max-new-tokens", str(args.max_new_tokens), "--json"]
                 runs = [("target alone", ["baseline", *common])]
                 runs += [(f"specdec {d}", ["generate", *common, "-k", args.k, "--drafter",
                                            args.drafter if d == "model" else d,
-                                           "--threads", str(args.threads)]
+                                           "--threads", str(args.threads),
+                                           "--drafter-engine", args.engine]
                           + (["--tokenizer", args.drafter] if d != "model" else []))
                          for d in args.drafters]
                 base_tps = None

@@ -108,10 +108,11 @@ class Systems:
     ``HF_METHODS``, each with a k."""
 
     def __init__(self, url: str, target: str, drafter: str, drafters: list[str], dtype: str,
-                 hf: bool, draft_min_prob: float = 0.4) -> None:
+                 hf: bool, draft_min_prob: float = 0.4, engine: str = "transformers") -> None:
         self.draft_min_prob = draft_min_prob
         known = [self.system(f"specdec {name}", None) for name in drafters]
-        self.runner = Runner(url, target, drafter, dtype, known, hf=hf, device="auto")
+        self.runner = Runner(url, target, drafter, dtype, known, hf=hf, device="auto",
+                             engine=engine)
         self.base_client = self.runner.base
 
     def system(self, name: str, k: int | str | None) -> System:
@@ -270,7 +271,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     with verifier(args) as url:
         systems = Systems(url, args.target, args.drafter, args.drafters,
-                          args.dtype, hf=not args.no_hf, draft_min_prob=args.draft_min_prob)
+                          args.dtype, hf=not args.no_hf, draft_min_prob=args.draft_min_prob,
+                          engine=args.engine)
         cells = plan(args, systems)
         warm = list(systems.encode(Prompt("warm", "warm", "def f(x):", chat=False)))
         for system, k in {s for c in cells for s in c.systems}:  # warm every path once

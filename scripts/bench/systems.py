@@ -65,10 +65,12 @@ class System:
                 raise SystemExit(f"system {text!r}: unknown setting {word!r}")
         return cls(text, kind, method, k, DrafterOptions(**opts), reproducible, beams)
 
-    def client_settings(self, dtype: str) -> ClientSettings:
-        """The client settings of a specdec system: the client's defaults where it is silent."""
+    def client_settings(self, dtype: str, engine: str = "transformers") -> ClientSettings:
+        """The client settings of a specdec system: the client's defaults where it is silent;
+        ``engine``: what runs the drafter model."""
         return dataclasses.replace(DEFAULTS, num_draft_tokens=self.k or DEFAULTS.num_draft_tokens,
-                                   options=self.options, dtype=dtype)
+                                   options=dataclasses.replace(self.options, engine=engine),
+                                   dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,8 @@ class Runner:
     ``hf``: load transformers' target and drafter (on ``device``) for the ``hf`` systems."""
 
     def __init__(self, url: str, target: str, drafter: str, dtype: str,
-                 systems: list[System], hf: bool = True, device: str = "cpu") -> None:
+                 systems: list[System], hf: bool = True, device: str = "cpu",
+                 engine: str = "transformers") -> None:
         self.clients: dict[str, SpecDecClient] = {}
         self.base = SpecDecClient(url, None, tokenizer=drafter)
         model_client: SpecDecClient | None = None  # one drafter model for every setting
@@ -100,10 +103,10 @@ class Runner:
                 continue
             if s.method in MODEL_FREE_DRAFTERS:
                 self.clients[s.text] = SpecDecClient(url, s.method, tokenizer=drafter,
-                                                     settings=s.client_settings(dtype))
+                                                     settings=s.client_settings(dtype, engine))
             elif model_client is None:
                 model_client = self.clients[s.text] = SpecDecClient(
-                    url, drafter, settings=s.client_settings(dtype))
+                    url, drafter, settings=s.client_settings(dtype, engine))
             else:
                 self.clients[s.text] = model_client.with_options(s.options)
         self.hf_target: Any = None
