@@ -56,7 +56,7 @@ def main() -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b")
     parser.add_argument("--drafter", default="qwen2.5-coder-0.5b")
     parser.add_argument("-k", "--num-draft-tokens", default=DEFAULTS.num_draft_tokens)
-    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--max-new-tokens", type=int, default=DEFAULTS.sampling.max_new_tokens)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     args = parser.parse_args()
     # The client's defaults (drafter_client/settings.py), with the demo's length and threads.

@@ -16,6 +16,7 @@ Usage: python scripts/fetch_models.py [--models qwen2.5-coder-0.5b ...] [--keep-
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import shutil
@@ -98,9 +99,18 @@ def convert_to_safetensors(model: OfflineModel, gguf: Path, out_dir: Path) -> No
     hf_logging.set_verbosity_error()  # its notes on GGUF dtypes and load reports: not for users
     hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
-    )
+    # transformers' GGUF reader draws its own tqdm bar, which disable_progress_bar() does not
+    # reach: one line in a terminal, a wall of text in a log file. Shown in a terminal only.
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(bar, disable=None, leave=False)  # None: not a TTY
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.bfloat16
+        )
+    finally:
+        gguf_utils.tqdm = bar
     # save_pretrained refuses a GGUF-loaded model: rebuild it from its config and move the weights.
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     config.dtype = torch.bfloat16

@@ -24,13 +24,15 @@ def server():  # type: ignore[no-untyped-def]
         resolve_model_spec("qwen2.5-coder-0.5b")
     except ModelSpecError as exc:
         pytest.skip(str(exc))
-    settings = Settings(model="qwen2.5-coder-1.5b", dtype="float32", device="cpu")
+    settings = Settings(model="qwen2.5-coder-1.5b", engine="transformers", dtype="float32",
+                        device="cpu")
     with LiveServer(settings) as live:
         yield live
 
 
 def test_real_pair_greedy_is_exact_in_fp32(server):  # type: ignore[no-untyped-def]
-    client = SpecDecClient(server.url, "qwen2.5-coder-0.5b", dtype="float32", device="cpu")
+    client = SpecDecClient(server.url, "qwen2.5-coder-0.5b", dtype="float32", device="cpu",
+                           options=DrafterOptions(engine="transformers"))
     prompt = client.encode("Write a Python function that reverses a string.", chat=True)
     result = client.generate(prompt, num_draft_tokens=4, max_new_tokens=32)
     target = load_causal_lm("qwen2.5-coder-1.5b", torch.float32, torch.device("cpu"))
@@ -41,7 +43,8 @@ def test_real_pair_greedy_is_exact_in_fp32(server):  # type: ignore[no-untyped-d
 
 
 def test_real_pair_sampling_runs(server):  # type: ignore[no-untyped-def]
-    client = SpecDecClient(server.url, "qwen2.5-coder-0.5b", dtype="float32", device="cpu")
+    client = SpecDecClient(server.url, "qwen2.5-coder-0.5b", dtype="float32", device="cpu",
+                           options=DrafterOptions(engine="transformers"))
     result = client.generate("def fibonacci(n):", num_draft_tokens=4, max_new_tokens=24,
                              temperature=0.7, top_p=0.9, seed=1)
     assert 0 < len(result.token_ids) <= 24
