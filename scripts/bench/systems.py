@@ -108,7 +108,8 @@ class Runner:
                 model_client = self.clients[s.text] = SpecDecClient(
                     url, drafter, settings=s.client_settings(dtype, engine))
             else:
-                self.clients[s.text] = model_client.with_options(s.options)
+                self.clients[s.text] = model_client.with_options(
+                    dataclasses.replace(s.options, engine=engine))
         self.hf_target: Any = None
         self.hf_drafter: Any = None
         self.hf_defaults: dict[str, Any] = {}
