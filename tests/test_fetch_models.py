@@ -1,0 +1,56 @@
+"""``scripts/fetch_models.py``: which GGUF files it keeps (what ``--engine auto`` then runs on a
+CPU), without downloading anything: the converted folder is faked, the GGUF fetch recorded."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts import fetch_models
+from shared.models import offline_model_dir
+
+NAME = "qwen2.5-coder-1.5b"
+
+
+@pytest.fixture
+def fetched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """A home where NAME's converted folder is ready; returns the GGUF fetches made."""
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    folder = offline_model_dir(NAME)
+    folder.mkdir(parents=True)
+    (folder / fetch_models.MARKER).write_text("{}")
+    calls: list[str] = []
+    monkeypatch.setattr(fetch_models, "fetch_gguf", lambda name: calls.append(name))
+    return calls
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_the_gguf_is_kept_where_llama_cpp_is_installed(
+        fetched: list[str], monkeypatch: pytest.MonkeyPatch, installed: bool) -> None:
+    monkeypatch.setattr(fetch_models, "llama_available", lambda: installed)
+    assert fetch_models.fetch(NAME) == offline_model_dir(NAME)
+    assert fetched == ([NAME] if installed else [])
+
+
+@pytest.mark.parametrize(("flag", "installed", "kept"), [
+    ("--keep-gguf", False, True),  # asked for: kept even where llama.cpp is not installed
+    ("--drop-gguf", True, False),
+    (None, True, True),
+])
+def test_the_flags_decide_over_the_default(fetched: list[str], monkeypatch: pytest.MonkeyPatch,
+                                           flag: str | None, installed: bool,
+                                           kept: bool) -> None:
+    monkeypatch.setattr(fetch_models, "llama_available", lambda: installed)
+    argv = ["fetch_models.py", "--models", NAME, *([flag] if flag else [])]
+    monkeypatch.setattr(sys, "argv", argv)
+    fetch_models.main()
+    assert fetched == ([NAME] if kept else [])
+
+
+def test_keep_and_drop_together_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["fetch_models.py", "--keep-gguf", "--drop-gguf"])
+    with pytest.raises(SystemExit) as exc:
+        fetch_models.main()
+    assert exc.value.code == 2
