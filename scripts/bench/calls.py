@@ -68,7 +68,8 @@ def tiny_target(root: Path) -> str:
 
 def verifier_flags(target: str, device: str, dtype: str, sessions: int, k: int) -> list[str]:
     """A verifier with room for ``sessions`` sessions of 4096 tokens, all in one batch."""
-    return ["--model", target, "--dtype", dtype, "--device", device, "--max-context", "4096",
+    return ["--model", target, "--engine", "transformers", "--dtype", dtype, "--device", device,
+            "--max-context", "4096",
             "--kv-budget-tokens", str(4096 * (sessions + 4)), "--max-sessions",
             str(sessions + 4), "--max-batch-size", str(sessions), "--max-batch-tokens",
             str(sessions * (k + 1) + 64), "--max-queue", str(4 * sessions + 16),

@@ -198,9 +198,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     verifier = VerifierProcess(["--model", str(target), "--engine", "llama-cpp",
                                 "--kv-budget-tokens", str(args.kv_budget_tokens),
                                 "--max-context", "4096"], threads=args.threads)
-    hf_verifier = VerifierProcess(["--model", args.target, "--kv-budget-tokens",
-                                   str(args.kv_budget_tokens), "--max-context", "4096"],
-                                  threads=args.threads)
+    hf_verifier = VerifierProcess(["--model", args.target, "--engine", "transformers",
+                                   "--kv-budget-tokens", str(args.kv_budget_tokens),
+                                   "--max-context", "4096"], threads=args.threads)
     try:
         for name, extra in peers.items():
             servers[name] = LlamaServer(binary, target, args.threads, extra)
@@ -212,7 +212,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             clients["specdec transformers: target alone"] = (
                 SpecDecClient(hf_verifier.url, None, tokenizer=tokenizer), None, True)
             clients["specdec transformers: default (model + lookup, -k auto)"] = (
-                SpecDecClient(hf_verifier.url, args.drafter), "auto", False)
+                SpecDecClient(hf_verifier.url, args.drafter,
+                              options=DrafterOptions(engine="transformers")), "auto", False)
         for name, (kind, options, k) in SPECDEC.items():
             if kind is None:
                 clients[name] = (SpecDecClient(verifier.url, None, tokenizer=tokenizer), k, True)
