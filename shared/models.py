@@ -72,6 +72,11 @@ def offline_model_dir(short_name: str) -> Path:
     return specdec_home() / "models" / short_name
 
 
+def offline_gguf_path(short_name: str) -> Path:
+    """Where the assembled GGUF file of a short name of the offline pair is kept."""
+    return specdec_home() / "gguf" / OFFLINE_MODELS[short_name].gguf_name
+
+
 def resolve_model_spec(spec: str) -> tuple[str, str | None]:
     """Return ``(path_or_hub_id, gguf_file)`` for ``from_pretrained``."""
     if spec in OFFLINE_MODELS:
