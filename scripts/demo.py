@@ -70,7 +70,10 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()  # the drafter's load: one line of ours says what it chose
     started = time.perf_counter()
-    with VerifierProcess(["--model", args.target], threads=args.threads) as verifier:
+    # --engine auto said outright, so a SPECDEC_ENGINE in the environment cannot make the
+    # engine printed below differ from the one the verifier runs
+    with VerifierProcess(["--model", args.target, "--engine", "auto"],
+                         threads=args.threads) as verifier:
         client = SpecDecClient(verifier.url, args.drafter, settings=settings)
         info = client.info
         costs = ", ".join(f"k={k}: {ms:.0f} ms" for k, ms in (info.verify_ms or [])[:4])

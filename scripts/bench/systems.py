@@ -65,12 +65,15 @@ class System:
                 raise SystemExit(f"system {text!r}: unknown setting {word!r}")
         return cls(text, kind, method, k, DrafterOptions(**opts), reproducible, beams)
 
+    def drafter_options(self, engine: str) -> DrafterOptions:
+        """The system's drafter options, its drafter model run by ``engine``."""
+        return dataclasses.replace(self.options, engine=engine)
+
     def client_settings(self, dtype: str, engine: str = "transformers") -> ClientSettings:
         """The client settings of a specdec system: the client's defaults where it is silent;
         ``engine``: what runs the drafter model."""
         return dataclasses.replace(DEFAULTS, num_draft_tokens=self.k or DEFAULTS.num_draft_tokens,
-                                   options=dataclasses.replace(self.options, engine=engine),
-                                   dtype=dtype)
+                                   options=self.drafter_options(engine), dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -108,8 +111,7 @@ class Runner:
                 model_client = self.clients[s.text] = SpecDecClient(
                     url, drafter, settings=s.client_settings(dtype, engine))
             else:
-                self.clients[s.text] = model_client.with_options(
-                    dataclasses.replace(s.options, engine=engine))
+                self.clients[s.text] = model_client.with_options(s.drafter_options(engine))
         self.hf_target: Any = None
         self.hf_drafter: Any = None
         self.hf_defaults: dict[str, Any] = {}
