@@ -38,7 +38,8 @@ import statistics
 from typing import Protocol
 
 DRAFT_SAMPLES = 7  # per-token drafting times the cost model's median is over
-PLAIN_RUN = 8  # most extra plain steps asked for in one round trip where k = 0
+PLAIN_RUN = 15  # most extra plain steps asked for in one round trip where k = 0 (the
+# verifier's max_draft_tokens caps it too: 16 by default, one call per 16 tokens)
 COPY_SAVING = 0.6  # the share of a plain step that a copied (free-draft) token saves
 OPTIMISTIC_ACCEPTANCE = 0.9  # a probe is made only where drafting would pay at this rate
 PROBE_SHARE = 0.03  # probes may cost at most this share of the time spent in plain steps

@@ -311,7 +311,9 @@ def speculative_generate(
                 in_flight = InFlight(pool, drafter, k, config,
                                      torch.Generator().manual_seed(seed),
                                      room=settings.max_new_tokens - generated)
-            run = schedule.plain_run(max_depth, drafter.copy_rate) if k == 0 else 0
+            # a plain run asks for at most max_draft_tokens more steps (the verifier's cap)
+            run = (schedule.plain_run(min(max_depth, info.max_draft_tokens), drafter.copy_rate)
+                   if k == 0 else 0)
             outcome = speculative_block(session, drafter, k, config, generator, info,
                                         max_depth, drafted=ahead, in_flight=in_flight,
                                         plain_run=run)
