@@ -135,6 +135,7 @@ def main() -> None:
                     spec = client.generate(prompt, chat=True)
                 if stream is not None:
                     stream.finish()
+                    print()
                 pairs.append((spec, base))
             lines.append(f"{name}: {summary(pairs)}")
         print("\n=== result ===")
