@@ -24,7 +24,7 @@ import torch
 from drafter_client.drafters import Draft, HFDrafter, align_vocab
 from shared.engine import ForwardItem, pooled_forward
 from shared.graphs import StaticForwards
-from shared.kv_pool import ATTENTION_NAME, KVPool
+from shared.kv_pool import KVPool, use_ragged_attention
 from shared.sampling import SamplingConfig, greedy_tokens
 
 
@@ -49,7 +49,7 @@ class PooledDrafter(HFDrafter):
         slot = self.pool.allocate()
         assert slot is not None
         self.slot = slot
-        model.set_attn_implementation(ATTENTION_NAME)
+        use_ragged_attention(model)
         self.static = StaticForwards(model, self.pool, self.device, max_batch=1, capture=capture)
         self.static.warm()
         self.last_row: torch.Tensor | None = None  # [drafter vocab] after the last cached token

@@ -31,8 +31,10 @@ which copies K/V per query head); prefills pass ``is_causal``.
 Rolling back a rejected draft is moving the session's length; nothing is erased.
 
 The attention function is registered with transformers' AttentionInterface under the name
-``specdec_ragged``; transformers skips its own mask building for such custom functions, and passes
-our ``ragged_batch`` keyword through to every attention call.
+``specdec_ragged`` when a model first uses it (:func:`use_ragged_attention`; importing this module
+does not import transformers' modelling code, which takes seconds: a llama.cpp verifier never
+needs it); transformers skips its own mask building for such custom functions, and passes our
+``ragged_batch`` keyword through to every attention call.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
 from shared.kv_regions import Regions
 from shared.transfer import Upload
@@ -481,4 +482,10 @@ def _planned_attention(batch: RaggedBatch, keys: torch.Tensor, values: torch.Ten
     return out[None], None
 
 
-AttentionInterface.register(ATTENTION_NAME, ragged_attention)
+
+def use_ragged_attention(model: Any) -> None:
+    """Run ``model``'s attention through :func:`ragged_attention` (registered on first use)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, ragged_attention)
+    model.set_attn_implementation(ATTENTION_NAME)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from shared.dtype_choice import cache_key, load_lm_auto
 from shared.engine import ForwardItem, pooled_forward
 from shared.graphs import StaticForwards
-from shared.kv_pool import ATTENTION_NAME, KVPool, attention_kernels
+from shared.kv_pool import KVPool, attention_kernels, use_ragged_attention
 from shared.llama_runtime import pick_engine
 from shared.models import ModelSpecError, load_tokenizer, pick_device
 from verifier_service.engine import BatchForward, Engine, PoolSlots, device_name
@@ -54,7 +54,7 @@ class CausalEngine(PoolSlots, BatchForward):
         self.pool = KVPool(model.config, num_slots, self.info.max_context, self.dtype,
                            attention_devices(model, layers, self.device), tp_size,
                            total_tokens=max(kv_budget_tokens, self.info.max_context))
-        model.set_attn_implementation(ATTENTION_NAME)
+        use_ragged_attention(model)
         log.info("KV pool: %d tokens (%.0f MiB): %d sessions of %d tokens, up to %d at %d",
                  self.pool.regions.total, self.pool.nbytes / 2**20, self.pool.num_slots,
                  self.pool.regions.smallest, num_slots, self.info.max_context)
