@@ -19,6 +19,15 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Modules with a ``slow`` test run first, each module's tests still together (its
+    fixtures are set up once per worker). pytest-xdist hands each worker a contiguous share of
+    this order and idle workers steal from the end of the others' queues, so the run ends on
+    short tests instead of one worker finishing a minute-long chi-square test alone."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # stable: the order within is kept
+
+
 @pytest.fixture(scope="session", autouse=True)
 def dtype_choices(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """``--dtype auto`` records its measured choices for the tests' tiny models, llama.cpp's
