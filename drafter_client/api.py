@@ -35,6 +35,7 @@ from drafter_client.model_free import (
     NGramDrafter,
     NGramOptions,
     PromptLookupDrafter,
+    special_ids,
 )
 from drafter_client.settings import (
     MODEL_FREE_DRAFTERS,
@@ -63,13 +64,15 @@ from shared.schema import PROTOCOL_VERSION, GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
-def build_model_free(name: str, options: DrafterOptions) -> Drafter:
+def build_model_free(name: str, options: DrafterOptions,
+                     stop_ids: frozenset[int] = frozenset()) -> Drafter:
     if name == "ngram":
         return NGramDrafter(NGramOptions(options.ngram_n, options.ngram_kind,
                                          options.ngram_top_k_filler,
                                          options.ngram_stop_if_unknown))
     if name == "prompt-lookup":
-        return PromptLookupDrafter(options.lookup_min_ngram, options.lookup_max_ngram)
+        return PromptLookupDrafter(options.lookup_min_ngram, options.lookup_max_ngram,
+                                   stop_ids)
     return BigramDrafter()
 
 
@@ -153,7 +156,8 @@ class SpecDecClient:
         self.drafter_dtype: str | None = None  # a model drafter's dtype, and why
         if isinstance(drafter, str) and drafter in MODEL_FREE_DRAFTERS:
             name = drafter
-            self._new_drafter = lambda: build_model_free(name, options)
+            self._new_drafter = lambda: build_model_free(name, options,
+                                                         special_ids(self.tokenizer))
             try:
                 drafter = self._new_drafter()
             except ValueError as exc:
@@ -238,7 +242,8 @@ class SpecDecClient:
                             tree_width=options.tree_width)
             if options.lookup and not seq2seq:
                 return HybridDrafter(made, PromptLookupDrafter(
-                    options.lookup_min_ngram, options.lookup_max_ngram), options.lookup_tokens)
+                    options.lookup_min_ngram, options.lookup_max_ngram,
+                    special_ids(self.tokenizer)), options.lookup_tokens)
             return made
 
         try:

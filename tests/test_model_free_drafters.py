@@ -21,6 +21,7 @@ from drafter_client.model_free import (
     NGramDrafter,
     NGramOptions,
     PromptLookupDrafter,
+    special_ids,
 )
 from shared.sampling import SamplingConfig
 
@@ -110,6 +111,31 @@ def test_prompt_lookup_copies_from_a_longer_match_in_the_source() -> None:
     drafter.reset([7, 5, 6, 1, 2], encoder_ids=[9, 1, 2, 3, 4])  # "1 2" only in the source
     drafter.commit([])
     assert propose(drafter, 2) == [3, 4] and drafter.matched == 2
+
+
+def test_prompt_lookup_stops_before_the_prompts_control_tokens() -> None:
+    """A snippet quoted in a chat prompt is followed there by the end-of-turn and the next
+    turn's marker (99, 98 here); the answer that copies the snippet goes on with its own text,
+    so the copy is proposed up to those tokens only, and not at all where one comes next."""
+    snippet = [5, 6, 7, 8]
+    drafter = PromptLookupDrafter(min_ngram=1, max_ngram=12, stop_ids={98, 99})
+    drafter.reset([98, 3, *snippet, 99, 98, 4, 5, 6])  # the answer has begun the copy
+    assert propose(drafter, 8) == [7, 8] and drafter.matched == 2  # "5 6"
+    drafter.commit([7, 8])
+    assert propose(drafter, 8) == [] and drafter.matched == 0  # only markers would follow
+    plain = PromptLookupDrafter(min_ngram=1, max_ngram=12)  # no stop ids: copies into them
+    plain.reset([98, 3, *snippet, 99, 98, 4, 5, 6])
+    assert propose(plain, 4) == [7, 8, 99, 98]
+
+
+def test_special_ids_are_the_tokenizers_control_tokens(tiny_models: dict[str, Any]) -> None:
+    from shared.models import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_models["gpt2-target"]))
+    ids = special_ids(tokenizer)
+    assert tokenizer.eos_token_id in ids and tokenizer.convert_tokens_to_ids("<unk>") in ids
+    assert all(not tokenizer.convert_ids_to_tokens(i).isalpha() for i in ids)  # no words
+    assert special_ids(object()) == frozenset()
 
 
 class ZeroModel(Drafter):
