@@ -482,7 +482,6 @@ def _planned_attention(batch: RaggedBatch, keys: torch.Tensor, values: torch.Ten
     return out[None], None
 
 
-
 def use_ragged_attention(model: Any) -> None:
     """Run ``model``'s attention through :func:`ragged_attention` (registered on first use)."""
     from transformers import AttentionInterface
