@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -30,7 +30,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
 from drafter_client.api import SpecDecClient
-from drafter_client.gateway.engine import Finished, Gateway, GatewaySettings, Job
+from drafter_client.gateway.engine import (
+    ClientGone,
+    Finished,
+    Gateway,
+    GatewaySettings,
+    Job,
+)
 from drafter_client.gateway.schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -62,7 +68,18 @@ def _gateway(request: Request) -> Gateway:
     return gateway
 
 
-async def _stream(gateway: Gateway, job: Job,
+def _hang_up(request: Request) -> Callable[[], Awaitable[None]]:
+    """Waits until the client hangs up (the body is read by then: what arrives next on the
+    connection is its end)."""
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    return gone
+
+
+async def _stream(request: Request, gateway: Gateway, job: Job,
                   body: CompletionRequest | ChatCompletionRequest,
                   chunk: Callable[[str, str | None], dict[str, Any]],
                   first: dict[str, Any] | None = None) -> Response:
@@ -74,7 +91,7 @@ async def _stream(gateway: Gateway, job: Job,
             return None
         return {**chunk("", None), "choices": [], "usage": _usage(len(job.prompt_ids), done)}
 
-    events = await gateway.stream(job, chunk, usage, first)
+    events = await gateway.stream(job, chunk, usage, first, gone=_hang_up(request))
     return StreamingResponse(events, media_type="text/event-stream")
 
 
@@ -90,8 +107,8 @@ async def completions(request: Request) -> Response:
                              "finish_reason": finish}]}
 
     if body.stream:
-        return await _stream(gateway, job, body, chunk)
-    done = await gateway.run(job)
+        return await _stream(request, gateway, job, body, chunk)
+    done = await gateway.run(job, gone=_hang_up(request))
     payload = chunk(done.text, done.finish_reason)
     payload.update(usage=_usage(len(job.prompt_ids), done),
                    specdec=done.result.metrics.to_dict())
@@ -113,8 +130,8 @@ async def chat_completions(request: Request) -> Response:
     if body.stream:
         first = chunk("", None)
         first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        return await _stream(gateway, job, body, chunk, first)
-    done = await gateway.run(job)
+        return await _stream(request, gateway, job, body, chunk, first)
+    done = await gateway.run(job, gone=_hang_up(request))
     return _json({
         "id": rid, "object": "chat.completion", "created": created, "model": name,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
@@ -153,6 +170,11 @@ async def _openai_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, OpenAIError)
     headers = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
     return _json(exc.body(), exc.status, headers)
+
+
+async def _client_gone(_: Request, exc: Exception) -> Response:
+    """Nobody reads it: 499 (nginx's "client closed request") for the access log and metrics."""
+    return Response(status_code=499)
 
 
 async def _framework_error(_: Request, exc: Exception) -> Response:
@@ -223,6 +245,7 @@ def create_gateway(client: SpecDecClient, settings: GatewaySettings) -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", prometheus, methods=["GET"], include_in_schema=False)
     app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(ClientGone, _client_gone)
     app.add_exception_handler(StarletteHTTPException, _framework_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, reject=_reject_body,

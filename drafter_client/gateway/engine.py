@@ -3,7 +3,9 @@ its own fork of the :class:`SpecDecClient`; plain answers and server-sent event 
 
 At most ``max_concurrency`` generations run at once and ``max_waiting`` more wait; beyond that a
 429. A stream starts once its first block is verified (a failure before is an ordinary HTTP
-error); a client that hangs up stops its generation at the next block.
+error). A client that hangs up, streaming or not, stops its generation at the next block: the
+handler watches the connection while it waits (``gone``), and a job whose client left before a
+worker took it never starts.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import hmac
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +65,14 @@ class Finished:
     finish_reason: str  # "stop" (EOS or a stop string) or "length" (max_tokens or the context)
     completion_tokens: int
     result: GenerationResult
+
+
+class Abandoned(Exception):
+    """The job's client hung up before a worker took it: nothing was generated."""
+
+
+# Waits until the HTTP client hangs up (returns then); ``None``: not watched.
+Gone = Callable[[], Awaitable[None]] | None
 
 
 def _verifier_error(exc: SpecDecError) -> OpenAIError:
@@ -211,6 +221,8 @@ class Gateway:
             self._started(-1)
 
     def _generate(self, job: Job, emit: Callable[[str], None] | None) -> Finished:
+        if job.cancelled.is_set():
+            raise Abandoned
         admitted = time.perf_counter()
         client = self.client.fork()
         tracker = TextTracker(client.decode, job.stops)
@@ -242,10 +254,11 @@ class Gateway:
         finish = "stop" if tracker.stopped or result.finish_reason == "stop" else "length"
         return Finished(tracker.text, finish, len(tracker.ids), result)
 
-    async def run(self, job: Job) -> Finished:
+    async def run(self, job: Job, gone: Gone = None) -> Finished:
         self.admit()
+        work = asyncio.wrap_future(self.executor.submit(self.generate, job, None))
         try:
-            return await asyncio.wrap_future(self.executor.submit(self.generate, job, None))
+            return await _unless_gone(work, gone)  # type: ignore[no-any-return]
         except SpecDecError as exc:
             raise _verifier_error(exc) from None
         finally:
@@ -253,7 +266,8 @@ class Gateway:
 
     async def stream(self, job: Job, chunk: Callable[[str, str | None], dict[str, Any]],
                      usage_chunk: Callable[[Finished], dict[str, Any] | None],
-                     first: dict[str, Any] | None = None) -> AsyncIterator[bytes]:
+                     first: dict[str, Any] | None = None, gone: Gone = None
+                     ) -> AsyncIterator[bytes]:
         """Start the generation; once its first block is verified (or it failed, which is then
         an ordinary HTTP error) return the SSE body: ``first``, one chunk per piece of text, a
         last chunk with the finish reason and the metrics, usage when asked, ``[DONE]``."""
@@ -267,9 +281,11 @@ class Gateway:
         future: Future[Finished] = self.executor.submit(self.generate, job, emit)
         future.add_done_callback(
             lambda f: loop.call_soon_threadsafe(queue.put_nowait, ("done", f)))
+        getter = asyncio.ensure_future(queue.get())
         try:
-            kind, value = await queue.get()
+            kind, value = await _unless_gone(getter, gone)
         except BaseException:
+            getter.cancel()
             job.cancelled.set()
             raise
         if kind == "done" and value.exception() is not None:
@@ -308,6 +324,32 @@ class Gateway:
             yield b"data: [DONE]\n\n"
         finally:
             job.cancelled.set()  # a client that hung up stops the generation at its next block
+
+
+class ClientGone(Exception):
+    """The HTTP client hung up while its answer was being made; nobody reads a reply."""
+
+
+async def _unless_gone(work: asyncio.Future[Any], gone: Gone) -> Any:
+    """``work``'s result; :class:`ClientGone` as soon as the client hangs up first (``work``
+    then goes on to its end unobserved: the caller cancels the job)."""
+    if gone is None:
+        return await work
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not work.done():
+        work.add_done_callback(_observe)
+        raise ClientGone
+    return work.result()
+
+
+def _observe(future: asyncio.Future[Any]) -> None:
+    """Retrieve an abandoned future's outcome, so asyncio does not log it as never read."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
