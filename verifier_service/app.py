@@ -12,9 +12,9 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from shared.connections import guarded_protocol
 from shared.http_metrics import RequestMetrics
 from shared.schema import REPLICA_HEADER
-from verifier_service.connections import guarded_protocol
 from verifier_service.engine import Engine
 from verifier_service.errors import (
     VerifierError,

@@ -282,7 +282,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from drafter_client.draft_length import make_draft_length
-    from drafter_client.gateway import GatewaySettings, create_gateway
+    from drafter_client.gateway import GatewaySettings, create_gateway, server_options
     from drafter_client.transport import SpecDecError
 
     template = None
@@ -308,7 +308,7 @@ def _serve(args: argparse.Namespace) -> int:
     print(f"specdec serve: {settings.served_model_name!r} on http://{args.host}:{args.port}/v1 "
           f"(verifier {args.verifier_url}, drafter {args.drafter})", file=sys.stderr)
     uvicorn.run(create_gateway(client, settings), host=args.host, port=args.port,
-                log_level="warning")
+                log_level="warning", **server_options(settings))
     return 0
 
 

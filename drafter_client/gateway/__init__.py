@@ -4,7 +4,7 @@
 streaming), ``schema`` (OpenAI's request models), ``metrics`` (Prometheus).
 """
 
-from drafter_client.gateway.app import create_gateway
+from drafter_client.gateway.app import create_gateway, server_options
 from drafter_client.gateway.engine import GatewaySettings
 
-__all__ = ["GatewaySettings", "create_gateway"]
+__all__ = ["GatewaySettings", "create_gateway", "server_options"]

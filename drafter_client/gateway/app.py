@@ -44,9 +44,10 @@ from drafter_client.gateway.schema import (
     parse_request,
 )
 from shared.body_limit import BodyLimit
+from shared.connections import guarded_protocol
 from shared.http_metrics import RequestMetrics
 
-__all__ = ["Gateway", "GatewaySettings", "create_gateway"]
+__all__ = ["Gateway", "GatewaySettings", "create_gateway", "server_options"]
 
 
 def _usage(prompt_tokens: int, done: Finished) -> dict[str, int]:
@@ -98,7 +99,7 @@ async def _stream(request: Request, gateway: Gateway, job: Job,
 async def completions(request: Request) -> Response:
     gateway = _gateway(request)
     body = parse_request(CompletionRequest, await request.body())
-    job = gateway.completion_job(body)
+    job = await gateway.prepare(body)
     rid, created, name = f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.model
 
     def chunk(text: str, finish: str | None) -> dict[str, Any]:
@@ -118,7 +119,7 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     gateway = _gateway(request)
     body = parse_request(ChatCompletionRequest, await request.body())
-    job = gateway.chat_job(body)
+    job = await gateway.prepare(body)
     rid, created, name = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model
 
     def chunk(text: str, finish: str | None) -> dict[str, Any]:
@@ -231,6 +232,7 @@ def create_gateway(client: SpecDecClient, settings: GatewaySettings) -> FastAPI:
             yield
         finally:
             gateway.executor.shutdown(wait=False, cancel_futures=True)
+            gateway.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="specdec gateway (OpenAI-compatible)", version="0.1.0",
                   lifespan=lifespan)
@@ -255,3 +257,16 @@ def create_gateway(client: SpecDecClient, settings: GatewaySettings) -> FastAPI:
                        routes=[(r.path_regex.pattern, r.path) for r in app.routes
                                if isinstance(r, APIRoute)])
     return app
+
+
+def _head_error_body(status: int, code: str, message: str) -> bytes:
+    """The connection guard's 408 / 431 / 503 in OpenAI's error shape."""
+    return orjson.dumps(OpenAIError(status, message, None, code).body())
+
+
+def server_options(settings: GatewaySettings) -> dict[str, Any]:
+    """uvicorn's options for the gateway (``specdec serve`` and the tests use the same): a
+    deadline for every request head, as the verifier has, and for idle keep-alive connections."""
+    return {"http": guarded_protocol("auto", settings.header_timeout_s, 0, _head_error_body,
+                                     "the gateway's header_timeout_s"),
+            "timeout_keep_alive": settings.keep_alive_s}

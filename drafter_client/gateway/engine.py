@@ -44,6 +44,12 @@ class GatewaySettings:
     completion_max_tokens: int = 16  # OpenAI's default max_tokens for /v1/completions
     max_body_bytes: int = 1 << 20  # larger request bodies get 413 before they are parsed
     body_timeout_s: float = 15.0  # a body must arrive within this, or 408
+    header_timeout_s: float = 10.0  # a request head must arrive within this, or 408 and close
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    # Prompts longer than INLINE_TOKENIZE_CHARS are tokenized on one worker thread, at most
+    # this many at once or waiting for it; beyond: 429. Shorter ones (a millisecond or two)
+    # are tokenized where they arrive, so they never wait behind a long one.
+    max_tokenizing: int = 4
 
 
 @dataclass
@@ -65,6 +71,16 @@ class Finished:
     finish_reason: str  # "stop" (EOS or a stop string) or "length" (max_tokens or the context)
     completion_tokens: int
     result: GenerationResult
+
+
+def _text_chars(body: CompletionRequest | ChatCompletionRequest) -> int:
+    """Characters of text the request asks to tokenize (0 for token ids)."""
+    if isinstance(body, ChatCompletionRequest):
+        return sum(len(message.text()) for message in body.messages)
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(p) for p in prompt if isinstance(p, str))
 
 
 class Abandoned(Exception):
@@ -95,6 +111,10 @@ def longest_token_chars(tokenizer: Any) -> int:
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
+# Text up to this many characters is tokenized on the event loop (about 1-2 ms); longer text on
+# the gateway's tokenizer thread (tokenizers release the GIL: the loop keeps serving).
+INLINE_TOKENIZE_CHARS = 8192
+
 # Every character for which str.isspace() is true.
 WHITESPACE = ("\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680"
               + "".join(map(chr, range(0x2000, 0x200b))) + "\u2028\u2029\u202f\u205f\u3000")
@@ -117,11 +137,31 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.executor = ThreadPoolExecutor(settings.max_concurrency,
                                            thread_name_prefix="generation")
+        self.tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self._lock = threading.Lock()
         self._admitted = 0
         self._running = 0
+        self._tokenizing = 0  # long prompts on the tokenizer thread or waiting for it
 
     # -- requests -> jobs ------------------------------------------------------------------
+    async def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> Job:
+        """The request's job. A long prompt is tokenized off the event loop, on the tokenizer
+        thread, with at most ``max_tokenizing`` long prompts there at once (else 429)."""
+        make = self.chat_job if isinstance(body, ChatCompletionRequest) else self.completion_job
+        if _text_chars(body) <= INLINE_TOKENIZE_CHARS:
+            return make(body)  # type: ignore[arg-type]
+        with self._lock:
+            if self._tokenizing >= self.settings.max_tokenizing:
+                raise OpenAIError(429, f"the gateway is tokenizing {self._tokenizing} long "
+                                  "prompts, its limit; retry later", code="too_many_requests",
+                                  retry_after_s=1)
+            self._tokenizing += 1
+        try:
+            return await asyncio.wrap_future(self.tokenizer_thread.submit(make, body))  # type: ignore[arg-type]
+        finally:
+            with self._lock:
+                self._tokenizing -= 1
+
     def authorize(self, request: Request) -> None:
         key = self.settings.api_key
         if key is None:

@@ -1,10 +1,11 @@
-"""Connection-level limits that uvicorn does not enforce by itself.
+"""Connection-level limits that uvicorn does not enforce by itself, for both servers (the
+verifier and the gateway, each answering in its own error shape).
 
 uvicorn closes a keep-alive connection that stays idle after a response, but waits forever for
 the first request head of a connection, and for a request head sent a byte at a time (slowloris).
 :class:`GuardedH11Protocol` gives every request head a deadline: a connection that has not sent a
 complete head within ``header_timeout_s`` of connecting (or of its previous response) gets a 408
-in the verifier's error shape and is closed. Bodies have their own deadline (``guards.BodyLimit``).
+in the server's error shape and is closed. Bodies have their own deadline (``guards.BodyLimit``).
 
 Connections are bounded by ``max_connections``. uvicorn's own bound answers 503 to every new
 request while it is reached, which lets idle connections lock real clients out; here a new
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -34,6 +36,13 @@ except ImportError:  # httptools is not installed: h11 serves
 
 MAX_HEAD_BYTES = 16 * 1024  # h11's (and uvicorn's) bound on an incomplete request head
 
+# (status, code, message) -> the JSON body of the server's error answer
+ErrorBody = Callable[[int, str, str], bytes]
+
+
+def verifier_error_body(status: int, code: str, message: str) -> bytes:
+    return orjson.dumps({"error": {"code": code, "message": message, "field": None}})
+
 
 class HeadGuard:
     """The guards, mixed into one of uvicorn's protocol classes (which supplies ``cycle``,
@@ -41,6 +50,8 @@ class HeadGuard:
 
     header_timeout_s = 10.0
     max_connections = 0  # 0: no bound
+    timeout_name = "SPECDEC_HEADER_TIMEOUT_S"  # the setting named in a timeout's message
+    error_body: ErrorBody = staticmethod(verifier_error_body)
     _head_timer: asyncio.TimerHandle | None = None
     _waiting_since = 0.0  # when it started waiting for a request head
     cycle: Any
@@ -49,9 +60,13 @@ class HeadGuard:
     connections: Any
 
     @classmethod
-    def configured(cls, header_timeout_s: float, max_connections: int = 0) -> type[Any]:
+    def configured(cls, header_timeout_s: float, max_connections: int = 0,
+                   error_body: ErrorBody = verifier_error_body,
+                   timeout_name: str = "SPECDEC_HEADER_TIMEOUT_S") -> type[Any]:
         return type(cls.__name__, (cls,), {"header_timeout_s": header_timeout_s,
-                                           "max_connections": max_connections})
+                                           "max_connections": max_connections,
+                                           "error_body": staticmethod(error_body),
+                                           "timeout_name": timeout_name})
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)  # type: ignore[misc]
@@ -64,7 +79,7 @@ class HeadGuard:
                     408, "request_timeout", "closed to make room for a new connection: it "
                     "waited longest for a request head")
             else:
-                self._reject(503, "too_many_connections", f"the verifier holds "
+                self._reject(503, "too_many_connections", f"the server holds "
                              f"{self.max_connections} busy connections "
                              "(SPECDEC_MAX_CONNECTIONS); retry shortly", retry_after=True)
 
@@ -92,14 +107,14 @@ class HeadGuard:
         if self.cycle is not None and not self.cycle.response_complete:
             return  # a request is being served
         self._reject(408, "request_timeout", f"no complete request head within "
-                     f"{self.header_timeout_s:g} s (SPECDEC_HEADER_TIMEOUT_S)")
+                     f"{self.header_timeout_s:g} s ({self.timeout_name})")
 
     def _reject(self, status: int, code: str, message: str, retry_after: bool = False) -> None:
         """Answer with the verifier's error shape and close, outside any request cycle."""
         self._disarm()
         if self.transport.is_closing():
             return
-        body = orjson.dumps({"error": {"code": code, "message": message, "field": None}})
+        body = self.error_body(status, code, message)
         reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}.get(
             status, b"Service Unavailable")
         self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\n"
@@ -139,11 +154,14 @@ if HttpToolsProtocol is not None:
             self._head_bytes = 0
 
 
-def guarded_protocol(parser: str, header_timeout_s: float, max_connections: int) -> type[Any]:
+def guarded_protocol(parser: str, header_timeout_s: float, max_connections: int,
+                     error_body: ErrorBody = verifier_error_body,
+                     timeout_name: str = "SPECDEC_HEADER_TIMEOUT_S") -> type[Any]:
     """uvicorn's ``http`` option: the guarded protocol for ``parser`` ("auto": httptools where
     it is installed, else h11)."""
+    options = (header_timeout_s, max_connections, error_body, timeout_name)
     if parser != "h11" and HttpToolsProtocol is not None:
-        return GuardedHttpToolsProtocol.configured(header_timeout_s, max_connections)
+        return GuardedHttpToolsProtocol.configured(*options)
     if parser == "httptools":
         raise RuntimeError("--http-parser httptools: httptools is not installed")
-    return GuardedH11Protocol.configured(header_timeout_s, max_connections)
+    return GuardedH11Protocol.configured(*options)
