@@ -19,6 +19,7 @@ from drafter_client.gateway import GatewaySettings, create_gateway, server_optio
 from drafter_client.gateway.engine import INLINE_TOKENIZE_CHARS
 from scripts.harness.servers import ThreadedServer
 from tests.support.live_server import LiveServer
+from tests.support.sockets import STILL_OPEN, read_all
 
 MODEL = "tiny-gpt2"
 SLOW_S = 0.5  # what the slow tokenizer spends on a long text (a 512 KB prompt on a real one)
@@ -94,16 +95,6 @@ def test_long_prompts_do_not_stall_a_normal_request(gateway: ThreadedServer) -> 
             assert answer.json()["error"]["code"] == "context_length_exceeded"
 
 
-def read_all(sock: socket.socket, timeout_s: float) -> bytes:
-    sock.settimeout(timeout_s)
-    chunks = []
-    try:
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
-    except TimeoutError:
-        chunks.append(b"<still open>")
-    return b"".join(chunks)
-
 
 def test_idle_and_slow_request_heads_get_408_and_are_closed(gateway: ThreadedServer) -> None:
     host, port = "127.0.0.1", gateway.port
@@ -115,7 +106,7 @@ def test_idle_and_slow_request_heads_get_408_and_are_closed(gateway: ThreadedSer
         answer = read_all(sock, timeout_s=15)
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
         assert b'"type":"invalid_request_error"' in answer or b"request_timeout" in answer
-        assert not answer.endswith(b"<still open>")
+        assert not answer.endswith(STILL_OPEN)
         sock.close()
 
 
@@ -123,5 +114,5 @@ def test_an_idle_keep_alive_connection_is_closed(gateway: ThreadedServer) -> Non
     sock = socket.create_connection(("127.0.0.1", gateway.port))
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     answer = read_all(sock, timeout_s=15)  # the answer, then the close after 1 s idle
-    assert answer.startswith(b"HTTP/1.1 200") and not answer.endswith(b"<still open>")
+    assert answer.startswith(b"HTTP/1.1 200") and not answer.endswith(STILL_OPEN)
     sock.close()

@@ -19,6 +19,7 @@ import pytest
 from drafter_client import SpecDecClient
 from scripts.harness.process import VerifierProcess, free_port
 from tests.support.live_server import LiveServer, fp32_settings
+from tests.support.sockets import STILL_OPEN, read_all
 
 K1, K2 = "hardening-key-one", "hardening-key-two"
 AUTH1, AUTH2 = {"authorization": f"Bearer {K1}"}, {"authorization": f"Bearer {K2}"}
@@ -133,17 +134,6 @@ def test_flooding_key_does_not_evict_a_slow_client(tiny_models: dict[str, Path])
 
 
 # -- 5. slow and stalled connections ------------------------------------------------------------
-def read_all(sock: socket.socket, timeout_s: float) -> bytes:
-    sock.settimeout(timeout_s)
-    chunks = []
-    try:
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
-    except TimeoutError:
-        chunks.append(b"<still open>")
-    return b"".join(chunks)
-
-
 def test_idle_slow_and_stalled_connections_get_408_and_are_closed(server: LiveServer) -> None:
     host, port = "127.0.0.1", server.port
     idle = socket.create_connection((host, port))
@@ -158,7 +148,7 @@ def test_idle_slow_and_stalled_connections_get_408_and_are_closed(server: LiveSe
     for sock in (idle, slowloris, stalled):  # 1 s deadlines: answered and closed, not held
         answer = read_all(sock, timeout_s=15)
         assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
-        assert b"request_timeout" in answer and not answer.endswith(b"<still open>")
+        assert b"request_timeout" in answer and not answer.endswith(STILL_OPEN)
         sock.close()
 
 
