@@ -31,7 +31,8 @@ class TextTracker:
         if self.stopped:
             return
         before = len(self.ids)
-        search_from = max(0, len(self.text) - max((len(s) for s in self.stops), default=0))
+        longest = max((len(s) for s in self.stops), default=0)
+        search_from = max(0, len(_completed(self.text)) - longest)
         self.ids.extend(tokens)
         self.text = self.decode(self.ids)
         cut = self._find_stop(self.text, search_from)
@@ -48,6 +49,9 @@ class TextTracker:
         self.stopped = True
 
     def _find_stop(self, text: str, start: int) -> int | None:
+        """Where the first stop string begins in ``text``'s completed characters: a trailing
+        U+FFFD stands for a character whose bytes have not all come yet, so it matches nothing."""
+        text = _completed(text)
         found = [i for s in self.stops if (i := text.find(s, start)) >= 0]
         return min(found) if found else None
 
@@ -55,8 +59,7 @@ class TextTracker:
         """The text not handed out yet that can no longer change (everything when ``final``)."""
         end = len(self.text)
         if not final and not self.stopped:
-            while end > self.sent and self.text[end - 1] == REPLACEMENT:
-                end -= 1
+            end = max(self.sent, len(_completed(self.text)))
             end -= self._held_for_stop(self.text[:end])
         if end <= self.sent:
             return ""
@@ -72,3 +75,8 @@ class TextTracker:
                     held = n
                     break
         return held
+
+
+def _completed(text: str) -> str:
+    """``text`` without its trailing U+FFFD: the characters whose bytes have all been decoded."""
+    return text.rstrip(REPLACEMENT)

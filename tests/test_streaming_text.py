@@ -17,6 +17,7 @@ import pytest
 from drafter_client.api import SpecDecClient
 from drafter_client.apps.cli import run
 from drafter_client.gateway import GatewaySettings, create_gateway
+from drafter_client.text import TextTracker
 from scripts.harness.servers import ThreadedServer
 from scripts.harness.tiny_models import save_byte_level
 from tests.support.live_server import LiveServer, fp32_settings
@@ -67,3 +68,33 @@ def test_the_cli_prints_the_last_bytes_too(byte_server: LiveServer) -> None:
         assert printed.getvalue().startswith(text + "\n"), seed
         ends_mid_character += text.endswith("\ufffd")
     assert ends_mid_character > 0
+
+
+def _byte_tracker(stops: list[str]) -> TextTracker:
+    return TextTracker(lambda ids: bytes(ids).decode("utf-8", errors="replace"), stops)
+
+
+def test_a_stop_string_never_matches_a_character_still_being_decoded() -> None:
+    """Issue #42 item 8: a trailing U+FFFD is an emoji whose bytes have not all come yet, so
+    ``stop: ["\\ufffd"]`` must not end the generation there; bytes that can never be a
+    character (0xFF) still do."""
+    emoji = list(" 🙂 🚀".encode())
+    tracker = _byte_tracker(["\ufffd"])
+    for byte in emoji:  # one byte a block: each emoji is half-decoded three times
+        tracker.add([byte])
+    assert not tracker.stopped
+    assert tracker.text == " 🙂 🚀" and tracker.delta(final=True) == " 🙂 🚀"
+
+    broken = _byte_tracker(["\ufffd"])
+    broken.add([*b"ok ", 0xFF])
+    assert not broken.stopped  # 0xFF could still be anything to a decoder that waits
+    broken.add(list(b"x"))
+    assert broken.stopped and broken.text == "ok " and broken.ids == [*b"ok ", 0xFF, *b"x"]
+
+
+def test_a_stop_string_completed_by_a_later_block_is_found() -> None:
+    tracker = _byte_tracker(["🚀!"])
+    rocket = list("🚀".encode())
+    tracker.add([*b"go ", *rocket[:2]])
+    tracker.add([*rocket[2:], *b"!", *b"tail"])
+    assert tracker.stopped and tracker.text == "go "
