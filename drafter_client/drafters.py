@@ -223,6 +223,9 @@ class LMDrafter(Drafter):
         self.cached: list[int] = []
         self.last_logits = torch.empty(0)  # [vocab] after the last cached token
 
+    # The longest sequence the drafter's cache holds (None: no limit). Past it the drafter
+    # drafts less, then nothing: the target goes on alone to its own context's end.
+    context_tokens: int | None = None
     measured_draft_s: float | None = None  # per drafted token, timed by ``warm_up``
     measured_feed_s: float | None = None  # per token fed in one forward (a catch-up), timed
 
@@ -253,6 +256,13 @@ class LMDrafter(Drafter):
         if self.measured_feed_s is None:
             return 0.0
         return max(self.behind - FED_EVERY_BLOCK, 0) * self.measured_feed_s
+
+    def _room(self, k: int) -> int:
+        """How many of k tokens the drafter can draft after the committed sequence: a chain
+        of k feeds the committed tokens and the first k - 1 drafts."""
+        if self.context_tokens is None:
+            return k
+        return max(0, min(k, self.context_tokens - len(self.committed) + 1))
 
     def _catch_up(self) -> torch.Tensor:
         """Feed the committed tokens the cache lacks; a long feed (a catch-up) is timed, per
@@ -288,6 +298,7 @@ class LMDrafter(Drafter):
         """The argmax chain with runner-up leaves (see ``tree_width``); stops where the top
         probability falls below ``min_prob``, leaving that position's candidates as leaves."""
         tree = TreeBuilder()
+        k = self._room(k)
         if k == 0:
             return tree.draft()
         logits = self._catch_up()  # [vocab]
@@ -311,6 +322,7 @@ class LMDrafter(Drafter):
     def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
         if self.tree_width > 1:
             return self.propose_tree(k, config)
+        k = self._room(k)
         if k == 0:
             return Draft([], None if config.deterministic else torch.empty(0), None)
         logits = self._catch_up()  # [vocab]
@@ -342,6 +354,8 @@ class LMDrafter(Drafter):
         the drafter's own best next token. Returns (guess, draft). The cache keeps what this
         computed; :meth:`commit` crops it back to what was really committed."""
         saved = self.committed
+        if self._room(len(assumed) + 2) < len(assumed) + 2:
+            return None  # the guess and a first draft after it would not fit
         try:
             self.committed = [*saved, *assumed]
             if len(self.cached) > len(self.committed) or (
@@ -403,6 +417,7 @@ class LlamaCppDrafter(LMDrafter):
         super().__init__(vocab_size, name, min_prob, tree_width, alternative_min_prob)
         self.lm = LlamaModel(weights, n_seqs=1, seq_tokens=seq_tokens, threads=threads,
                              batch_tokens=512)
+        self.context_tokens = self.lm.seq_tokens  # at most the model's trained context
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         from shared.llama_runtime import Segment

@@ -46,6 +46,7 @@ class PooledDrafter(HFDrafter):
         dtype = next(model.parameters()).dtype
         # Slot 0 holds the drafted sequence, slot 1 is the static buckets' padding scratch.
         self.pool = KVPool(model.config, 2, slot_tokens, dtype, self.device)
+        self.context_tokens = slot_tokens
         slot = self.pool.allocate()
         assert slot is not None
         self.slot = slot
@@ -92,6 +93,7 @@ class PooledDrafter(HFDrafter):
 
     @torch.inference_mode()
     def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
+        k = self._room(k)
         if not config.greedy or self.tree_width > 1 or self.min_prob or k == 0:
             return super().propose(k, config, generator)
         pending = self.committed[len(self.cached):]

@@ -124,6 +124,47 @@ def test_llama_drafter_rolls_back_to_the_committed_prefix(ggufs: dict[str, Path]
     assert torch.allclose(sampled.probs.sum(-1), torch.ones(2), atol=1e-5)
 
 
+def test_llama_drafter_drafts_less_then_nothing_at_its_context_end(
+        ggufs: dict[str, Path]) -> None:
+    """Past its own context the drafter drafts what fits, then nothing (the target goes on
+    alone), and it never speculates past it; it raised ValueError before."""
+    weights = GGUFWeights(str(ggufs["llama-drafter"]))
+    drafter = LlamaCppDrafter(weights, vocab_size=64, seq_tokens=8, threads=1)
+    assert drafter.context_tokens == 8
+    greedy, generator = SamplingConfig(), torch.Generator()
+    drafter.reset([2, 3, 4, 5, 6])
+    drafts = drafter.propose(2, greedy, generator).ids
+    ahead = drafter.speculate(drafts, 4, greedy, generator)  # 7 assumed, the guess: 8
+    assert len(drafts) == 2 and ahead is not None and len(ahead[1].ids) == 1
+    drafter.reset([2, 3, 4, 5, 6])
+    drafts = drafter.propose(6, greedy, generator).ids
+    assert len(drafts) == 4  # it fed the 5 committed tokens and 3 drafts: 8
+    assert drafter.speculate(drafts, 4, greedy, generator) is None
+    drafter.reset([2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert drafter.propose(4, greedy, generator).ids == []
+    sampled = drafter.propose(4, SamplingConfig(temperature=1.0), generator)
+    assert sampled.ids == [] and drafter.propose_tree(4, greedy).ids == []
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generation_to_the_verifier_context_edge_with_a_drafter_of_that_context(
+        temperature: float, tiny_models: dict[str, Path], ggufs: dict[str, Path]) -> None:
+    """The verifier's context equals the drafter's trained context (256): with ``--overlap``
+    the generation runs to the context's end, ends with finish_reason "length", and greedy
+    output equals llama.cpp's own greedy decoding."""
+    verifier = InProcessVerifier.load(llama_settings(ggufs["llama-target"], max_draft_tokens=8,
+                                                     max_context=256))
+    client = SpecDecClient(verifier, str(ggufs["llama-drafter"]), options=DrafterOptions(
+        engine="llama-cpp", threads=1, lookup=False, overlap=True))
+    ids = (client.encode(PROMPTS[1]) * 64)[:236]  # a long prompt: no end of text on the way
+    room = 256 - len(ids)
+    result = client.generate(ids, num_draft_tokens=8, max_new_tokens=room,
+                             temperature=temperature, seed=1)
+    assert (len(result.token_ids), result.finish_reason) == (room, "length")
+    if temperature == 0.0:
+        assert result.token_ids == llama_greedy(ggufs["llama-target"], ids, room)
+
+
 # -- greedy exactness
 DRAFTERS = {
     "transformers model": ("llama-drafter-hf", DrafterOptions()),
