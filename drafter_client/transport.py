@@ -88,6 +88,19 @@ def _is_name_error(exc: Exception) -> bool:
     return "name or service not known" in text or "nodename nor servname" in text
 
 
+def checked_url(url: str) -> str:
+    """The verifier's base URL without a trailing slash; SpecDecError naming what is wrong
+    with one that httpx cannot use."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise SpecDecError(f"the verifier URL {url!r} is not a valid URL: {exc}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise SpecDecError(f"the verifier URL {url!r} needs http:// or https:// and a host "
+                           "(e.g. http://127.0.0.1:8000)")
+    return url.rstrip("/")
+
+
 class HttpVerifier:
     """Talks to one verifier. Pass ``client`` to reuse an httpx.Client (or a TestClient).
 
@@ -99,7 +112,7 @@ class HttpVerifier:
     def __init__(self, url: str, timeout_s: float = 120.0,
                  client: httpx.Client | None = None, simulated_rtt_s: float = 0.0,
                  retry_budget_s: float = 60.0, api_key: str | None = None) -> None:
-        self.url = url.rstrip("/")
+        self.url = checked_url(url)
         self.simulated_rtt_s = simulated_rtt_s  # added before each call, to study distance
         self.retry_budget_s = retry_budget_s
         self.retries = 0

@@ -185,3 +185,35 @@ def test_finish_reasons(gpt2_server: LiveServer, tiny_models: dict[str, Path]) -
         assert near_limit.finish_reason == ("stop" if eos else "context")
         assert len(near_limit.token_ids) <= 9
         assert generate(max_new_tokens=2).finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize(("case", "words"), [
+    ("--prompt not UTF-8", "--prompt is not UTF-8 text (byte 0xff at offset 4)"),
+    ("stdin not UTF-8", "standard input is not UTF-8 text (byte 0xfe at offset 2)"),
+    ("--prompt-file missing", "No such file or directory"),
+    ("--prompt-file a directory", "Is a directory"),
+    ("--prompt-file not UTF-8", "is not UTF-8 text (byte 0xe9 at offset 3)"),
+    ("--verifier-url unparsable", "is not a valid URL"),
+    ("--verifier-url without a scheme", "needs http:// or https://"),
+])
+@pytest.mark.parametrize("command", ["generate", "baseline"])
+def test_cli_input_and_url_errors_are_one_line(case: str, words: str, command: str,
+                                               tmp_path: Path) -> None:
+    """Read before anything connects: one line naming the source, exit 2, no traceback."""
+    (tmp_path / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    flags = {"--prompt not UTF-8": ["--prompt", "abc \udcff"],  # argv byte 0xff
+             "stdin not UTF-8": ["--prompt-file", "-"],
+             "--prompt-file missing": ["--prompt-file", str(tmp_path / "absent.txt")],
+             "--prompt-file a directory": ["--prompt-file", str(tmp_path)],
+             "--prompt-file not UTF-8": ["--prompt-file", str(tmp_path / "latin1.txt")],
+             "--verifier-url unparsable": ["--prompt", "x", "--verifier-url", "http://[::1"],
+             "--verifier-url without a scheme": ["--prompt", "x", "--verifier-url",
+                                                 "127.0.0.1:8000"]}[case]
+    drafter = ["--drafter", "ngram"] if command == "generate" else []
+    run = subprocess.run([str(BIN / "specdec"), command, "--verifier-url", "http://127.0.0.1:9",
+                          *drafter, *flags], input=b"ok\xfe\n", capture_output=True,
+                         timeout=120)
+    stderr = run.stderr.decode("utf-8", "replace")
+    assert run.returncode == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in stderr, stderr

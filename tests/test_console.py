@@ -101,3 +101,18 @@ def test_bad_flags_exit_2(gpt2_server: LiveServer, tiny_models: dict[str, Path],
     child.close()
     assert child.exitstatus == 2
     assert "error" in child.before
+
+
+def test_a_line_that_is_not_utf8_is_an_error_and_the_console_goes_on(
+        gpt2_server: LiveServer) -> None:
+    """Piped input: a line with a byte that is not UTF-8 gets one error line; the next line
+    is answered and end of input exits 0 (it was a traceback)."""
+    import subprocess
+
+    run = subprocess.run([sys.executable, "-m", "drafter_client.apps.cli", "chat",
+                          "--verifier-url", gpt2_server.url, "--drafter", "ngram",
+                          "--max-new-tokens", "4", "--no-color"],
+                         input=b"the \xff cat\nthe cat sat\n", capture_output=True, timeout=120)
+    out = run.stdout.decode("utf-8", "replace")
+    assert run.returncode == 0 and b"Traceback" not in run.stderr, run.stderr
+    assert "is not UTF-8 text (byte 0xff" in out and "tokens" in out.split("UTF-8", 1)[1]

@@ -170,12 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
+    """The prompt from --prompt, --prompt-file or standard input; ValueError, one line naming
+    the source, for a file that cannot be read or text that is not UTF-8."""
+    from drafter_client.apps.output import utf8_text
+
     if args.prompt is not None:
-        return str(args.prompt)
+        return utf8_text(args.prompt, "--prompt")
     if args.prompt_file == "-":
-        return sys.stdin.read()
-    with open(args.prompt_file, encoding="utf-8") as handle:
-        return handle.read()
+        return utf8_text(sys.stdin.buffer.read(), "the prompt on standard input")
+    try:
+        with open(args.prompt_file, "rb") as handle:
+            data = handle.read()
+    except OSError as exc:
+        raise ValueError(f"--prompt-file {args.prompt_file!r}: {exc.strerror or exc}") from None
+    return utf8_text(data, f"--prompt-file {args.prompt_file!r}")
 
 
 EXIT_ERROR = 2  # nothing was generated
@@ -332,7 +340,11 @@ def run(argv: list[str] | None = None) -> int:
             print(f"specdec: error: {exc}", file=sys.stderr)
             return EXIT_ERROR
         return run_console(client, args)
-    prompt = _read_prompt(args)
+    try:
+        prompt = _read_prompt(args)
+    except ValueError as exc:
+        print(f"specdec: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     try:
         if args.command == "generate":
             client = make_client(args)

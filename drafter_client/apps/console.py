@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from drafter_client.api import SpecDecClient
-from drafter_client.apps.output import TextStream, summary
+from drafter_client.apps.output import TextStream, summary, utf8_text
 from drafter_client.draft_length import make_draft_length
 from drafter_client.drafters import LMDrafter
 from drafter_client.hybrid import HybridDrafter
@@ -278,7 +278,14 @@ def run_console(client: SpecDecClient, args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             console.out.write("\n")
             continue
-        line = line.strip()
+        except UnicodeDecodeError as exc:
+            console.say(f"error: that line is not UTF-8 text (byte 0x{exc.object[exc.start]:02x})")
+            continue
+        try:
+            line = utf8_text(line, "that line").strip()
+        except ValueError as exc:
+            console.say(f"error: {exc}")
+            continue
         if not line:
             continue
         if line.startswith("/"):

@@ -11,6 +11,25 @@ from drafter_client.speculative import BlockOutcome, GenerationResult
 from drafter_client.text import TextTracker
 
 
+def utf8_text(data: str | bytes, where: str) -> str:
+    """Text read from the command line or a file, as it came; ValueError naming ``where`` and
+    the first byte that is not UTF-8 (on the command line Python keeps such bytes as lone
+    surrogates, which no tokenizer takes)."""
+    if isinstance(data, bytes):
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            byte, at = data[exc.start], exc.start
+    else:
+        try:
+            data.encode("utf-8")
+            return data
+        except UnicodeEncodeError as exc:  # a lone surrogate: U+DC80-U+DCFF holds a raw byte
+            byte = ord(data[exc.start]) & 0xFF
+            at = len(data[:exc.start].encode("utf-8"))
+    raise ValueError(f"{where} is not UTF-8 text (byte 0x{byte:02x} at offset {at})")
+
+
 def stdout_write(piece: str, kind: str) -> None:
     sys.stdout.write(piece)
     sys.stdout.flush()
