@@ -157,3 +157,39 @@ def test_beam_state_alone() -> None:
     parents, tokens, done = search.step(second)
     assert search.is_finished.any()
     assert search.result()[-1] == 1
+
+
+BEAM_KEYS = ("beam-key-a-0123", "beam-key-b-4567")
+
+
+def test_every_beam_counts_against_the_key_quota_and_no_other_key_loses_a_session(
+        tiny_models: dict[str, Path]) -> None:
+    """With 3 sessions per key and 4 KV slots: a search of N beams is N sessions to the key's
+    quota (429 naming num_beams beyond it); it may take free slots and evict its own key's
+    sessions, never another key's (503 with Retry-After instead)."""
+    settings = fp32_settings(tiny_models["gpt2-target"], api_keys=",".join(BEAM_KEYS),
+                             max_sessions_per_key=3, max_context=64, kv_budget_tokens=256)
+    a, b = ({"authorization": f"Bearer {key}"} for key in BEAM_KEYS)
+    beams = {"prompt_ids": [2, 3, 4], "max_new_tokens": 4}
+    with LiveServer(settings) as server, httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.get("/v1/metrics", headers=a).json()["kv_slots"] == 4
+        assert http.post("/v1/generate", json={**beams, "num_beams": 4},
+                         headers=a).status_code == 429  # 4 beams > 3 a key
+        others = [http.post("/v1/sessions", json={"prompt_ids": [5, 6]}, headers=b)
+                  .json()["session_id"] for _ in range(2)]
+        mine = http.post("/v1/sessions", json={"prompt_ids": [5, 6]}, headers=a).json()
+        over = http.post("/v1/generate", json={**beams, "num_beams": 3}, headers=a)
+        assert over.status_code == 429 and over.json()["error"]["field"] == "num_beams"
+        # 2 beams: the free slot and the key's own session's, which is evicted
+        assert http.post("/v1/generate", json={**beams, "num_beams": 2},
+                         headers=a).status_code == 200
+        assert http.post(f"/v1/sessions/{mine['session_id']}/verify", headers=a, json={
+            "position": 2, "last_token": 6, "final_uniform": 0.5}).status_code == 404
+        # 3 beams: 2 free slots, no session of its own; key b's two stay
+        full = http.post("/v1/generate", json={**beams, "num_beams": 3}, headers=a)
+        assert full.status_code == 503 and full.headers["retry-after"], full.text
+        for sid in others:
+            assert http.post(f"/v1/sessions/{sid}/verify", headers=b, json={
+                "position": 2, "last_token": 6, "final_uniform": 0.5}).status_code == 200
+        stats = http.get("/v1/metrics", headers=a).json()
+        assert stats["kv_slots_free"] == 2 and stats["sessions"] == 2

@@ -184,13 +184,13 @@ class BeamForwardJob:
 
 
 def _claim(ctx: JobContext, owner: str | None, count: int, tokens: int) -> list[int]:
-    """Model thread: ``count`` KV slots, the first holding ``tokens`` (the prompt), evicting
-    sessions by the store's policy if needed."""
+    """Model thread: ``count`` KV slots, the first holding ``tokens`` (the prompt). A search
+    takes free slots and may evict only its own key's sessions, never another client's."""
     slots: list[int] = []
     try:
         for _ in range(count):
-            slots.append(ctx.claim_slot(owner, set()))
-        ctx.hold(slots[0], tokens, owner, set())
+            slots.append(ctx.claim_slot(owner, set(), own_only=True))
+        ctx.hold(slots[0], tokens, owner, set(), own_only=True)
     except VerifierError:
         for slot in slots:
             ctx.engine.release(slot)
@@ -219,7 +219,14 @@ async def beam_generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequ
     new_tokens = min(req.max_new_tokens, ctx.validator.max_context - len(prompt) + 1)
     search = BeamSearch(prompt, n, len(prompt) + new_tokens, eos_token_ids,
                         req.length_penalty, req.early_stopping, req.no_repeat_ngram_size)
-    slots = await scheduler.run(_claim, ctx, owner, n, len(prompt))
+    # Every beam holds a KV slot as a session does: each counts against the key's quota,
+    # and against max_sessions, until the search ends.
+    ctx.sessions.reserve(owner, n)
+    try:
+        slots = await scheduler.run(_claim, ctx, owner, n, len(prompt))
+    except BaseException:
+        ctx.sessions.unreserve(owner, n)
+        raise
     tag = f"beam-{secrets.token_hex(6)}"
     keys = [(owner, f"{tag}-{j}") for j in range(n)]
     started, calls = time.perf_counter(), 0
@@ -249,7 +256,10 @@ async def beam_generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequ
     finally:
         for key in keys:
             scheduler.forget(key)
-        await scheduler.run(_release, ctx.engine, slots)
+        try:
+            await scheduler.run(_release, ctx.engine, slots)
+        finally:
+            ctx.sessions.unreserve(owner, n)
     return GenerateResponse(token_ids=search.result(),
                             forward_ms=1e3 * (time.perf_counter() - started), forward_calls=calls)
 
@@ -259,7 +269,7 @@ def _follow(ctx: JobContext, owner: str | None, slots: list[int], parents: list[
     """Model thread: every beam's slot holds its parent's ``cached`` tokens and room for one
     more (evicting sessions by the store's policy if a region must grow)."""
     for slot in slots:
-        ctx.hold(slot, cached + 1, owner, set())
+        ctx.hold(slot, cached + 1, owner, set(), own_only=True)
     ctx.engine.reorder(slots, parents, cached)
 
 

@@ -48,19 +48,23 @@ class JobContext:
     engine: Engine
     counters: VerifyCounters = field(default_factory=VerifyCounters)
 
-    def claim_slot(self, owner: str | None, busy: set[Any]) -> int:
+    def claim_slot(self, owner: str | None, busy: set[Any], own_only: bool = False) -> int:
         """A free KV slot; when none is left a session is evicted by the store's fair policy
-        (its next call gets 404 and its client reopens it); 503 when none may go."""
+        (its next call gets 404 and its client reopens it; ``own_only``: only the owner's
+        own); 503 when none may go."""
         while (slot := self.engine.allocate()) is None:
-            if not self.sessions.evict_one_for(owner, busy):
+            if not self.sessions.evict_one_for(owner, busy, own_only):
                 raise busy_error("every KV slot holds a live client's session")
         return slot
 
-    def hold(self, slot: int, tokens: int, owner: str | None, busy: set[Any]) -> None:
+    def hold(self, slot: int, tokens: int, owner: str | None, busy: set[Any],
+             own_only: bool = False) -> None:
         """``slot`` holds ``tokens`` tokens; when its KV region must grow and the pool has no
-        room, sessions are evicted by the store's fair policy; 503 when none may go."""
+        room, sessions are evicted by the store's fair policy (``own_only``: only the
+        owner's own); 503 when none may go."""
         while not self.engine.reserve(slot, tokens):
-            if tokens > self.engine.slot_tokens or not self.sessions.evict_one_for(owner, busy):
+            if tokens > self.engine.slot_tokens or not self.sessions.evict_one_for(
+                    owner, busy, own_only):
                 raise busy_error(f"the KV pool has no room for {tokens} tokens in a session")
 
 

@@ -111,25 +111,32 @@ class SessionStore:
             return (owner, session_id) in self._sessions
 
     # -- creates ------------------------------------------------------------------------------
-    def reserve(self, owner: str | None) -> None:
-        """Admit one create for ``owner``: 429 when its open sessions plus its creates in
-        flight reach ``max_per_owner``. Undo with ``unreserve`` unless ``add`` follows."""
+    def reserve(self, owner: str | None, count: int = 1) -> None:
+        """Admit ``count`` creates for ``owner`` (a beam search holds one slot a beam): 429
+        when its open sessions plus its creates in flight would pass ``max_per_owner``. Undo
+        with ``unreserve`` unless ``add`` follows."""
         with self._lock:
             limit = self.max_per_owner
             held = sum(1 for o, _ in self._sessions if o == owner) + self._reserved[owner]
-            if limit and owner is not None and held >= limit:
-                raise VerifierError(429, "too_many_sessions", f"this API key holds {limit} "
-                                    "open sessions, the limit per key "
+            if limit and owner is not None and held + count > limit:
+                if count == 1:
+                    why, field = f"this API key holds {limit} open sessions, the limit per key", \
+                        "session_id"
+                else:
+                    why, field = (f"beam search holds a KV slot a beam: {count} beams and the "
+                                  f"{held} sessions this API key holds pass the limit per key "
+                                  f"of {limit}"), "num_beams"
+                raise VerifierError(429, "too_many_sessions", f"{why} "
                                     "(SPECDEC_MAX_SESSIONS_PER_KEY); close one or retry later",
-                                    "session_id", retry_after_s=1)
-            self._reserved[owner] += 1
+                                    field, retry_after_s=1)
+            self._reserved[owner] += count
 
-    def unreserve(self, owner: str | None) -> None:
+    def unreserve(self, owner: str | None, count: int = 1) -> None:
         with self._lock:
-            self._release(owner)
+            self._release(owner, count)
 
-    def _release(self, owner: str | None) -> None:  # under the lock
-        self._reserved[owner] -= 1
+    def _release(self, owner: str | None, count: int = 1) -> None:  # under the lock
+        self._reserved[owner] -= count
         if self._reserved[owner] <= 0:
             del self._reserved[owner]
 
@@ -164,15 +171,19 @@ class SessionStore:
             if session is not None:
                 self.on_drop(session)
 
-    def evict_one_for(self, owner: str | None, keep: set[Any]) -> bool:
+    def evict_one_for(self, owner: str | None, keep: set[Any], own_only: bool = False) -> bool:
         """Evict one session to make room for a create by ``owner`` (the policy in the module
-        docstring); ``keep``: keys of sessions busy in the current batch. False: none may go."""
+        docstring); ``keep``: keys of sessions busy in the current batch; ``own_only``: only
+        ``owner``'s own sessions may go, and only under an API key (beam search). False: none
+        may go."""
         with self._lock:
             now = self.clock()
             free = [(key, s) for key, s in self._sessions.items() if key not in keep]  # LRU 1st
             held = Counter(key[0] for key in self._sessions)
             hog = max(held, key=lambda o: held[o]) if held else None
             victim = next((key for key, _ in free if key[0] == owner), None)
+            if own_only and (victim is None or owner is None):
+                return False
             if victim is None and hog is not None and held[hog] > held[owner] + 1:
                 # the key holding the most sessions gives up one it never used since opening
                 victim = next((key for key, s in free if key[0] == hog and s.mean_gap is None),
