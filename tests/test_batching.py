@@ -116,7 +116,8 @@ def test_greedy_generations_identical_with_eight_clients(batching_server: LiveSe
 
 def test_kv_budget_evicts_the_least_recently_used_idle_session(
         tiny_models: dict[str, Path]) -> None:
-    settings = fp32_settings(tiny_models["gpt2-target"], max_context=64, kv_budget_tokens=128)
+    settings = fp32_settings(tiny_models["gpt2-target"], max_context=64, kv_budget_tokens=128,
+                             session_protect_s=0.0)
     with LiveServer(settings) as server, httpx.Client(base_url=server.url) as http:
         assert metrics(server)["kv_slots"] == 2
         ids = [http.post("/v1/sessions", json={"prompt_ids": [2, 3]}).json()["session_id"]
@@ -159,3 +160,48 @@ def test_full_queue_answers_429_with_retry_after_and_the_client_retries(
             t.join()
         assert len(done) == 2
         assert metrics(server)["rejected_queue_full"] >= len(refused)
+
+
+def test_twelve_callers_on_four_kv_slots_without_keys(tiny_models: dict[str, Path]) -> None:
+    """No API keys, 4 KV slots, 12 concurrent callers (6 speculative clients, 6 raw
+    /v1/generate): a caller either gets its session and the target's greedy output, or a 503
+    with Retry-After; no live session is evicted and no reply names a session the caller did
+    not open (a generation's own session was evicted by others' creates, and its 404 leaked)."""
+    settings = fp32_settings(tiny_models["gpt2-target"], max_context=64, kv_budget_tokens=256)
+    prompt = [2, 3, 4, 5]
+    with LiveServer(settings) as server:
+        assert metrics(server)["kv_slots"] == 4
+        expected = SpecDecClient(server.url, None, tokenizer=str(tiny_models["gpt2-target"])
+                                 ).baseline(prompt, max_new_tokens=24).token_ids
+        outputs: list[list[int]] = []
+        replies: list[httpx.Response] = []
+        failures: list[BaseException] = []
+
+        def speculative() -> None:
+            try:
+                client = SpecDecClient(server.url, "ngram",
+                                       tokenizer=str(tiny_models["gpt2-target"]))
+                outputs.append(client.generate(prompt, num_draft_tokens=2,
+                                               max_new_tokens=24).token_ids)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failures.append(exc)
+
+        def raw() -> None:
+            replies.append(httpx.post(server.url + "/v1/generate", timeout=60, json={
+                "prompt_ids": prompt, "max_new_tokens": 24}))
+
+        threads = [threading.Thread(target=speculative if i % 2 else raw) for i in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not failures, failures
+        assert outputs == [expected] * 6
+        assert len(replies) == 6
+        for reply in replies:
+            assert reply.status_code in (200, 503), reply.text
+            if reply.status_code == 503:
+                assert reply.headers["retry-after"] and "session_id" not in reply.text
+            else:
+                assert reply.json()["token_ids"] == expected
+        assert metrics(server)["kv_slots_free"] == 4

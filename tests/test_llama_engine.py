@@ -272,7 +272,8 @@ def test_trees_are_refused_with_a_clear_422(server: LiveServer, ggufs: dict[str,
 
 
 def test_bad_input_and_eviction(ggufs: dict[str, Path]) -> None:
-    settings = llama_settings(ggufs["llama-target"], max_context=64, kv_budget_tokens=128)
+    settings = llama_settings(ggufs["llama-target"], max_context=64, kv_budget_tokens=128,
+                              session_protect_s=0.0)
     with LiveServer(settings) as live, httpx.Client(base_url=live.url) as http:
         bad = http.post("/v1/sessions", json={"prompt_ids": [2, 64]})
         assert bad.status_code == 422 and bad.json()["error"]["field"] == "prompt_ids"

@@ -31,14 +31,35 @@ def make(store: SessionStore, owner: str | None = None) -> Session:
 def test_lru_evicts_the_least_recently_used_of_the_same_owner() -> None:
     dropped: list[Session] = []
     store = SessionStore(max_sessions=2, ttl_s=100, clock=FakeClock(), on_drop=dropped.append)
-    a, b = make(store), make(store)
-    store.get(a.id)  # a is now more recent than b
-    c = make(store)
-    assert store.get(a.id) is a and store.get(c.id) is c
+    a, b = make(store, "k"), make(store, "k")
+    store.get(a.id, "k")  # a is now more recent than b
+    c = make(store, "k")
+    assert store.get(a.id, "k") is a and store.get(c.id, "k") is c
     with pytest.raises(VerifierError) as err:
-        store.get(b.id)
+        store.get(b.id, "k")
     assert err.value.status == 404 and store.evicted == 1
     assert dropped == [b]  # its KV slot was handed back
+    assert store.evict_one_for("k", keep={a.key}) and dropped[-1] is c  # a is busy: c goes
+    assert not store.evict_one_for("k", keep={a.key})
+
+
+def test_without_keys_a_create_evicts_only_a_session_idle_past_its_window() -> None:
+    """Without API keys every session has the same owner but belongs to another client: a
+    create never evicts a live one (503, nobody evicted), only the least recently used of
+    those idle past their protection window."""
+    clock, dropped = FakeClock(), []
+    store = SessionStore(max_sessions=2, ttl_s=100, clock=clock, on_drop=dropped.append,
+                         protect_s=2.0)
+    a, b = make(store), make(store)
+    with pytest.raises(VerifierError) as busy:
+        make(store)
+    store.unreserve(None)
+    assert busy.value.status == 503 and busy.value.retry_after_s and store.evicted == 0
+    clock.now += 3.0
+    store.get(a.id)  # a is live again; b has been idle for 3 s, past its 2 s window
+    c = make(store)
+    assert store.get(a.id) is a and store.get(c.id) is c and dropped == [b]
+    clock.now += 3.0
     assert store.evict_one_for(None, keep={a.key}) and dropped[-1] is c  # a is busy: c goes
     assert not store.evict_one_for(None, keep={a.key})
 

@@ -22,8 +22,10 @@ from shared.schema import (
 from verifier_service.acceptance import Check
 from verifier_service.beam import beam_generate, check_beam_request
 from verifier_service.engine import Step, StepResult
+from verifier_service.errors import VerifierError
 from verifier_service.jobs import CreateSessionJob, JobContext, VerifyJob
 from verifier_service.scheduler import Scheduler
+from verifier_service.sessions import busy_error
 
 
 @dataclass
@@ -74,9 +76,16 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
             if req.stop_at_eos and last in eos_token_ids:
                 steps = 0
         for _ in range(steps):
-            reply = await scheduler.submit(VerifyJob(ctx, session_id, VerifyRequest(
-                position=position, last_token=last,
-                final_uniform=float(draw_uniforms(generator, 1)[0])), owner))
+            try:
+                reply = await scheduler.submit(VerifyJob(ctx, session_id, VerifyRequest(
+                    position=position, last_token=last,
+                    final_uniform=float(draw_uniforms(generator, 1)[0])), owner))
+            except VerifierError as exc:
+                if exc.code != "session_not_found":
+                    raise
+                # The session is this request's own: its id means nothing to the caller.
+                raise busy_error("the KV pool is full and this generation's session was "
+                                 "evicted (expired)") from None
             last, position = reply.next_token, reply.position
             forward_ms += reply.forward_ms
             tokens.append(last)

@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 def build_jobs(engine: Engine, settings: Settings) -> JobContext:
     sessions = SessionStore(settings.max_sessions, settings.session_ttl_s,
                             on_drop=lambda s: engine.release(s.slot),
-                            max_per_owner=settings.max_sessions_per_key)
+                            max_per_owner=settings.max_sessions_per_key,
+                            protect_s=settings.session_protect_s)
     info = engine.info
     validator = RequestValidator(
         vocab_size=info.vocab_size, max_context=info.max_context,

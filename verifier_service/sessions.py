@@ -13,7 +13,9 @@ a session busy in the current batch:
      ``max(protect_s, 4 x its mean interval between calls)``, so a live client, however slow its
      round trip, keeps its session while another key creates;
   4. otherwise the create gets 503 with Retry-After, and nobody is evicted.
-Without API keys every session has the same owner, and this is plain LRU.
+Without API keys every session has the same owner, but not the same client: rules 1 and 2 do
+not apply, so a create evicts only a session idle past its protection window (rule 3), and a
+live client keeps its session however many others arrive (they get 503 and retry).
 """
 
 from __future__ import annotations
@@ -181,8 +183,10 @@ class SessionStore:
             free = [(key, s) for key, s in self._sessions.items() if key not in keep]  # LRU 1st
             held = Counter(key[0] for key in self._sessions)
             hog = max(held, key=lambda o: held[o]) if held else None
-            victim = next((key for key, _ in free if key[0] == owner), None)
-            if own_only and (victim is None or owner is None):
+            # Without keys (owner None) "own" sessions are every client's: none is K's own.
+            victim = (next((key for key, _ in free if key[0] == owner), None)
+                      if owner is not None else None)
+            if own_only and victim is None:
                 return False
             if victim is None and hog is not None and held[hog] > held[owner] + 1:
                 # the key holding the most sessions gives up one it never used since opening

@@ -48,6 +48,10 @@ class Settings(BaseSettings):
 
     max_sessions: int = Field(64, ge=1, description="LRU-evicts the least recently used beyond")
     session_ttl_s: float = Field(600.0, gt=0, description="idle sessions older than this expire")
+    session_protect_s: float = Field(2.0, ge=0, description="a session is safe from eviction "
+                                     "for this long after its last call (longer for a slow "
+                                     "client: 4 x its mean interval between calls); a create "
+                                     "that finds every slot so protected gets 503 + Retry-After")
     max_draft_tokens: int = Field(16, ge=0, description="largest k a verify call may send")
     max_context: int = Field(4096, ge=0, description="tokens one session may hold; "
                              "0: the model's max_position_embeddings")
