@@ -300,7 +300,13 @@ def test_gateway_api_key_and_verifier_down(tiny_models: dict[str, Path]) -> None
             allowed.completions.create(model=MODEL, prompt="the cat", max_tokens=4)
         assert info.value.status_code == 503
         assert error_of(info.value)["code"] == "verifier_unavailable"
-        assert httpx.get(gw.url + "/health").json()["status"] == "ok"
+        assert httpx.get(gw.url + "/health").json() == {"status": "ok"}  # names nothing
+        # Under the key the API docs are off and the schema needs the key (docs/deploy.md).
+        for path in ("/docs", "/redoc"):
+            assert httpx.get(gw.url + path).status_code == 404, path
+        assert httpx.get(gw.url + "/openapi.json").status_code == 401
+        schema = httpx.get(gw.url + "/openapi.json", headers={"authorization": "Bearer sesame"})
+        assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
 
 
 def test_a_client_that_hangs_up_stops_its_generation(gateway: ThreadedServer,

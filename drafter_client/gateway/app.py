@@ -158,8 +158,17 @@ async def get_model(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """Open to probes; under --serve-api-key it names nothing (the model is in /v1/models)."""
     gateway: Gateway = request.app.state.gateway
+    if gateway.settings.api_key is not None:
+        return _json({"status": "ok"})
     return _json({"status": "ok", "model": gateway.settings.served_model_name})
+
+
+async def openapi_document(request: Request) -> Response:
+    """/openapi.json under --serve-api-key: the schema, to a caller with the key."""
+    _gateway(request)
+    return _json(request.app.openapi())
 
 
 async def prometheus(request: Request) -> Response:
@@ -234,8 +243,12 @@ def create_gateway(client: SpecDecClient, settings: GatewaySettings) -> FastAPI:
             gateway.executor.shutdown(wait=False, cancel_futures=True)
             gateway.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
+    # Under an API key the interactive docs are off and the schema needs the key.
+    keyed = settings.api_key is not None
     app = FastAPI(title="specdec gateway (OpenAI-compatible)", version="0.1.0",
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url=None if keyed else "/docs",
+                  redoc_url=None if keyed else "/redoc",
+                  openapi_url=None if keyed else "/openapi.json")
     app.state.gateway = gateway
     app.openapi = _with_body_schemas(app, settings.served_model_name)  # type: ignore[method-assign]
     app.add_api_route("/v1/completions", completions, methods=["POST"],
@@ -245,6 +258,9 @@ def create_gateway(client: SpecDecClient, settings: GatewaySettings) -> FastAPI:
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", get_model, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
+    if keyed:
+        app.add_api_route("/openapi.json", openapi_document, methods=["GET"],
+                          include_in_schema=False)
     app.add_api_route("/metrics", prometheus, methods=["GET"], include_in_schema=False)
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(ClientGone, _client_gone)
