@@ -154,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="largest request body; beyond it 413, before it is parsed")
     serve.add_argument("--body-timeout-s", type=float, default=15.0,
                        help="a request body must arrive within this many seconds, or 408")
+    serve.add_argument("--header-timeout-s", type=float, default=10.0,
+                       help="a request head must arrive within this many seconds of connecting "
+                       "or of the last response, or 408 and closed")
     serve.add_argument("--serve-api-key", default=os.environ.get("SPECDEC_SERVE_API_KEY"),
                        help="require this Bearer key from the server's own clients (default: "
                        "$SPECDEC_SERVE_API_KEY; none: open)")
@@ -312,6 +315,7 @@ def _serve(args: argparse.Namespace) -> int:
         max_concurrency=args.max_concurrency,
         max_waiting=args.max_waiting, chat_template=template,
         max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
+        header_timeout_s=args.header_timeout_s,
         api_key=args.serve_api_key or None)  # empty (compose passes "" when unset): open
     print(f"specdec serve: {settings.served_model_name!r} on http://{args.host}:{args.port}/v1 "
           f"(verifier {args.verifier_url}, drafter {args.drafter})", file=sys.stderr)

@@ -17,6 +17,7 @@ and the normal client's latency.
   python -m scripts.bench attack --target tiny
   python -m scripts.bench attack --verifier-url http://127.0.0.1:8000 --verifier-pid 1234
   python -m scripts.bench attack --gateway --seconds 20
+  python -m scripts.bench attack --classes      # each hole of issue #42, one row a class
 """
 
 from __future__ import annotations
@@ -134,6 +135,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--gateway", action="store_true",
                         help="attack `specdec serve` in front of a tiny verifier instead")
+    parser.add_argument("--classes", action="store_true",
+                        help="attack each hole of hardening round 3 in turn, on tiny models, "
+                        "one row a class (scripts/bench/attack_classes.py)")
+    parser.add_argument("--quick", action="store_true",
+                        help="--classes: the short run (the CLI class on `generate` alone)")
     parser.add_argument("--large-senders", type=int, default=2,
                         help="--gateway: threads posting large bodies")
     parser.add_argument("--large-mib", type=float, default=5.0,
@@ -145,6 +151,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.classes:
+        from scripts.bench.attack_classes import run_classes
+
+        return run_classes(args)
     if args.gateway:
         from scripts.bench.attack_gateway import run_gateway
 

@@ -1,0 +1,400 @@
+"""``attack --classes``: each hole of hardening round 3 (issue #42), attacked again and reported
+as one table row per class.
+
+Starts, on tiny models: verifier A on the llama.cpp engine (a GGUF target, context 256 = the
+drafter's trained context, 4 KV slots, no API keys); the gateway in front of it with a GGUF
+drafter on llama.cpp and ``--overlap``, under an API key; verifier B on the transformers engine
+with two API keys, 2 sessions a key and 4 KV slots. Then, one class at a time:
+
+- ``hang-up``: non-streaming chats without max_tokens whose clients hang up after 0.3 s; the
+  verifier's verify calls in the 2 s after must be none;
+- ``tokenize flood``: 20 concurrent prompts of about 512 KB (under the body limit, over the
+  context) while ``/health`` is timed; all must be 400 and /health stay under 0.5 s;
+- ``idle heads``: idle and slowloris connections to the gateway, past its head timeout; none
+  may stay open;
+- ``context edge``: completions (greedy and sampled, streamed and not) and a CLI run that run
+  into the context's end with a drafter of that context; all must end with finish_reason
+  "length" and their output;
+- ``beams over quota``: beam searches past the key's quota (429) and past the free KV slots
+  (503); another key's sessions must all survive;
+- ``cli input``: the CLI with a prompt that is not UTF-8, unreadable prompt files and a bad URL;
+  every run must exit 2 with one line;
+- ``kv pressure``: 12 concurrent callers on the 4 slots of A; each gets 200 or 503 with
+  Retry-After, never a 404 naming a session it did not open;
+- ``exposure``: the probes and API docs without a key; probes say only their status, the docs
+  are off or behind the key.
+
+Every row also counts the statuses, the unexpected 5xx (every 5xx but the designed 503), the
+tracebacks the three servers logged during the class, their RSS after it, and whether the
+gateway's and verifier A's greedy answers to a fixed request are unchanged after it. The stop
+string on a half-decoded character (item 8) is a text-tracker property, tested in
+tests/test_streaming_text.py, not attacked here.
+
+  python -m scripts.bench attack --classes [--quick]   # --quick: the short run of make test
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+
+from scripts.bench.attack import Attack, rss_mib
+from scripts.bench.common import machine_record, markdown_table, write_json
+from scripts.harness.process import BIN, VerifierProcess, free_port, wait_ready
+
+KEY = "attack-gateway-key"
+VERIFIER_KEYS = ("attack-key-a-0123", "attack-key-b-4567")
+CONTEXT = 256  # the tiny models' trained context: the GGUF drafter's n_ctx
+HEAD_TIMEOUT_S = 2.0
+
+
+class Servers:
+    """The three servers and their logs (for tracebacks)."""
+
+    def __init__(self, root: Path) -> None:
+        from scripts.harness.tiny_gguf import save_tiny_gguf
+        from scripts.harness.tiny_models import save_perturbed, save_tiny
+
+        self.root = root
+        self.target_dir = save_tiny(root / "target", "llama", 64, seed=3, init_range=0.3)
+        drafter_dir = save_perturbed(self.target_dir, root / "drafter", 0.01, seed=11)
+        self.target_gguf, self.drafter_gguf = (save_tiny_gguf(self.target_dir),
+                                               save_tiny_gguf(drafter_dir))
+        self.logs = {name: root / f"{name}.log" for name in ("verifier", "keyed", "gateway")}
+        self.verifier = VerifierProcess(
+            ["--model", str(self.target_gguf), "--engine", "llama-cpp", "--max-context",
+             str(CONTEXT), "--kv-budget-tokens", str(4 * CONTEXT), "--max-draft-tokens", "8"],
+            log_path=self.logs["verifier"])
+        self.keyed = VerifierProcess(
+            ["--model", str(self.target_dir), "--dtype", "float32", "--max-context", "64",
+             "--kv-budget-tokens", "256"], log_path=self.logs["keyed"],
+            env={"SPECDEC_API_KEYS": ",".join(VERIFIER_KEYS),
+                 "SPECDEC_MAX_SESSIONS_PER_KEY": "2"})
+        self.gateway: subprocess.Popen[bytes] | None = None
+        self.gateway_url = ""
+        self.quick = False
+
+    def __enter__(self) -> Servers:
+        self.verifier.start()
+        self.keyed.start()
+        port = free_port()
+        self.gateway_url = f"http://127.0.0.1:{port}"
+        launcher = ([str(BIN / "specdec")] if (BIN / "specdec").exists()
+                    else [sys.executable, "-m", "drafter_client.apps.cli"])
+        self.gateway = subprocess.Popen(
+            [*launcher, "serve", "--verifier-url", self.verifier.url, "--drafter",
+             str(self.drafter_gguf), "--drafter-engine", "llama-cpp", "--overlap",
+             "--no-lookup", "--tokenizer", str(self.target_dir), "--port", str(port),
+             "--serve-api-key", KEY, "--header-timeout-s", str(HEAD_TIMEOUT_S),
+             "--threads", "1"],
+            stdout=self.logs["gateway"].open("wb"), stderr=subprocess.STDOUT)
+        wait_ready(self.gateway_url, self.gateway, 120.0, path="/health")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.gateway is not None:
+            self.gateway.terminate()
+            self.gateway.wait(30)
+        self.verifier.stop()
+        self.keyed.stop()
+
+    def tracebacks(self) -> int:
+        return sum(path.read_text(errors="replace").count("Traceback")
+                   for path in self.logs.values() if path.exists())
+
+    def rss(self) -> dict[str, float]:
+        pids = {"verifier": self.verifier.proc, "gateway": self.gateway}
+        return {f"rss_{name}_mib": round(rss_mib(proc.pid), 1)
+                for name, proc in pids.items() if proc is not None}
+
+    def verify_calls(self) -> int:
+        return int(httpx.get(self.verifier.url + "/v1/metrics").json()["verify_calls"])
+
+    def greedy(self) -> tuple[str, list[int]]:
+        """The gateway's and verifier A's greedy answers to fixed requests."""
+        text = httpx.post(self.gateway_url + "/v1/completions", headers=AUTH, timeout=60, json={
+            "model": self.model, "prompt": "the cat sat on the", "max_tokens": 16,
+            "temperature": 0}).json()["choices"][0]["text"]
+        ids = httpx.post(self.verifier.url + "/v1/generate", timeout=60, json={
+            "prompt_ids": [2, 3, 4, 5], "max_new_tokens": 16}).json()["token_ids"]
+        return text, ids
+
+    @property
+    def model(self) -> str:
+        return str(httpx.get(self.gateway_url + "/v1/models", headers=AUTH).json()["data"][0]["id"])
+
+
+AUTH = {"authorization": f"Bearer {KEY}"}
+
+
+def words(n: int) -> str:
+    """A prompt of ``n`` tokens (the tiny tokenizer has a token a word)."""
+    return " ".join((["the", "cat", "sat", "on"] * (n // 4 + 1))[:n])
+
+
+# -- the classes: each returns (statuses, what it checked: name -> held, figures) -------------
+Outcome = tuple[Counter[str], dict[str, bool], dict[str, Any]]
+
+
+def hang_up(s: Servers) -> Outcome:
+    statuses: Counter[str] = Counter()
+
+    def chat() -> None:
+        try:
+            answer = httpx.post(s.gateway_url + "/v1/chat/completions", headers=AUTH,
+                                timeout=0.3, json={"model": s.model, "messages": [
+                                    {"role": "user", "content": "the cat sat on"}],
+                                    "temperature": 1.0})
+            statuses[str(answer.status_code)] += 1
+        except httpx.TimeoutException:
+            statuses["hung up"] += 1
+
+    threads = [threading.Thread(target=chat) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    # Each generation could run to the context's end (about 240 tokens); a hang-up must end
+    # it within a block, so the verifier goes quiet (no verify call for 0.5 s) soon after.
+    hung_up, before = time.perf_counter(), s.verify_calls()
+    last, last_change = before, hung_up
+    while time.perf_counter() - last_change < 0.5 and time.perf_counter() - hung_up < 10:
+        time.sleep(0.05)
+        if (now := s.verify_calls()) != last:
+            last, last_change = now, time.perf_counter()
+    quiet_after = last_change - hung_up
+    return statuses, {"verifier quiet within 1 s of the hang-ups": quiet_after < 1.0}, {
+        "verify_calls_after": last - before, "quiet_after_s": round(quiet_after, 2)}
+
+
+def tokenize_flood(s: Servers) -> Outcome:
+    statuses: Counter[str] = Counter()
+    # about 512 KB, under the 1 MiB body limit; serialized once, so that the senders' own
+    # work in this process does not slow the /health timer
+    body = orjson.dumps({"model": s.model, "prompt": words(128 * 1024), "max_tokens": 4})
+    headers = {**AUTH, "content-type": "application/json"}
+
+    def send() -> None:
+        answer = httpx.post(s.gateway_url + "/v1/completions", headers=headers, timeout=120,
+                            content=body)
+        statuses[str(answer.status_code)] += 1
+
+    threads = [threading.Thread(target=send) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    worst = 0.0
+    while any(thread.is_alive() for thread in threads):
+        started = time.perf_counter()
+        httpx.get(s.gateway_url + "/health", timeout=60)
+        worst = max(worst, time.perf_counter() - started)
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join()
+    refused = statuses["400"] + statuses["429"]
+    return statuses, {"all refused (400 / 429)": refused == 20,
+                      "/health under 0.5 s": worst < 0.5}, {"health_max_ms": round(1e3 * worst)}
+
+
+def idle_heads(s: Servers) -> Outcome:
+    import asyncio
+
+    port = int(s.gateway_url.rsplit(":", 1)[1])
+    attack = Attack("127.0.0.1", port, 40, 40, 0, 1, path="/v1/completions")
+    still_open = asyncio.run(attack.run(HEAD_TIMEOUT_S + 2.0))
+    statuses = Counter({"opened": 80 - attack.failed_to_connect})
+    left = still_open["idle"] + still_open["slowloris"]
+    return statuses, {"none left open past the head timeout": left == 0}, {"left_open": left}
+
+
+def context_edge(s: Servers) -> Outcome:
+    statuses: Counter[str] = Counter()
+    held: dict[str, bool] = {}
+    prompt = words(CONTEXT - 20)
+    for temperature in (0.0, 1.0):
+        for stream in (False, True):
+            # sampled: seeds until one runs into the context's end rather than to an EOS
+            reasons = []
+            for seed in range(1, 9 if temperature else 2):
+                body = {"model": s.model, "prompt": prompt, "max_tokens": 64,
+                        "temperature": temperature, "seed": seed, "stream": stream}
+                answer = httpx.post(s.gateway_url + "/v1/completions", headers=AUTH, json=body,
+                                    timeout=120)
+                statuses[str(answer.status_code)] += 1
+                if answer.status_code != 200 or "error" in answer.text.split("[DONE]")[0][-2000:]:
+                    reasons.append("error")
+                    break
+                if stream:
+                    chunks = [orjson.loads(line[6:]) for line in answer.text.splitlines()
+                              if line.startswith("data: {")]
+                    reason = next((c["choices"][0]["finish_reason"] for c in chunks
+                                   if c.get("choices") and c["choices"][0]["finish_reason"]),
+                                  None)
+                    reason = reason if answer.text.rstrip().endswith("[DONE]") else "cut"
+                else:
+                    reason = answer.json()["choices"][0]["finish_reason"]
+                reasons.append(reason)
+                if reason == "length":
+                    break
+            held[f"T={temperature:g}{' stream' if stream else ''}: length"] = \
+                reasons[-1:] == ["length"] and set(reasons) <= {"length", "stop"}
+    cli = subprocess.run([str(BIN / "specdec"), "generate", "--verifier-url", s.verifier.url,
+                          "--drafter", str(s.drafter_gguf), "--drafter-engine", "llama-cpp",
+                          "--overlap", "--no-lookup", "--tokenizer", str(s.target_dir),
+                          "--threads", "1", "--prompt", prompt, "--max-new-tokens", "64",
+                          "--json"], capture_output=True, timeout=300)
+    statuses[f"cli exit {cli.returncode}"] += 1
+    held["cli: exit 0, no traceback"] = cli.returncode == 0 and b"Traceback" not in cli.stderr
+    return statuses, held, {}
+
+
+def beams_over_quota(s: Servers) -> Outcome:
+    statuses: Counter[str] = Counter()
+    a, b = ({"authorization": f"Bearer {key}"} for key in VERIFIER_KEYS)
+    beams = {"prompt_ids": [2, 3, 4], "max_new_tokens": 4}
+    with httpx.Client(base_url=s.keyed.url, timeout=60) as http:
+        def post(path: str, body: dict[str, Any], headers: dict[str, str]) -> httpx.Response:
+            answer = http.post(path, json=body, headers=headers)
+            statuses[str(answer.status_code)] += 1
+            return answer
+
+        over = post("/v1/generate", {**beams, "num_beams": 64}, a)
+        others = [post("/v1/sessions", {"prompt_ids": [5, 6]}, b).json()["session_id"]
+                  for _ in range(2)]
+        full = [post("/v1/generate", {**beams, "num_beams": 2}, a) for _ in range(2)]
+        third = post("/v1/generate", {**beams, "num_beams": 3}, a)
+        alive = sum(post(f"/v1/sessions/{sid}/verify", {"position": 2, "last_token": 6,
+                                                        "final_uniform": 0.5}, b)
+                    .status_code == 200 for sid in others)
+        for sid in others:
+            http.delete(f"/v1/sessions/{sid}", headers=b)
+    return statuses, {"64 beams over a quota of 2: 429": over.status_code == 429,
+                      "2 beams in the free slots: 200": all(r.status_code == 200 for r in full),
+                      "3 beams: 429 (quota)": third.status_code == 429,
+                      "the other key's sessions alive": alive == 2}, {}
+
+
+def cli_input(s: Servers) -> Outcome:
+    """``--quick``: ``generate`` alone (the three commands read the prompt the same way)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    statuses: Counter[str] = Counter()
+    (s.root / "latin1.txt").write_bytes("caf\u00e9".encode("latin-1"))
+    cases = [["--prompt", "abc \udcff"], ["--prompt-file", "-"],
+             ["--prompt-file", str(s.root / "absent.txt")], ["--prompt-file", str(s.root)],
+             ["--prompt-file", str(s.root / "latin1.txt")], ["--prompt", "x"]]
+    runs: list[tuple[str, list[str], str]] = []  # (command, flags, verifier URL)
+    for command in ("generate",) if s.quick else ("generate", "baseline", "chat"):
+        for case in cases:
+            url = "http://[::1" if case == ["--prompt", "x"] else s.verifier.url
+            if command == "chat" and case[0] == "--prompt-file" and case[1] != "-":
+                continue  # chat reads its lines from standard input only
+            runs.append((command, [] if command == "chat" else case, url))
+
+    def one(command: str, flags: list[str], url: str) -> bool:
+        drafter = [] if command == "baseline" else ["--drafter", "ngram"]
+        run = subprocess.run([str(BIN / "specdec"), command, "--verifier-url", url,
+                              "--tokenizer", str(s.target_dir), *drafter, *flags],
+                             input=b"ok \xfe\n", capture_output=True, timeout=120)
+        statuses[f"{command} exit {run.returncode}"] += 1
+        lines = run.stderr.decode("utf-8", "replace").strip().splitlines()
+        if command == "chat" and url == s.verifier.url:  # answers the bad line, goes on
+            return run.returncode == 0 and b"Traceback" not in run.stderr and \
+                b"not UTF-8" in run.stdout
+        return run.returncode == 2 and len(lines) == 1 and b"Traceback" not in run.stderr
+
+    with ThreadPoolExecutor(2) as pool:
+        held = list(pool.map(lambda r: one(*r), runs))
+    return statuses, {"every run one line, exit 2 (chat: answers, goes on)": all(held)}, {}
+
+
+def kv_pressure(s: Servers) -> Outcome:
+    statuses: Counter[str] = Counter()
+    foreign = 0
+
+    def call() -> None:
+        nonlocal foreign
+        answer = httpx.post(s.verifier.url + "/v1/generate", timeout=120, json={
+            "prompt_ids": [2, 3, 4, 5], "max_new_tokens": 24})
+        statuses[str(answer.status_code)] += 1
+        if answer.status_code == 503 and not answer.headers.get("retry-after"):
+            statuses["503 without Retry-After"] += 1
+        foreign += "session_not_found" in answer.text
+
+    threads = [threading.Thread(target=call) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return statuses, {"200 or 503 with Retry-After": set(statuses) <= {"200", "503"},
+                      "no session the caller never opened": foreign == 0}, {}
+
+
+def exposure(s: Servers) -> Outcome:
+    statuses: Counter[str] = Counter()
+    bodies: dict[str, Any] = {}
+    for name, url in (("verifier /readyz", s.verifier.url + "/readyz"),
+                      ("keyed /readyz", s.keyed.url + "/readyz"),
+                      ("keyed /openapi.json", s.keyed.url + "/openapi.json"),
+                      ("gateway /health", s.gateway_url + "/health"),
+                      ("gateway /docs", s.gateway_url + "/docs"),
+                      ("gateway /redoc", s.gateway_url + "/redoc"),
+                      ("gateway /openapi.json", s.gateway_url + "/openapi.json")):
+        answer = httpx.get(url, timeout=30)
+        statuses[f"{name} {answer.status_code}"] += 1
+        bodies[name] = answer
+    probes = all(bodies[n].json() in ({"status": "ready"}, {"status": "ok"})
+                 for n in ("verifier /readyz", "keyed /readyz", "gateway /health"))
+    closed = all(bodies[n].status_code in (401, 404) for n in (
+        "keyed /openapi.json", "gateway /docs", "gateway /redoc", "gateway /openapi.json"))
+    return statuses, {"probes name nothing": probes, "docs off or behind the key": closed}, {}
+
+
+CLASSES: dict[str, Callable[[Servers], Outcome]] = {
+    "hang-up": hang_up, "tokenize flood": tokenize_flood, "idle heads": idle_heads,
+    "context edge": context_edge, "beams over quota": beams_over_quota,
+    "cli input": cli_input, "kv pressure": kv_pressure, "exposure": exposure,
+}
+
+
+def unexpected_5xx(statuses: Counter[str]) -> int:
+    return sum(n for status, n in statuses.items()
+               if status[-3:].isdigit() and status[-3] == "5" and status[-3:] != "503")
+
+
+def run_classes(args: argparse.Namespace) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp, Servers(Path(tmp)) as servers:
+        servers.quick = args.quick
+        reference = servers.greedy()
+        for name, attack in CLASSES.items():
+            tracebacks = servers.tracebacks()
+            started = time.perf_counter()
+            statuses, held, figures = attack(servers)
+            rows.append({
+                "class": name, "requests": sum(statuses.values()),
+                "statuses": ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items())),
+                "5xx": unexpected_5xx(statuses),
+                "tracebacks": servers.tracebacks() - tracebacks,
+                **servers.rss(), "greedy unchanged": servers.greedy() == reference,
+                "held": all(held.values()), "checks": held, **figures,
+                "seconds": round(time.perf_counter() - started, 1)})
+            print(f"{name}: {'held' if rows[-1]['held'] else 'BROKE'} {held}", flush=True)
+    columns = [(k, k) for k in ("class", "requests", "statuses", "5xx", "tracebacks",
+                                "rss_verifier_mib", "rss_gateway_mib", "greedy unchanged",
+                                "held")]
+    print("\n" + markdown_table(rows, columns))
+    args.dtype, args.drafter, args.max_new_tokens = "float32", "llama-cpp gguf", 64
+    payload = {"machine": machine_record(args), "args": vars(args), "rows": rows}
+    write_json(args.out, payload)
+    return payload
