@@ -161,10 +161,12 @@ def hang_up(s: Servers) -> Outcome:
             statuses["hung up"] += 1
 
     threads = [threading.Thread(target=chat) for _ in range(12)]
+    start = s.verify_calls()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    connected = s.verify_calls() - start  # the generations were running when the clients left
     # Each generation could run to the context's end (about 240 tokens); a hang-up must end
     # it within a block, so the verifier goes quiet (no verify call for 0.5 s) soon after.
     hung_up, before = time.perf_counter(), s.verify_calls()
@@ -174,8 +176,10 @@ def hang_up(s: Servers) -> Outcome:
         if (now := s.verify_calls()) != last:
             last, last_change = now, time.perf_counter()
     quiet_after = last_change - hung_up
-    return statuses, {"verifier quiet within 1 s of the hang-ups": quiet_after < 1.0}, {
-        "verify_calls_after": last - before, "quiet_after_s": round(quiet_after, 2)}
+    return statuses, {"verifier quiet within 1 s of the hang-ups": quiet_after < 1.0,
+                      "generating when they left": connected > 0}, {
+        "verify_calls_while_connected": connected, "verify_calls_after": last - before,
+        "quiet_after_s": round(quiet_after, 2)}
 
 
 def tokenize_flood(s: Servers) -> Outcome:
