@@ -84,7 +84,7 @@ def fuzz(url: str, api_schema: Any, mode: GenerationMode) -> tuple[Counter[str],
 def test_no_server_errors_and_the_gateway_survives(fuzz_gateway: ThreadedServer,
                                                    mode: GenerationMode, min_cases: int,
                                                    caplog: pytest.LogCaptureFixture) -> None:
-    document = httpx.get(f"{fuzz_gateway.url}/openapi.json").json()
+    document = httpx.get(f"{fuzz_gateway.url}/openapi.json", headers=AUTH).json()  # behind the key
     assert "CompletionRequest" in document["components"]["schemas"]
     with caplog.at_level(logging.ERROR):
         cases, statuses = fuzz(fuzz_gateway.url, schemathesis.openapi.from_dict(document), mode)

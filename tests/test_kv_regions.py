@@ -173,7 +173,7 @@ def test_a_full_pool_evicts_an_idle_session_for_a_growing_one(
     monkeypatch.setattr(kv_pool, "SMALLEST_REGION", 32)
     path = tiny_models["llama-target"]
     settings = fp32_settings(path, max_context=128, kv_budget_tokens=128, max_draft_tokens=8,
-                             batching=False)
+                             batching=False, session_protect_s=0.0)  # idle at once
     tokenizer = load_tokenizer(str(path))
     prompt = tokenizer.encode("the cat sat on")
     with LiveServer(settings) as server, httpx.Client(base_url=server.url) as http:
