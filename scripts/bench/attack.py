@@ -139,7 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="attack each hole of hardening round 3 in turn, on tiny models, "
                         "one row a class (scripts/bench/attack_classes.py)")
     parser.add_argument("--quick", action="store_true",
-                        help="--classes: the short run (the CLI class on `generate` alone)")
+                        help="--classes: the short run (the CLI class: two cases on `generate`)")
     parser.add_argument("--large-senders", type=int, default=2,
                         help="--gateway: threads posting large bodies")
     parser.add_argument("--large-mib", type=float, default=5.0,
