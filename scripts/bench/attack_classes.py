@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -50,8 +49,9 @@ import httpx
 import orjson
 
 from scripts.bench.attack import Attack, rss_mib
+from scripts.bench.attack_gateway import start_gateway
 from scripts.bench.common import machine_record, markdown_table, write_json
-from scripts.harness.process import BIN, VerifierProcess, free_port, wait_ready
+from scripts.harness.process import BIN, VerifierProcess
 
 KEY = "attack-gateway-key"
 VERIFIER_KEYS = ("attack-key-a-0123", "attack-key-b-4567")
@@ -88,18 +88,10 @@ class Servers:
     def __enter__(self) -> Servers:
         self.verifier.start()
         self.keyed.start()
-        port = free_port()
-        self.gateway_url = f"http://127.0.0.1:{port}"
-        launcher = ([str(BIN / "specdec")] if (BIN / "specdec").exists()
-                    else [sys.executable, "-m", "drafter_client.apps.cli"])
-        self.gateway = subprocess.Popen(
-            [*launcher, "serve", "--verifier-url", self.verifier.url, "--drafter",
-             str(self.drafter_gguf), "--drafter-engine", "llama-cpp", "--overlap",
-             "--no-lookup", "--tokenizer", str(self.target_dir), "--port", str(port),
-             "--serve-api-key", KEY, "--header-timeout-s", str(HEAD_TIMEOUT_S),
-             "--threads", "1"],
-            stdout=self.logs["gateway"].open("wb"), stderr=subprocess.STDOUT)
-        wait_ready(self.gateway_url, self.gateway, 120.0, path="/health")
+        self.gateway, self.gateway_url = start_gateway(self.verifier.url, (
+            "--drafter", str(self.drafter_gguf), "--drafter-engine", "llama-cpp", "--overlap",
+            "--no-lookup", "--tokenizer", str(self.target_dir), "--serve-api-key", KEY,
+            "--header-timeout-s", str(HEAD_TIMEOUT_S), "--threads", "1"), self.logs["gateway"])
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -30,13 +30,17 @@ from scripts.harness.process import BIN, VerifierProcess, free_port, wait_ready
 BODY_LIMIT = 1 << 20  # the gateway's default --max-body-bytes
 
 
-def start_gateway(verifier_url: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_gateway(verifier_url: str,
+                  flags: tuple[str, ...] = ("--drafter", "ngram", "--max-concurrency", "8"),
+                  log_path: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """``specdec serve`` with these flags on a free port, ready; its output to ``log_path``
+    (else nowhere)."""
     port = free_port()
     launcher = ([str(BIN / "specdec")] if (BIN / "specdec").exists()
                 else [sys.executable, "-m", "drafter_client.apps.cli"])
-    proc = subprocess.Popen([*launcher, "serve", "--verifier-url", verifier_url, "--drafter",
-                             "ngram", "--port", str(port), "--max-concurrency", "8"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = log_path.open("wb") if log_path is not None else subprocess.DEVNULL
+    proc = subprocess.Popen([*launcher, "serve", "--verifier-url", verifier_url, "--port",
+                             str(port), *flags], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, proc, 120.0, path="/health")
     return proc, url
