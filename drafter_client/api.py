@@ -33,7 +33,6 @@ from drafter_client.metrics import GenerationMetrics
 from drafter_client.model_free import (
     BigramDrafter,
     NGramDrafter,
-    NGramOptions,
     PromptLookupDrafter,
     special_ids,
 )
@@ -67,9 +66,7 @@ log = logging.getLogger(__name__)
 def build_model_free(name: str, options: DrafterOptions,
                      stop_ids: frozenset[int] = frozenset()) -> Drafter:
     if name == "ngram":
-        return NGramDrafter(NGramOptions(options.ngram_n, options.ngram_kind,
-                                         options.ngram_top_k_filler,
-                                         options.ngram_stop_if_unknown))
+        return NGramDrafter.from_options(options)
     if name == "prompt-lookup":
         return PromptLookupDrafter(options.lookup_min_ngram, options.lookup_max_ngram,
                                    stop_ids)

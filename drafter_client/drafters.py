@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
+from shared.acceptance.rule import tree_depths
 from shared.kv_cache import crop_cache, with_cache
 from shared.sampling import (
     SamplingConfig,
@@ -17,7 +18,6 @@ from shared.sampling import (
     greedy_tokens,
     process_logits,
     sample_from_probs,
-    tree_depths,
 )
 
 if TYPE_CHECKING:

@@ -66,7 +66,7 @@ class HybridDrafter(Drafter):
                  lookup_tokens: int = 0, min_trust: float = 0.3, margin: float = 0.1,
                  decay: float = 0.7) -> None:
         self.model = model
-        self.lookup = lookup or PromptLookupDrafter(1, 3)
+        self.lookup = lookup or PromptLookupDrafter()
         self.lookup_tokens, self.min_trust, self.margin, self.decay = (
             lookup_tokens, min_trust, margin, decay)
         self.name = f"{model.name}+lookup"

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Collection
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from drafter_client.drafters import Draft, Drafter
+from drafter_client.settings import DEFAULT_OPTIONS, DrafterOptions
 from shared.sampling import SamplingConfig
 
 
@@ -93,34 +93,35 @@ class _SequenceDrafter(Drafter):
         return Draft(draft, None, None)
 
 
-@dataclass(frozen=True)
-class NGramOptions:
-    n: int = 3
-    kind: str = "multi"  # "simple" or "multi"
-    top_k_filler: int = 0  # ask the verifier for its top-k ids per scored position
-    stop_if_unknown: bool = False
-
-
 class NGramDrafter(_SequenceDrafter):
-    """NASD: SimpleDynaGram (``kind="simple"``) or MultiDynaGram (``kind="multi"``)."""
+    """NASD: SimpleDynaGram (``kind="simple"``) or MultiDynaGram (``kind="multi"``).
+    ``top_k_filler``: ask the verifier for its top-k ids per scored position and draft from them
+    after the pool. The defaults are :class:`DrafterOptions`' ``ngram_*`` fields."""
 
-    def __init__(self, options: NGramOptions = NGramOptions()) -> None:
+    def __init__(self, n: int = DEFAULT_OPTIONS.ngram_n, kind: str = DEFAULT_OPTIONS.ngram_kind,
+                 top_k_filler: int = DEFAULT_OPTIONS.ngram_top_k_filler,
+                 stop_if_unknown: bool = DEFAULT_OPTIONS.ngram_stop_if_unknown) -> None:
         super().__init__()
-        if options.n < 2:
+        if n < 2:
             raise ValueError("n-gram order n must be at least 2")
-        if options.kind not in ("simple", "multi"):
-            raise ValueError(f"n-gram kind must be 'simple' or 'multi', not {options.kind!r}")
-        self.options = options
-        self.name = f"ngram-{options.kind}-{options.n}"
-        self.stop_if_unknown = options.stop_if_unknown
-        self.top_k_filler = options.top_k_filler
+        if kind not in ("simple", "multi"):
+            raise ValueError(f"n-gram kind must be 'simple' or 'multi', not {kind!r}")
+        self.n, self.kind = n, kind
+        self.name = f"ngram-{kind}-{n}"
+        self.stop_if_unknown = stop_if_unknown
+        self.top_k_filler = top_k_filler
         self._on_reset()
+
+    @classmethod
+    def from_options(cls, options: DrafterOptions) -> NGramDrafter:
+        return cls(options.ngram_n, options.ngram_kind, options.ngram_top_k_filler,
+                   options.ngram_stop_if_unknown)
 
     @property
     def _orders(self) -> range:
         """Context lengths to try, longest first."""
-        longest = self.options.n - 1
-        return range(longest, 0 if self.options.kind == "multi" else longest - 1, -1)
+        longest = self.n - 1
+        return range(longest, 0 if self.kind == "multi" else longest - 1, -1)
 
     def _on_reset(self) -> None:
         self.pool = _Continuations()
@@ -164,7 +165,8 @@ class PromptLookupDrafter(_SequenceDrafter):
 
     CANDIDATES = 256  # most recent earlier places of the last token tried per proposal
 
-    def __init__(self, min_ngram: int = 1, max_ngram: int = 3,
+    def __init__(self, min_ngram: int = DEFAULT_OPTIONS.lookup_min_ngram,
+                 max_ngram: int = DEFAULT_OPTIONS.lookup_max_ngram,
                  stop_ids: Collection[int] = ()) -> None:
         super().__init__()
         if not 1 <= min_ngram <= max_ngram:

@@ -9,7 +9,8 @@ import torch
 
 from drafter_client.drafters import Draft
 from drafter_client.transport import SpecDecError
-from shared.sampling import SamplingConfig, accept_drafts, accept_greedy, accept_tree
+from shared.acceptance import accepted_by_rule
+from shared.sampling import SamplingConfig
 from shared.schema import InfoResponse, VerifyRequest, VerifyResponse, decode_logprobs
 
 
@@ -67,24 +68,16 @@ def check_reply(reply: VerifyResponse, req: VerifyRequest, greedy: bool,
 
 
 def check_verdict(reply: VerifyResponse, draft: Draft, draft_logprobs: torch.Tensor | None,
-                   log_uniforms: torch.Tensor, config: SamplingConfig) -> int:
-    """Our own copy of the acceptance rule must agree with the verifier's verdict."""
-    if draft.parents is not None:
-        path, _ = accept_tree(
-            draft.parents, draft.ids, None if config.deterministic else log_uniforms.tolist(),
-            None if config.deterministic
-            else decode_logprobs(reply.target_logprobs or []).tolist(),
-            reply.target_argmax if config.deterministic else None)
-        if path != reply.accepted_path:
-            raise SpecDecError(f"verifier accepted the path {reply.accepted_path} where the "
-                               f"acceptance rule gives {path}: protocol mismatch")
-        return len(path)
-    ids = torch.tensor(draft.ids, dtype=torch.long)  # [k]
-    if config.deterministic:
-        accepted = accept_greedy(ids, torch.tensor(reply.target_argmax or [], dtype=torch.long))
-    else:
-        accepted = accept_drafts(decode_logprobs(reply.target_logprobs or []), draft_logprobs,
-                                 log_uniforms)
+                  log_uniforms: torch.Tensor, config: SamplingConfig) -> int:
+    """The acceptance rule (``shared.acceptance``), applied here to the reply's scores, must
+    give the verifier's verdict."""
+    scores = (None if config.deterministic
+              else decode_logprobs(reply.target_logprobs or []))
+    accepted, path = accepted_by_rule(draft.ids, draft.parents, config, log_uniforms,
+                                      draft_logprobs, scores, reply.target_argmax)
+    if draft.parents is not None and path != reply.accepted_path:
+        raise SpecDecError(f"verifier accepted the path {reply.accepted_path} where the "
+                           f"acceptance rule gives {path}: protocol mismatch")
     if accepted != reply.num_accepted:
         raise SpecDecError(f"verifier accepted {reply.num_accepted} drafts where the acceptance "
                            f"rule gives {accepted}: protocol mismatch")

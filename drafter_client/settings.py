@@ -74,6 +74,28 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class GatewaySettings:
+    """What ``specdec serve`` (the OpenAI gateway) is built from; its flags default to these."""
+
+    served_model_name: str = ""  # the name clients send; empty: the verifier's model
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_concurrency: int = 8  # generations running at once (worker threads)
+    max_waiting: int = 64  # admitted requests waiting for a worker; beyond: 429
+    chat_template: str | None = None  # overrides the tokenizer's
+    api_key: str | None = None  # clients must send it as a Bearer token
+    completion_max_tokens: int = 16  # OpenAI's default max_tokens for /v1/completions
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413 before they are parsed
+    body_timeout_s: float = 15.0  # a body must arrive within this, or 408
+    header_timeout_s: float = 10.0  # a request head must arrive within this, or 408 and close
+    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    # Prompts longer than INLINE_TOKENIZE_CHARS are tokenized on one worker thread, at most
+    # this many at once or waiting for it; beyond: 429. Shorter ones (a millisecond or two)
+    # are tokenized where they arrive, so they never wait behind a long one.
+    max_tokenizing: int = 4
+
+
+@dataclass(frozen=True)
 class ClientSettings:
     """Everything a client is built from but the verifier's URL, the drafter and the tokenizer.
 
@@ -93,6 +115,7 @@ class ClientSettings:
     timeout_s: float = 120.0
     retry_budget_s: float = 60.0
     simulated_rtt_ms: float = 0.0
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)  # specdec serve's
 
     def describe(self, drafter: str | None) -> str:
         """One line saying what a client with these settings runs (the demo prints it)."""
@@ -117,3 +140,4 @@ class ClientSettings:
 DEFAULTS = ClientSettings()
 DEFAULT_K = DEFAULTS.num_draft_tokens
 DEFAULT_OPTIONS = DEFAULTS.options
+GATEWAY = DEFAULTS.gateway

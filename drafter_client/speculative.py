@@ -26,11 +26,8 @@ from drafter_client.drafters import Draft, Drafter
 from drafter_client.metrics import GenerationMetrics, MetricsRecorder
 from drafter_client.reply_checks import check_reply, check_verdict
 from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
-from shared.sampling import (
-    SamplingConfig,
-    draw_uniforms,
-    recover_token,
-)
+from shared.acceptance.rule import recover_token
+from shared.sampling import SamplingConfig, draw_uniforms
 from shared.schema import (
     CreateSessionRequest,
     InfoResponse,
@@ -65,7 +62,7 @@ class GenerationSettings:
 
     sampling: SamplingParams
     max_new_tokens: int
-    draft_length: DraftLength | int = 4  # k per block, fixed or adaptive
+    draft_length: DraftLength | int  # k per block, fixed or adaptive
     seed: int = 0
     encoder_ids: list[int] | None = None  # an encoder-decoder target's source
     # Draft block n + 1 while block n is verified, assuming block n's drafts all pass and the

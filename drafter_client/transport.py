@@ -11,6 +11,7 @@ import httpx
 import orjson
 from pydantic import BaseModel, ValidationError
 
+from drafter_client.settings import DEFAULTS
 from shared.auth import bearer_header
 from shared.schema import (
     SESSION_HEADER,
@@ -109,9 +110,10 @@ class HttpVerifier:
     exponential backoff (Retry-After when the verifier sends one) until ``retry_budget_s`` has
     passed since the call's first failure."""
 
-    def __init__(self, url: str, timeout_s: float = 120.0,
+    def __init__(self, url: str, timeout_s: float = DEFAULTS.timeout_s,
                  client: httpx.Client | None = None, simulated_rtt_s: float = 0.0,
-                 retry_budget_s: float = 60.0, api_key: str | None = None) -> None:
+                 retry_budget_s: float = DEFAULTS.retry_budget_s,
+                 api_key: str | None = None) -> None:
         self.url = checked_url(url)
         self.simulated_rtt_s = simulated_rtt_s  # added before each call, to study distance
         self.retry_budget_s = retry_budget_s

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from shared.acceptance.rule import tree_depths
 from shared.graphs import Shaped, StaticForwards
 from shared.kv_pool import KVPool, RaggedBatch, Segment
-from shared.sampling import tree_depths
 from shared.transfer import Upload
 
 

@@ -9,9 +9,10 @@ import random
 import pytest
 import torch
 
+from shared.acceptance.batched import Check, decide
+from shared.acceptance.rule import verify_block
 from shared.logits import process_rows
-from shared.sampling import SamplingConfig, process_logits, verify_block
-from verifier_service.acceptance import Check, decide
+from shared.sampling import SamplingConfig, process_logits
 
 VOCAB = 50
 

@@ -28,10 +28,10 @@ import httpx
 import pytest
 import torch
 
-import drafter_client.reply_checks as reply_checks
 import drafter_client.speculative as speculative
+import shared.acceptance.batched as acceptance
+import shared.acceptance.rule as rule
 import shared.sampling as sampling
-import verifier_service.acceptance as acceptance
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
 from shared.models import load_causal_lm
@@ -181,7 +181,7 @@ def test_negative_control_fresh_resample_for_one_hot_drafts(
     verifier's batched device acceptance and in its host path."""
     monkeypatch.setattr(verifier.engine, "acceptance", path)
     if path == "host":
-        monkeypatch.setattr(sampling, "residual_without_token", lambda probs, token: probs)
+        monkeypatch.setattr(rule, "residual_without_token", lambda probs, token: probs)
     else:
         monkeypatch.setattr(acceptance, "remove_rejected", lambda weights, tokens: weights)
     client = model_free_client(verifier, "ngram-simple", tiny_models)
@@ -312,7 +312,7 @@ def test_trees_and_hybrid_follow_the_target(name: str, verifier: InProcessVerifi
 def naive_accept_tree(parents, draft_ids, log_uniforms, node_logprobs=None,  # type: ignore[no-untyped-def]
                       target_argmax=None):
     """The wrong multi-draft rule: each child tested against the untouched p."""
-    children = sampling.tree_children(parents)
+    children = rule.tree_children(parents)
     path, here = [], -1
     while True:
         rejected = []
@@ -328,8 +328,7 @@ def naive_accept_tree(parents, draft_ids, log_uniforms, node_logprobs=None,  # t
 def test_negative_control_naive_tree_rule(verifier: InProcessVerifier,
                                           tiny_models: dict[str, Path],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sampling, "accept_tree", naive_accept_tree)
-    monkeypatch.setattr(reply_checks, "accept_tree", naive_accept_tree)
+    monkeypatch.setattr(rule, "accept_tree", naive_accept_tree)  # one rule: verifier and client
     options, params, _ = TREES["tree3,T=1"]
     client = tree_client(verifier, options, tiny_models)
     exact = exact_pair_distribution(tiny_models["peaky-target"], params,

@@ -19,7 +19,6 @@ from drafter_client.hybrid import COPY_PRIOR, LOOKUP_PRIOR, HybridDrafter, trust
 from drafter_client.model_free import (
     BigramDrafter,
     NGramDrafter,
-    NGramOptions,
     PromptLookupDrafter,
     special_ids,
 )
@@ -35,29 +34,29 @@ def propose(drafter, k: int) -> list[int]:  # type: ignore[no-untyped-def]
 
 
 def test_simple_ngram_follows_the_prompt() -> None:
-    drafter = NGramDrafter(NGramOptions(n=3, kind="simple"))
+    drafter = NGramDrafter(n=3, kind="simple")
     drafter.reset([1, 2, 3, 4, 1, 2])
     assert propose(drafter, 3) == [3, 4, 1]  # (1,2)->3, (2,3)->4, (3,4)->1
 
 
 def test_simple_ngram_pads_or_stops_at_unknown_context() -> None:
-    padded = NGramDrafter(NGramOptions(n=3, kind="simple"))
+    padded = NGramDrafter(n=3, kind="simple")
     padded.reset([1, 2, 3, 9])
     assert propose(padded, 2) == [9, 9]  # (3,9) unknown: pad with the last token
-    stopping = NGramDrafter(NGramOptions(n=3, kind="simple", stop_if_unknown=True))
+    stopping = NGramDrafter(n=3, kind="simple", stop_if_unknown=True)
     stopping.reset([1, 2, 3, 9])
     assert propose(stopping, 2) == []
 
 
 def test_multi_ngram_falls_back_to_shorter_contexts() -> None:
-    drafter = NGramDrafter(NGramOptions(n=3, kind="multi", stop_if_unknown=True))
+    drafter = NGramDrafter(n=3, kind="multi", stop_if_unknown=True)
     drafter.reset([5, 7, 1, 2, 8, 7])
     # (8,7) is unknown; the bigram context (7,) -> 1, then (7,1) -> 2, then (1,2) -> 8
     assert propose(drafter, 3) == [1, 2, 8]
 
 
 def test_ngram_learns_emitted_tokens_and_prefers_frequent_then_recent() -> None:
-    drafter = NGramDrafter(NGramOptions(n=2, kind="simple", stop_if_unknown=True))
+    drafter = NGramDrafter(n=2, kind="simple", stop_if_unknown=True)
     drafter.reset([1, 2, 1, 3])
     assert propose(drafter, 1) == []  # nothing follows 3 yet
     drafter.commit([1, 3])  # 1 -> 3 seen twice now, 1 -> 2 once
@@ -69,8 +68,8 @@ def test_ngram_learns_emitted_tokens_and_prefers_frequent_then_recent() -> None:
 
 
 def test_ngram_top_k_filler_is_used_after_the_pool() -> None:
-    drafter = NGramDrafter(NGramOptions(n=2, kind="simple", top_k_filler=2,
-                                        stop_if_unknown=True))
+    drafter = NGramDrafter(n=2, kind="simple", top_k_filler=2,
+                                        stop_if_unknown=True)
     drafter.reset([4, 5])
     assert propose(drafter, 1) == []
     drafter.observe_top_k([4, 5], [6, 7])  # the target ranks 6 first after ...5
@@ -213,9 +212,9 @@ def test_bigram_chains_the_most_frequent_successor() -> None:
 
 def test_bad_ngram_options() -> None:
     with pytest.raises(ValueError):
-        NGramDrafter(NGramOptions(n=1))
+        NGramDrafter(n=1)
     with pytest.raises(ValueError):
-        NGramDrafter(NGramOptions(kind="other"))
+        NGramDrafter(kind="other")
 
 
 def test_heuristic_schedule_grows_by_two_and_shrinks_by_one() -> None:

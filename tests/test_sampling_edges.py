@@ -15,12 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.sampling import (
-    SamplingConfig,
-    process_logits,
-    sample_from_probs,
-    verify_block,
-)
+from shared.acceptance.rule import verify_block
+from shared.sampling import SamplingConfig, process_logits, sample_from_probs
 from shared.schema import EncodedRow, SamplingParams, encode_logprobs
 
 VOCAB = 12

@@ -7,17 +7,15 @@ import math
 import pytest
 import torch
 
-from shared.sampling import (
-    SamplingConfig,
+from shared.acceptance.rule import (
     accept_drafts,
     accept_greedy,
-    process_logits,
     recover_token,
     residual_probs,
     residual_without_token,
-    sample_from_probs,
     verify_block,
 )
+from shared.sampling import SamplingConfig, process_logits, sample_from_probs
 
 NEG = float("-inf")
 T1 = SamplingConfig(temperature=1.0)

@@ -24,10 +24,10 @@ from typing import Any, Protocol
 
 import torch
 
+from shared.acceptance.batched import Check, decide
+from shared.acceptance.rule import Verdict
 from shared.engine import ForwardItem
 from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
-from shared.sampling import Verdict
-from verifier_service.acceptance import Check, decide
 
 VERIFY_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # drafts per block timed at start (``verify_ms``)
 

@@ -9,8 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.acceptance.batched import Check
+from shared.acceptance.rule import Verdict
 from shared.engine import ForwardItem
-from shared.sampling import Verdict, draw_uniforms
+from shared.sampling import draw_uniforms
 from shared.schema import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -19,7 +21,6 @@ from shared.schema import (
     VerifyRequest,
     VerifyResponse,
 )
-from verifier_service.acceptance import Check
 from verifier_service.beam import beam_generate, check_beam_request
 from verifier_service.engine import Step, StepResult
 from verifier_service.errors import VerifierError

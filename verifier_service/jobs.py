@@ -14,8 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.acceptance.batched import Check
+from shared.acceptance.rule import Verdict
 from shared.engine import ForwardItem
-from shared.sampling import Verdict
 from shared.schema import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -24,7 +25,6 @@ from shared.schema import (
     VerifyResponse,
     encode_logprobs,
 )
-from verifier_service.acceptance import Check
 from verifier_service.engine import Engine, Step, StepResult
 from verifier_service.errors import VerifierError
 from verifier_service.sessions import Session, SessionKey, SessionStore, busy_error

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from drafter_client.api import SpecDecClient
     from drafter_client.speculative import GenerationResult
 
-OPTIONS, SAMPLING = DEFAULTS.options, DEFAULTS.sampling
+OPTIONS, SAMPLING, GATEWAY = DEFAULTS.options, DEFAULTS.sampling, DEFAULTS.gateway
 
 
 def _connection(p: argparse.ArgumentParser) -> None:
@@ -140,21 +140,22 @@ def build_parser() -> argparse.ArgumentParser:
                            "streaming) that drafts here and verifies on the verifier")
     _connection(serve)
     _drafter(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8080)
+    serve.add_argument("--host", default=GATEWAY.host)
+    serve.add_argument("--port", type=int, default=GATEWAY.port)
     serve.add_argument("--served-model-name",
                        help="the model name clients send (default: the verifier's model)")
     serve.add_argument("--chat-template", metavar="FILE",
                        help="a Jinja chat template file to use instead of the tokenizer's")
-    serve.add_argument("--max-concurrency", type=int, default=8,
+    serve.add_argument("--max-concurrency", type=int, default=GATEWAY.max_concurrency,
                        help="generations running at once (the verifier batches them)")
-    serve.add_argument("--max-waiting", type=int, default=64,
+    serve.add_argument("--max-waiting", type=int, default=GATEWAY.max_waiting,
                        help="requests waiting for a slot beyond --max-concurrency; more get 429")
-    serve.add_argument("--max-body-bytes", type=int, default=1 << 20,
+    serve.add_argument("--max-body-bytes", type=int, default=GATEWAY.max_body_bytes,
                        help="largest request body; beyond it 413, before it is parsed")
-    serve.add_argument("--body-timeout-s", type=float, default=15.0,
+    serve.add_argument("--body-timeout-s", type=float, default=GATEWAY.body_timeout_s,
                        help="a request body must arrive within this many seconds, or 408")
-    serve.add_argument("--header-timeout-s", type=float, default=10.0,
+    serve.add_argument("--header-timeout-s", type=float,
+                       default=GATEWAY.header_timeout_s,
                        help="a request head must arrive within this many seconds of connecting "
                        "or of the last response, or 408 and closed")
     serve.add_argument("--serve-api-key", default=os.environ.get("SPECDEC_SERVE_API_KEY"),

@@ -27,29 +27,12 @@ from pydantic import ValidationError
 from drafter_client.api import SpecDecClient
 from drafter_client.gateway.metrics import GatewayMetrics
 from drafter_client.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIError
+from drafter_client.settings import GatewaySettings
 from drafter_client.speculative import BlockOutcome, GenerationResult
 from drafter_client.text import TextTracker
 from drafter_client.transport import SpecDecError, VerifierHTTPError, VerifierUnavailable
 from shared.auth import bearer_token
 from shared.schema import SamplingParams
-
-
-@dataclass(frozen=True)
-class GatewaySettings:
-    served_model_name: str
-    max_concurrency: int = 8  # generations running at once (worker threads)
-    max_waiting: int = 64  # admitted requests waiting for a worker; beyond: 429
-    chat_template: str | None = None  # overrides the tokenizer's
-    api_key: str | None = None  # clients must send it as a Bearer token
-    completion_max_tokens: int = 16  # OpenAI's default max_tokens for /v1/completions
-    max_body_bytes: int = 1 << 20  # larger request bodies get 413 before they are parsed
-    body_timeout_s: float = 15.0  # a body must arrive within this, or 408
-    header_timeout_s: float = 10.0  # a request head must arrive within this, or 408 and close
-    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
-    # Prompts longer than INLINE_TOKENIZE_CHARS are tokenized on one worker thread, at most
-    # this many at once or waiting for it; beyond: 429. Shorter ones (a millisecond or two)
-    # are tokenized where they arrive, so they never wait behind a long one.
-    max_tokenizing: int = 4
 
 
 @dataclass

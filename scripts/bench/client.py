@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from drafter_client.settings import Sampling
 from scripts.bench.common import (
     add_base_arguments,
     fetch_offline_models,
@@ -37,7 +38,7 @@ from scripts.bench.common import (
     write_json,
 )
 from scripts.bench.suite import Prompt, workloads
-from scripts.bench.systems import Runner, Sampling, System
+from scripts.bench.systems import Runner, System
 from scripts.harness.process import VerifierProcess
 
 SECTIONS = ("greedy", "sampling", "two-host")
@@ -134,7 +135,7 @@ def _verifier(args: argparse.Namespace, threads: int, cpus: str | None) -> Verif
                                "--kv-budget-tokens", "8192", "--max-context", "4096"],
                               threads=threads)
     if cpus is not None:
-        process.cmd = ["taskset", "-c", cpus, *process.cmd]
+        process.prefix = ["taskset", "-c", cpus]
     return process
 
 
@@ -157,7 +158,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 few = [p for w in args.workloads for p in [q for q in prompts
                        if q.workload == w][:args.sampling_prompts_per_workload]]
                 records += run_section("sampling", runner, parse(args.sampling_systems),
-                                       few, Sampling(args.temperature, args.top_p, 1),
+                                       few, Sampling(temperature=args.temperature,
+                                                     top_p=args.top_p, seed=1),
                                        args.max_new_tokens)
             del runner
         gc.collect()  # the next section loads its own models

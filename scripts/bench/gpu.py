@@ -56,11 +56,11 @@ from scripts.bench.common import (
 )
 from scripts.harness.process import VerifierProcess
 from scripts.harness.tiny_models import build_tokenizer
+from shared.acceptance.batched import Check, decide
 from shared.engine import ForwardItem
 from shared.models import load_causal_lm, load_tokenizer, pick_dtype
 from shared.sampling import SamplingConfig
 from shared.schema import CreateSessionRequest, GenerateRequest, VerifyRequest
-from verifier_service.acceptance import Check, decide
 from verifier_service.target import CausalEngine
 
 # Qwen2.5-Coder-1.5B / 0.5B (their config.json), and a tiny one for smoke runs.

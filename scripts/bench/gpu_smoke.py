@@ -36,12 +36,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from scripts.bench.common import write_json
 from scripts.bench.gpu import SHAPES
 from scripts.harness.tiny_models import build_tokenizer, save_perturbed
+from shared.acceptance.batched import Check
 from shared.engine import ForwardItem
 from shared.kv_pool import attention_kernels
 from shared.models import load_causal_lm, load_tokenizer
 from shared.sampling import SamplingConfig
 from shared.transfer import Upload
-from verifier_service.acceptance import Check
 from verifier_service.engine import Step
 from verifier_service.target import CausalEngine
 

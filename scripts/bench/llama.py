@@ -262,7 +262,7 @@ def two_host_runs(args: argparse.Namespace, binary: Path, target: Path, drafter:
     verifier = VerifierProcess(["--model", str(target), "--engine", "llama-cpp",
                                 "--kv-budget-tokens", str(args.kv_budget_tokens),
                                 "--max-context", "4096"], threads=1)
-    verifier.cmd = ["taskset", "-c", server_core, *verifier.cmd]
+    verifier.prefix = ["taskset", "-c", server_core]
     saved = os.sched_getaffinity(0)
     try:
         verifier.start()

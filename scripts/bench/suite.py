@@ -43,6 +43,7 @@ import torch
 from tqdm import tqdm
 
 from drafter_client.api import MODEL_FREE_DRAFTERS
+from drafter_client.settings import Sampling
 from scripts.bench.common import (
     PROMPT_DIR,
     add_base_arguments,
@@ -60,7 +61,7 @@ from scripts.bench.report import (
     first_mismatch,
     write_outputs,
 )
-from scripts.bench.systems import Run, Runner, Sampling, System
+from scripts.bench.systems import Run, Runner, System
 
 WORKLOADS = ("code", "english", "input-grounded", "code-chat")
 
@@ -200,7 +201,7 @@ def plan(args: argparse.Namespace, systems: Systems) -> list[Cell]:
         for t in args.temperatures:
             for workload in ("code", "english"):
                 for p in work[workload][: max(1, n // 2)]:
-                    add("temperature", p, temp_systems, sampling=Sampling(t, seed=1))
+                    add("temperature", p, temp_systems, sampling=Sampling(temperature=t, seed=1))
     if "context" in args.suites:
         data = json.loads((PROMPT_DIR / "context.json").read_text())
         all_ids = systems.base_client.encode(data["text"])

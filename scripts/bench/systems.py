@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from drafter_client import SpecDecClient
-from drafter_client.settings import DEFAULTS, MODEL_FREE_DRAFTERS, ClientSettings, DrafterOptions
+from drafter_client.settings import (
+    DEFAULTS,
+    MODEL_FREE_DRAFTERS,
+    ClientSettings,
+    DrafterOptions,
+    Sampling,
+)
 from scripts.bench.common import assistant_defaults, hf_generate
 from shared.models import load_causal_lm, pick_device, pick_dtype
 
@@ -74,13 +80,6 @@ class System:
         ``engine``: what runs the drafter model."""
         return dataclasses.replace(DEFAULTS, num_draft_tokens=self.k or DEFAULTS.num_draft_tokens,
                                    options=self.drafter_options(engine), dtype=dtype)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
 
 
 @dataclass

@@ -68,12 +68,14 @@ class VerifierProcess:
                  ready_timeout_s: float = 300.0, log_path: Path | None = None) -> None:
         """``log_path``: the server's stdout and stderr go to this file (else: nowhere when
         ``quiet``, this process's otherwise)."""
+        self.fixed_port = port is not None
         self.port = port or free_port()
         # The console script where the project is installed; else the module (a GPU machine
         # that has the source tree and carried wheels, but no install of this project).
         launcher = ([str(BIN / "specdec-verifier")] if (BIN / "specdec-verifier").exists()
                     else [sys.executable, "-m", "verifier_service.cli"])
-        self.cmd = [*launcher, "--port", str(self.port), "--threads", str(threads), *args]
+        self.launcher, self.args, self.threads = launcher, args, threads
+        self.prefix: list[str] = []  # e.g. ["taskset", "-c", "1"]
         self.quiet, self.ready_timeout_s, self.log_path = quiet, ready_timeout_s, log_path
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -82,7 +84,26 @@ class VerifierProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> VerifierProcess:
+    @property
+    def cmd(self) -> list[str]:
+        return [*self.prefix, *self.launcher, "--port", str(self.port), "--threads",
+                str(self.threads), *self.args]
+
+    def start(self, attempts: int = 3) -> VerifierProcess:
+        """Start the server and wait until it is ready. A port picked here can be taken by
+        another process's outgoing connection before the server binds it (uvicorn then exits
+        with 3, startup failed): up to ``attempts`` tries on fresh ports."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once()
+            except RuntimeError:
+                startup_failed = self.proc is not None and self.proc.returncode == 3
+                if self.fixed_port or not startup_failed or attempt == attempts - 1:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> VerifierProcess:
         if not self.quiet:
             print(f"$ {' '.join(self.cmd)}", flush=True)
         output: Any = subprocess.DEVNULL if self.quiet else None

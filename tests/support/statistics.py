@@ -19,9 +19,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-import drafter_client.reply_checks as reply_checks
-import shared.sampling as sampling
-import verifier_service.acceptance as acceptance
+import shared.acceptance.rule as rule
 from drafter_client import SpecDecClient
 from shared.models import load_causal_lm
 from tests.support.in_process import CallGroup, InProcessVerifier
@@ -87,15 +85,12 @@ def pair_cells(first: torch.Tensor, second: torch.Tensor,
 
 
 def accept_everything(monkeypatch: Any) -> None:
-    """A deliberately wrong acceptance rule (every draft accepted), in the verifier's copy of the
-    rule and in the client's re-check: the negative control the tests must catch."""
-    def accept_all(target_logprobs, draft_logprobs, log_uniforms):  # type: ignore[no-untyped-def]
-        return len(log_uniforms)
-
-    monkeypatch.setattr(sampling, "accept_drafts", accept_all)
-    monkeypatch.setattr(acceptance, "ratio_test",
+    """A deliberately wrong acceptance rule (every draft passes the ratio test): the negative
+    control the tests must catch. The rule is written once (``shared/acceptance/rule.py``), so
+    one patch changes it in the verifier's batched path, its reference path and the client's
+    re-check alike."""
+    monkeypatch.setattr(rule, "ratio_test",
                         lambda target_lp, draft_lp, log_u: torch.ones_like(log_u, dtype=torch.bool))
-    monkeypatch.setattr(reply_checks, "accept_drafts", accept_all)
 
 
 def first_tokens(client: SpecDecClient, prompt: list[int], seed: int, k: int | str,

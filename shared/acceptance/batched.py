@@ -1,6 +1,6 @@
 """Acceptance on the model's device, batched: every job of a forward in one vectorised step.
 
-The host path (``shared.sampling.verify_block``, one job at a time) copies each job's k + 1
+The host path (``shared.acceptance.rule.verify_block``, one job at a time) copies each job's k + 1
 logits rows to the host in float32 - 4 bytes per vocabulary entry per row - and walks
 them with per-job Python. Here the rows stay where the forward left them; what comes back is a
 handful of numbers per job, in one copy:
@@ -24,15 +24,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from shared.logits import process_rows
-from shared.sampling import (
-    SamplingConfig,
+from shared.acceptance import rule
+from shared.acceptance.rule import (
     Verdict,
     chosen_tree_verdict,
     chosen_verdict,
     verify_block,
     verify_tree,
 )
+from shared.logits import process_rows
+from shared.sampling import SamplingConfig
 from shared.transfer import to_device
 
 
@@ -65,12 +66,6 @@ def top_ids(rows: torch.Tensor, n: int) -> list[list[int]]:
     return torch.topk(rows.float(), min(n, rows.shape[-1])).indices.tolist()  # type: ignore[no-any-return]
 
 
-def ratio_test(target_logprobs: torch.Tensor, draft_logprobs: torch.Tensor,
-               log_uniforms: torch.Tensor) -> torch.Tensor:
-    """[D] booleans: log u_i < log p_i(x_i) - log q_i(x_i) (log q = 0 for one-hot drafts)."""
-    return log_uniforms < target_logprobs.double() - draft_logprobs
-
-
 def remove_rejected(weights: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """The residual of a rejected one-hot draft: p with the draft's token removed, renormalised
     (``residual_without_token`` row by row). weights: [n, vocab] float64; tokens: [n]."""
@@ -101,9 +96,9 @@ def decide(rows: list[torch.Tensor], checks: list[Check], on_device: bool = True
 
     ``on_device``: the checks that can be are decided batched next to the rows, the rest (and
     all of them without it) on the host, one at a time, by the reference functions of
-    ``shared.sampling``. ``together``: sampled checks decided in one step. Default: all of them
-    on an accelerator; on a CPU as many as keep the stacked rows under ``CPU_BLOCK`` values,
-    because there a block that stays in cache wins over one large stack."""
+    ``shared.acceptance.rule``. ``together``: sampled checks decided in one step. Default: all
+    of them on an accelerator; on a CPU as many as keep the stacked rows under ``CPU_BLOCK``
+    values, because there a block that stays in cache wins over one large stack."""
     verdicts: list[Verdict | None] = [None] * len(checks)
     device = [j for j, check in enumerate(checks) if on_device and check.on_device]
     greedy = [j for j in device if checks[j].config.greedy]
@@ -230,7 +225,7 @@ def _decide_sampled(rows: list[torch.Tensor], checks: list[Check]) -> list[Verdi
     # 1. The ratio test of every draft, all blocks at once: accept x_i while
     #    log u_i < log p_i(x_i) - log q_i(x_i) (log q = 0 for one-hot drafts).
     target_lp = logprobs[at.draft_rows, at.draft_ids[:drafts]]  # [D] float32
-    passed = ratio_test(target_lp, at.draft_logprobs, at.log_uniforms)  # [D]
+    passed = rule.ratio_test(target_lp, at.draft_logprobs, at.log_uniforms)  # [D]
     failed = torch.cat([~passed, passed.new_ones(1)])  # [D + 1], the sentinel fails
     accepted = torch.argmax(failed[at.grid].int(), dim=-1)  # [J] the first failure
 
