@@ -11,16 +11,19 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from drafter_client.api import SpecDecClient
-    from drafter_client.drafters import Draft, Drafter, HFDrafter
     from drafter_client.settings import ClientSettings, DrafterOptions, Sampling
     from drafter_client.speculative import GenerationResult, speculative_generate
     from drafter_client.transport import HttpVerifier, SpecDecError
+    from shared.engines.drafter import Draft, Drafter
+    from shared.engines.transformers.drafter import HFDrafter
 
 _WHERE = {
-    "SpecDecClient": "api", "Draft": "drafters", "Drafter": "drafters", "HFDrafter": "drafters",
-    "ClientSettings": "settings", "DrafterOptions": "settings", "Sampling": "settings",
-    "GenerationResult": "speculative", "speculative_generate": "speculative",
-    "HttpVerifier": "transport", "SpecDecError": "transport",
+    "SpecDecClient": "drafter_client.api", "Draft": "shared.engines.drafter",
+    "Drafter": "shared.engines.drafter", "HFDrafter": "shared.engines.transformers.drafter",
+    "ClientSettings": "drafter_client.settings", "DrafterOptions": "drafter_client.settings",
+    "Sampling": "drafter_client.settings", "GenerationResult": "drafter_client.speculative",
+    "speculative_generate": "drafter_client.speculative",
+    "HttpVerifier": "drafter_client.transport", "SpecDecError": "drafter_client.transport",
 }
 
 __all__ = ["ClientSettings", "Draft", "Drafter", "DrafterOptions", "GenerationResult", "HFDrafter",
@@ -30,4 +33,4 @@ __all__ = ["ClientSettings", "Draft", "Drafter", "DrafterOptions", "GenerationRe
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module 'drafter_client' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"drafter_client.{_WHERE[name]}"), name)
+    return getattr(importlib.import_module(_WHERE[name]), name)

@@ -21,13 +21,6 @@ import httpx
 import torch
 
 from drafter_client.draft_length import make_draft_length
-from drafter_client.drafters import (
-    Drafter,
-    HFDrafter,
-    HFSeq2SeqDrafter,
-    LlamaCppDrafter,
-    LMDrafter,
-)
 from drafter_client.hybrid import HybridDrafter
 from drafter_client.metrics import GenerationMetrics
 from drafter_client.model_free import (
@@ -51,12 +44,11 @@ from drafter_client.speculative import (
     speculative_generate,
 )
 from drafter_client.transport import HttpVerifier, SpecDecError, Verifier
-from shared.dtype_choice import load_lm_auto
-from shared.llama_runtime import GGUFWeights, pick_engine, resolve_gguf
+from shared.engines import Backend, DrafterModel, resolve
+from shared.engines.drafter import Drafter
 from shared.models import (
     ModelSpecError,
     load_tokenizer,
-    pick_device,
     tokenizer_fingerprint,
 )
 from shared.schema import PROTOCOL_VERSION, GenerateRequest, SamplingParams
@@ -132,15 +124,16 @@ class SpecDecClient:
         if any(t >= self.info.vocab_size for t in self.info.eos_token_ids):
             raise SpecDecError("the verifier sent an invalid reply: eos_token_ids outside its "
                                f"vocabulary of {self.info.vocab_size}")
+        model_spec = (drafter if isinstance(drafter, str) and drafter not in MODEL_FREE_DRAFTERS
+                      else None)
+        backend = self._drafter_backend(model_spec, options, device) if model_spec else None
         try:
             if isinstance(tokenizer, str):
                 tokenizer = load_tokenizer(tokenizer)
             elif tokenizer is None:
-                is_model = isinstance(drafter, str) and drafter not in MODEL_FREE_DRAFTERS
-                spec = drafter if isinstance(drafter, str) and is_model else self.info.model
-                if is_model and self._llama_drafter(spec, options, device):
-                    spec = resolve_gguf(spec)[1]
-                tokenizer = load_tokenizer(spec)
+                tokenizer = load_tokenizer(backend.tokenizer_spec(model_spec)
+                                           if backend is not None and model_spec is not None
+                                           else self.info.model)
         except (ModelSpecError, OSError) as exc:
             raise SpecDecError(f"cannot load a tokenizer: {exc}") from exc
         self.tokenizer = tokenizer
@@ -149,7 +142,7 @@ class SpecDecClient:
         self._check_tokenizer()
         # How to build one more drafter of the same kind (fork): None for a ready Drafter.
         self._new_drafter: Callable[[], Drafter] | None = None
-        self._model_drafter: tuple[Any, str, bool] | None = None  # (model, spec, seq2seq)
+        self._drafter_model: DrafterModel | None = None  # a model drafter's, loaded once
         self.drafter_dtype: str | None = None  # a model drafter's dtype, and why
         if isinstance(drafter, str) and drafter in MODEL_FREE_DRAFTERS:
             name = drafter
@@ -159,37 +152,20 @@ class SpecDecClient:
                 drafter = self._new_drafter()
             except ValueError as exc:
                 raise SpecDecError(f"drafter {drafter}: {exc}") from exc
-        elif isinstance(drafter, str) and self._llama_drafter(drafter, options, device):
-            path, _ = resolve_gguf(drafter)
-            weights = GGUFWeights(path, options.threads or 0)
-            self.drafter_dtype = "gguf (llama.cpp)"
-            self._model_drafter = (weights, drafter, False)
+        elif backend is not None and model_spec is not None:
+            try:
+                model = backend.load_drafter(model_spec, dtype, device, options.threads,
+                                             options.cuda_graphs)
+            except ModelSpecError as exc:
+                raise SpecDecError(str(exc)) from exc
+            log.info("drafter dtype: %s", model.dtype)
+            self._check_drafter_model(model, options)
+            self._drafter_model, self.drafter_dtype = model, model.dtype
             drafter = self._build_model_drafter(options)
-            drafter.warm_up()  # type: ignore[attr-defined]
-        elif isinstance(drafter, str):
-            torch_device = pick_device(device)
-            model, chosen = load_lm_auto(drafter, dtype, torch_device)
-            log.info("drafter dtype: %s", chosen)
-            self.drafter_dtype = chosen
-            seq2seq = bool(getattr(model.config, "is_encoder_decoder", False))
-            if seq2seq != self.info.is_encoder_decoder:
-                kinds = ("an encoder-decoder", "a decoder-only")
-                raise SpecDecError(
-                    f"drafter {drafter} is {kinds[0] if seq2seq else kinds[1]} model and the "
-                    f"verifier's target {self.info.model} is "
-                    f"{kinds[0] if self.info.is_encoder_decoder else kinds[1]} one: use a "
-                    "drafter of the same kind, or a model-free drafter")
-            if seq2seq and options.tree_width > 1:
-                raise SpecDecError("token trees are verified for decoder-only targets only: "
-                                   "use tree_width 1 with an encoder-decoder pair")
-            if seq2seq and options.cuda_graphs:
-                raise SpecDecError("cuda_graphs drafts with decoder-only models only")
-            self._model_drafter = (model, drafter, seq2seq)
-            drafter = self._build_model_drafter(options)
-            drafter.warm_up()  # type: ignore[attr-defined]  # HFDrafter or HybridDrafter
+            drafter.warm_up()  # type: ignore[attr-defined]  # LMDrafter or HybridDrafter
         elif drafter is not None and not isinstance(drafter, Drafter):
             raise SpecDecError(f"drafter must be a model, a model-free drafter's name or a "
-                               f"drafter_client.drafters.Drafter (got {type(drafter).__name__}: "
+                               f"drafter_client.Drafter (got {type(drafter).__name__}: "
                                "subclass Drafter)")
         self.drafter: Drafter | None = drafter
 
@@ -198,46 +174,41 @@ class SpecDecClient:
         return self.settings.options
 
     @staticmethod
-    def _llama_drafter(spec: str, options: DrafterOptions, device: str = "auto") -> bool:
-        """The drafter model runs on llama.cpp (``options.engine``); refuses what it cannot."""
+    def _drafter_backend(spec: str, options: DrafterOptions, device: str) -> Backend:
+        """The engine the drafter model runs on (``options.engine``; ``auto`` keeps
+        ``cuda_graphs`` on transformers)."""
         engine = "transformers" if options.engine == "auto" and options.cuda_graphs \
             else options.engine
         try:
-            if pick_engine(engine, spec, device) != "llama-cpp":
-                return False
+            return resolve(engine, spec, device)
         except ModelSpecError as exc:
             raise SpecDecError(f"drafter engine: {exc}") from exc
-        if options.cuda_graphs:
-            raise SpecDecError("cuda_graphs is for a transformers drafter on CUDA; the "
-                               "llama-cpp drafter runs on the CPU")
-        return True
+
+    def _check_drafter_model(self, model: DrafterModel, options: DrafterOptions) -> None:
+        """The drafter must be the target's kind of model, and drafts what the target checks."""
+        if model.encoder_decoder != self.info.is_encoder_decoder:
+            kinds = ("an encoder-decoder", "a decoder-only")
+            raise SpecDecError(
+                f"drafter {model.spec} is {kinds[0] if model.encoder_decoder else kinds[1]} "
+                f"model and the verifier's target {self.info.model} is "
+                f"{kinds[0] if self.info.is_encoder_decoder else kinds[1]} one: use a "
+                "drafter of the same kind, or a model-free drafter")
+        if model.encoder_decoder and options.tree_width > 1:
+            raise SpecDecError("token trees are verified for decoder-only targets only: "
+                               "use tree_width 1 with an encoder-decoder pair")
 
     def _build_model_drafter(self, options: DrafterOptions) -> Drafter:
         """A drafter on the loaded drafter model with these options (its weights shared)."""
-        assert self._model_drafter is not None
-        model, spec, seq2seq = self._model_drafter
-        vocab = self.info.vocab_size
-        kind = HFSeq2SeqDrafter if seq2seq else HFDrafter
-        # A pooled drafter's slot: the verifier's longest context, plus a block drafted ahead
-        # of it and one more drafted while that block is in flight (--overlap).
-        slot_tokens = self.info.max_context + 2 * self.info.max_draft_tokens + 2
+        model = self._drafter_model
+        assert model is not None
+        # A drafter's context: the verifier's longest, plus a block drafted ahead of it and
+        # one more drafted while that block is in flight (--overlap).
+        context_tokens = self.info.max_context + 2 * self.info.max_draft_tokens + 2
 
         def new_drafter() -> Drafter:
-            made: LMDrafter
-            if isinstance(model, GGUFWeights):
-                made = LlamaCppDrafter(model, vocab, slot_tokens, options.threads, name=spec,
-                                       min_prob=options.draft_min_prob,
-                                       tree_width=options.tree_width)
-            elif options.cuda_graphs:
-                from drafter_client.pooled import PooledDrafter  # the KV pool: heavy imports
-
-                made = PooledDrafter(model, vocab, slot_tokens, name=spec,
-                                     min_prob=options.draft_min_prob,
-                                     tree_width=options.tree_width)
-            else:
-                made = kind(model, vocab, name=spec, min_prob=options.draft_min_prob,
-                            tree_width=options.tree_width)
-            if options.lookup and not seq2seq:
+            made = model.new_drafter(self.info.vocab_size, context_tokens,
+                                     options.draft_min_prob, options.tree_width)
+            if options.lookup and not model.encoder_decoder:
                 return HybridDrafter(made, PromptLookupDrafter(
                     options.lookup_min_ngram, options.lookup_max_ngram,
                     special_ids(self.tokenizer)), options.lookup_tokens)
@@ -246,14 +217,14 @@ class SpecDecClient:
         try:
             made = new_drafter()
         except ValueError as exc:
-            raise SpecDecError(f"drafter {spec}: {exc}") from exc
+            raise SpecDecError(f"drafter {model.spec}: {exc}") from exc
         self._new_drafter = new_drafter
         return made
 
     def with_options(self, options: DrafterOptions) -> SpecDecClient:
         """A client like this one (same verifier connection, tokenizer and drafter model, its
         weights shared) drafting with other options; model drafters only."""
-        if self._model_drafter is None:
+        if self._drafter_model is None:
             raise SpecDecError("with_options() needs a model drafter given by name")
         if (options.cuda_graphs, options.engine) != (self.options.cuda_graphs,
                                                      self.options.engine):

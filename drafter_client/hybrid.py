@@ -36,8 +36,8 @@ from __future__ import annotations
 import torch
 
 from drafter_client.draft_length import DraftLength
-from drafter_client.drafters import Draft, Drafter, LMDrafter, TreeBuilder, common_prefix
 from drafter_client.model_free import PromptLookupDrafter
+from shared.engines.drafter import Draft, Drafter, LMDrafter, TreeBuilder, common_prefix
 from shared.sampling import SamplingConfig
 
 SCORE_TOKENS = 2  # the shortest lookup proposal scored in a block (free: no forward)

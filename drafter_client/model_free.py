@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from drafter_client.drafters import Draft, Drafter
 from drafter_client.settings import DEFAULT_OPTIONS, DrafterOptions
+from shared.engines.drafter import Draft, Drafter
 from shared.sampling import SamplingConfig
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from drafter_client.drafters import Draft
 from drafter_client.transport import SpecDecError
 from shared.acceptance import accepted_by_rule
+from shared.engines.drafter import Draft
 from shared.sampling import SamplingConfig
 from shared.schema import InfoResponse, VerifyRequest, VerifyResponse, decode_logprobs
 

@@ -44,7 +44,8 @@ class DrafterOptions:
     lookup: bool = True  # model drafter: hybrid with prompt lookup (drafter_client/hybrid.py)
     lookup_tokens: int = 0  # hybrid: longest lookup draft; 0: the block's k
     overlap: bool = False  # model drafter: draft the next block while this one is verified
-    # model drafter: KV in a slot, one-token steps as CUDA graphs (drafter_client/pooled.py)
+    # model drafter: KV in a slot, one-token steps as CUDA graphs
+    # (shared/engines/transformers/pooled_drafter.py)
     cuda_graphs: bool = False
     # model drafter: what runs it - transformers, or llama.cpp for a GGUF (shared/llama_runtime)
     engine: str = "auto"

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 import torch
 
 from drafter_client.draft_length import DraftLength, FixedLength
-from drafter_client.drafters import Draft, Drafter
 from drafter_client.metrics import GenerationMetrics, MetricsRecorder
 from drafter_client.reply_checks import check_reply, check_verdict
 from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
 from shared.acceptance.rule import recover_token
+from shared.engines.drafter import Draft, Drafter
 from shared.sampling import SamplingConfig, draw_uniforms
 from shared.schema import (
     CreateSessionRequest,

@@ -28,7 +28,7 @@ from drafter_client.apps.output import TextStream  # noqa: E402
 from drafter_client.settings import DEFAULTS  # noqa: E402
 from scripts.bench.common import fetch_offline_models  # noqa: E402
 from scripts.harness.process import VerifierProcess  # noqa: E402
-from shared.llama_runtime import pick_engine  # noqa: E402
+from shared.engines import resolve  # noqa: E402
 
 SNIPPET = '''def load_scores(path):
     scores = {}
@@ -108,8 +108,8 @@ def main() -> None:
         info = client.info
         costs = ", ".join(f"k={k}: {ms:.0f} ms" for k, ms in (info.verify_ms or [])[:4])
         # the engines `auto` picked, by the function both sides pick them with
-        engine = pick_engine("auto", args.target)
-        drafter_engine = pick_engine(settings.options.engine, args.drafter)
+        engine = resolve("auto", args.target).name
+        drafter_engine = resolve(settings.options.engine, args.drafter).name
         weights = ("the GGUF file's own weights" if engine == "llama-cpp" else
                    "dtype auto: measured on this machine")
         print(f"\nverifier: {args.target}, engine {engine}, {info.dtype} on {info.device} "

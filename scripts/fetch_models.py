@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.llama_runtime import llama_available  # noqa: E402
+from shared.engines.llama_cpp.runtime import llama_available  # noqa: E402
 from shared.machine_cache import specdec_home  # noqa: E402
 from shared.models import (  # noqa: E402
     OFFLINE_MODELS,

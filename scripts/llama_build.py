@@ -5,7 +5,8 @@ reports Intel AMX this includes its AMX weight layout, and on the cloud VMs this
 those kernels crash at the first multi-token decode (a segmentation fault at ``ldtilecfg`` in
 ``ggml_backend_amx_mul_mat``, as in llama.cpp issue 20824). llama.cpp offers its AMX layout
 *instead of* its ``CPU_REPACK`` one, and it offers no runtime switch between them, so the
-runtime's fallback (shared/llama_runtime.py: the plain layout) loses the repacked kernels too.
+runtime's fallback (shared/engines/llama_cpp/runtime.py: the plain layout) loses the repacked
+kernels too.
 Built without AMX (``-mno-amx-*`` after ``-march=native``: GCC and clang keep an explicit ``-mno``
 whatever the order), llama.cpp repacks into ``CPU_REPACK``. On the 2-core AMX machine of
 docs/benchmarks.md that made a 1-token decode of the 1.5B Q4_K_M target 11% faster and a

@@ -1,4 +1,4 @@
-"""The batched device acceptance (verifier_service/acceptance.py) gives the host path's results
+"""The batched device acceptance (shared/acceptance/batched.py) gives the host path's results
 bit for bit: the same accepted counts, next tokens, log p_i(x_i) and rows, for every mix of
 greedy and sampled jobs, one-hot and model drafts, top-k / top-p, in one batch."""
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared.engine import ForwardItem
-from shared.kv_pool import PADDED_MAX_LENGTH
+from shared.engines.target import ForwardItem
+from shared.engines.transformers.kv_pool import PADDED_MAX_LENGTH
+from shared.engines.transformers.target import CausalEngine
 from shared.models import load_causal_lm, load_tokenizer
-from verifier_service.target import CausalEngine
 
 
 @pytest.fixture(scope="module", params=["gpt2-target", "llama-target"])

@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 import torch
 
-import drafter_client.drafters as drafters
+import shared.engines.drafter as drafters
 from drafter_client.draft_length import (
     MIN_PROBE_ROOM,
     PLAIN_RUN,
     PROBE_SHARE,
     CostModelLength,
 )
-from drafter_client.drafters import FED_EVERY_BLOCK, MEASURED_FEED, LMDrafter
 from drafter_client.hybrid import HybridDrafter
+from shared.engines.drafter import FED_EVERY_BLOCK, MEASURED_FEED, LMDrafter
 from shared.sampling import SamplingConfig
 
 STEP = {0: 0.10, 1: 0.13, 2: 0.14, 3: 0.145, 4: 0.15}  # seconds per verify call by k

@@ -15,9 +15,10 @@ import torch
 
 from drafter_client.api import SpecDecClient
 from scripts.harness.tiny_models import hf_greedy
+from shared.engines.transformers.models import attention_devices, parse_device_map
+from shared.engines.transformers.target import CausalEngine
 from tests.support.live_server import LiveServer, fp32_settings
-from verifier_service.hf_models import attention_devices, parse_device_map
-from verifier_service.target import CausalEngine, load_engine
+from verifier_service.settings import load_engine
 
 DISK_MAPS = {
     "llama-target": {"model.embed_tokens": "cpu", "model.layers.0": "cpu",

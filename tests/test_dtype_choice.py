@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from scripts.harness.tiny_models import build_model, build_tokenizer
-from shared.dtype_choice import block_ms, cache_path, load_fastest, load_lm_auto
+from shared.engines.transformers.dtype_choice import (
+    block_ms,
+    cache_path,
+    load_fastest,
+    load_lm_auto,
+)
 from shared.models import load_causal_lm
 from shared.schema import InfoResponse
 from tests.support.live_server import LiveServer

@@ -16,7 +16,7 @@ from tests.support.live_server import fp32_settings
 from verifier_service import fast_verify
 from verifier_service.app import create_app, server_options
 from verifier_service.fast_verify import VERIFY_PATH
-from verifier_service.target import load_engine
+from verifier_service.settings import load_engine
 
 JSON = {"content-type": "application/json"}
 GOOD = {"position": 3, "last_token": 4, "draft_ids": [5, 6], "log_uniforms": [-0.1, -0.2],

@@ -180,7 +180,7 @@ def test_concurrent_requests_with_cuda_graph_drafters(
     tests/test_graphs.py). Here on CPU the same buckets run eagerly: concurrent requests still
     get the greedy answers ``specdec generate --cuda-graphs`` gives one at a time."""
     from drafter_client.api import DrafterOptions
-    from drafter_client.pooled import PooledDrafter
+    from shared.engines.transformers.pooled_drafter import PooledDrafter
 
     built: list[int] = []
     original = PooledDrafter.__init__

@@ -1,6 +1,6 @@
-"""The static-shape forwards behind ``--cuda-graphs`` (shared/graphs.py), run eagerly on
-CPU: the same bucket layout a CUDA graph replays - padded segments, a scratch slot, a fixed
-attended prefix - must give the eager path's logits, keep the sessions' caches right across
+"""The static-shape forwards behind ``--cuda-graphs`` (shared/engines/transformers/graphs.py), run
+eagerly on CPU: the same bucket layout a CUDA graph replays - padded segments, a scratch slot, a
+fixed attended prefix - must give the eager path's logits, keep the sessions' caches right across
 calls, leave other slots alone, and hand batches that fit no bucket to the eager path."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import httpx
 import pytest
 import torch
 
-from shared.engine import ForwardItem
-from shared.graphs import L_BUCKETS
+from shared.engines.target import ForwardItem
+from shared.engines.transformers.graphs import L_BUCKETS
+from shared.engines.transformers.target import CausalEngine
 from shared.models import load_causal_lm, load_tokenizer
 from tests.support.live_server import LiveServer, fp32_settings
-from verifier_service.target import CausalEngine
 
 
 def load(path: Path) -> CausalEngine:
@@ -179,7 +179,7 @@ def test_every_reachable_bucket_is_built_before_serving(tiny_models: dict[str, P
     captured (and stalled everyone) while serving, and every bucket kept its own [B * L, vocab]
     output. Now: B x L x E for E in 256, 512, ... up to the context, built in ``warm``, writing
     one shared output; a batch at position 300 runs in a bucket built before it came."""
-    from shared import kv_pool
+    from shared.engines.transformers import kv_pool
 
     monkeypatch.setattr(kv_pool, "SMALLEST_REGION", 64)
     path = tiny_models["llama-target"]

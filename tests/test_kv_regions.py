@@ -1,8 +1,8 @@
-"""The KV pool's growing regions (shared/kv_pool.py, issue #24): a buddy allocator hands out
-regions of 2^i smallest sizes, a session that outgrows its region moves to a larger one with its
-cache intact and its slot id kept, the target's logits stay the full sequence's own across every
-move, each forward sends its indices to the device in one copy, and a pool that is full evicts
-an idle session (by the store's policy) instead of failing a live one."""
+"""The KV pool's growing regions (shared/engines/transformers/kv_pool.py, issue #24): a buddy
+allocator hands out regions of 2^i smallest sizes, a session that outgrows its region moves to a
+larger one with its cache intact and its slot id kept, the target's logits stay the full sequence's
+own across every move, each forward sends its indices to the device in one copy, and a pool that is
+full evicts an idle session (by the store's policy) instead of failing a live one."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ import httpx
 import pytest
 import torch
 
-from shared import kv_pool
-from shared.engine import ForwardItem
-from shared.kv_pool import KVPool
-from shared.kv_regions import Regions
+from shared.engines.target import ForwardItem
+from shared.engines.transformers import kv_pool
+from shared.engines.transformers.kv_pool import KVPool
+from shared.engines.transformers.kv_regions import Regions
+from shared.engines.transformers.target import CausalEngine
 from shared.models import load_causal_lm, load_tokenizer
 from shared.schema import PROTOCOL_VERSION
 from shared.transfer import Upload
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.prometheus import scrape
-from verifier_service.target import CausalEngine
 
 
 def test_regions_split_merge_and_hand_out_whole_slabs() -> None:
@@ -209,7 +209,7 @@ def test_masked_attention_folds_the_head_group_instead_of_enable_gqa(
     result), prefills pass ``is_causal``; ``attention_kernels`` names the kernel of each."""
     from torch.nn import functional as F
 
-    from shared.kv_pool import attention_kernels, grouped_attention
+    from shared.engines.transformers.kv_pool import attention_kernels, grouped_attention
 
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 6, 5, 8), torch.randn(3, 2, 40, 8), torch.randn(3, 2, 40, 8)
@@ -255,8 +255,8 @@ def test_on_cuda_the_pool_is_sized_from_free_memory(monkeypatch: pytest.MonkeyPa
     from transformers import Qwen2Config
 
     from scripts.bench.gpu import SHAPES
+    from shared.engines.transformers.models import DEFAULT_KV_BUDGET, kv_budget, kv_bytes_per_token
     from shared.models import ModelSpecError
-    from verifier_service.hf_models import DEFAULT_KV_BUDGET, kv_budget, kv_bytes_per_token
 
     config = Qwen2Config(**SHAPES["qwen1.5b"])
     gib = 2**30

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from scripts.harness.tiny_gguf import save_tiny_gguf
-from shared import llama_runtime
-from shared.llama_runtime import GGUFWeights, LlamaModel, Segment, probe_amx
+from shared.engines.llama_cpp import runtime as llama_runtime
+from shared.engines.llama_cpp.runtime import GGUFWeights, LlamaModel, Segment, probe_amx
 
 IDS = [2, 3, 4, 5, 6, 7, 8, 9]
 

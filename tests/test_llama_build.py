@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from scripts import llama_build
-from shared.llama_runtime import extra_buffer_types
+from shared.engines.llama_cpp.runtime import extra_buffer_types
 
 
 @pytest.fixture

@@ -20,10 +20,11 @@ import torch
 
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
-from drafter_client.drafters import LlamaCppDrafter, common_prefix
-from drafter_client.transport import SpecDecError, VerifierHTTPError
+from drafter_client.transport import VerifierHTTPError
 from scripts.harness.tiny_gguf import llama_greedy, save_tiny_gguf
-from shared.llama_runtime import GGUFWeights, LlamaModel, Segment
+from shared.engines.drafter import common_prefix
+from shared.engines.llama_cpp.drafter import LlamaCppDrafter
+from shared.engines.llama_cpp.runtime import GGUFWeights, LlamaModel, Segment
 from shared.models import load_causal_lm
 from shared.sampling import SamplingConfig
 from tests.support.in_process import CallGroup, InProcessVerifier
@@ -305,9 +306,11 @@ def test_settings_refuse_what_the_engine_cannot_do(ggufs: dict[str, Path]) -> No
         llama_settings(ggufs["llama-target"], cuda_graphs=True)
     with pytest.raises(ValueError, match="device"):
         llama_settings(ggufs["llama-target"], device="cuda")
-    with pytest.raises(SpecDecError, match="cuda_graphs"):
-        SpecDecClient._llama_drafter(str(ggufs["llama-drafter"]),
-                                     DrafterOptions(engine="llama-cpp", cuda_graphs=True))
+    from shared.engines import resolve
+
+    drafter = str(ggufs["llama-drafter"])
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        resolve("llama-cpp", drafter, "cpu").load_drafter(drafter, cuda_graphs=True)
 
 
 # -- the sampled distribution
@@ -363,15 +366,15 @@ def test_negative_control_on_the_llama_cpp_engine(sampled_client: SpecDecClient,
 
 def test_auto_picks_llama_cpp_for_a_gguf_file_on_a_cpu(ggufs: dict[str, Path],
                                                        tiny_models: dict[str, Path]) -> None:
-    from shared.llama_runtime import pick_engine
-    from verifier_service.llama_engine import LlamaCppEngine
-    from verifier_service.target import load_engine
+    from shared.engines import resolve
+    from shared.engines.llama_cpp.target import LlamaCppEngine
+    from verifier_service.settings import load_engine
 
     gguf = str(ggufs["llama-target"])
-    assert pick_engine("auto", gguf, "cpu") == "llama-cpp"
-    assert pick_engine("auto", gguf, "cuda") == "transformers"
-    assert pick_engine("auto", str(tiny_models["llama-target"]), "cpu") == "transformers"
-    assert pick_engine("transformers", gguf, "cpu") == "transformers"
+    assert resolve("auto", gguf, "cpu").name == "llama-cpp"
+    assert resolve("auto", gguf, "cuda").name == "transformers"
+    assert resolve("auto", str(tiny_models["llama-target"]), "cpu").name == "transformers"
+    assert resolve("transformers", gguf, "cpu").name == "transformers"
     engine = load_engine(Settings(model=gguf, threads=1, max_context=64, device="cpu"))
     assert isinstance(engine, LlamaCppEngine)
     client = SpecDecClient(InProcessVerifier(engine, Settings(model=gguf, max_context=64)),
@@ -383,20 +386,21 @@ def test_auto_picks_llama_cpp_for_a_short_name_whose_gguf_is_kept(
         ggufs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`make demo`'s short names: llama.cpp on a CPU once the GGUF file is kept, transformers
     (the converted folder) without it, and on CUDA."""
-    from shared.llama_runtime import kept_gguf, pick_engine, resolve_gguf
+    from shared.engines import resolve
+    from shared.engines.llama_cpp.runtime import kept_gguf, resolve_gguf
     from shared.models import OFFLINE_MODELS
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     name = "qwen2.5-coder-1.5b"
     assert kept_gguf(name) is None
-    assert pick_engine("auto", name, "cpu") == "transformers"  # not kept: the folder's engine
+    assert resolve("auto", name, "cpu").name == "transformers"  # not kept: the folder's engine
     kept = tmp_path / "gguf" / OFFLINE_MODELS[name].gguf_name
     kept.parent.mkdir()
     kept.symlink_to(ggufs["llama-target"])
     assert kept_gguf(name) == kept
-    assert pick_engine("auto", name, "cpu") == "llama-cpp"
-    assert pick_engine("auto", name, "cuda") == "transformers"
-    assert pick_engine("transformers", name, "cpu") == "transformers"
+    assert resolve("auto", name, "cpu").name == "llama-cpp"
+    assert resolve("auto", name, "cuda").name == "transformers"
+    assert resolve("transformers", name, "cpu").name == "transformers"
     assert kept_gguf("some/hub-id") is None
     # no converted folder beside it: the GGUF's own vocabulary is the tokenizer
     assert resolve_gguf(name) == (str(kept), str(kept))

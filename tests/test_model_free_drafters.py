@@ -14,7 +14,6 @@ from drafter_client.draft_length import (
     HeuristicLength,
     make_draft_length,
 )
-from drafter_client.drafters import Drafter
 from drafter_client.hybrid import COPY_PRIOR, LOOKUP_PRIOR, HybridDrafter, trust_class
 from drafter_client.model_free import (
     BigramDrafter,
@@ -22,6 +21,7 @@ from drafter_client.model_free import (
     PromptLookupDrafter,
     special_ids,
 )
+from shared.engines.drafter import Drafter
 from shared.sampling import SamplingConfig
 
 GREEDY, GEN = SamplingConfig(), torch.Generator()
@@ -146,7 +146,7 @@ class ZeroModel(Drafter):
         pass
 
     def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Any:
-        from drafter_client.drafters import Draft
+        from shared.engines.drafter import Draft
         return Draft([0] * k, None, None)
 
     def commit(self, tokens: list[int]) -> None:

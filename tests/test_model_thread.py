@@ -11,11 +11,12 @@ import httpx
 import pytest
 
 from scripts.harness.servers import ThreadedServer
+from shared.engines.transformers.target import CausalEngine
 from tests.support.live_server import fp32_settings
 from verifier_service import cli
 from verifier_service.app import create_app, server_options
+from verifier_service.settings import load_engine
 from verifier_service.state import ModelThread
-from verifier_service.target import CausalEngine, load_engine
 
 
 def test_cli_loads_the_target_on_the_thread_it_serves_from(

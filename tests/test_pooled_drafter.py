@@ -1,7 +1,7 @@
-"""The pooled drafter (``--cuda-graphs`` on the client, drafter_client/pooled.py) drafts what
-the plain transformers drafter drafts, through its static one-token steps (run eagerly on this
-CPU), across accepted, rejected and partly accepted blocks; and greedy output through a verifier
-stays the target's own."""
+"""The pooled drafter (``--cuda-graphs`` on the client,
+shared/engines/transformers/pooled_drafter.py) drafts what the plain transformers drafter drafts,
+through its static one-token steps (run eagerly on this CPU), across accepted, rejected and partly
+accepted blocks; and greedy output through a verifier stays the target's own."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
-from drafter_client.drafters import HFDrafter
-from drafter_client.pooled import DrafterContextError, PooledDrafter
 from scripts.harness.tiny_models import hf_greedy
+from shared.engines.transformers.drafter import HFDrafter
+from shared.engines.transformers.pooled_drafter import DrafterContextError, PooledDrafter
 from shared.models import load_causal_lm
 from shared.sampling import SamplingConfig
 

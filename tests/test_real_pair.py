@@ -53,7 +53,7 @@ def test_real_pair_sampling_runs(server):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def llama_server():  # type: ignore[no-untyped-def]
-    from shared.llama_runtime import resolve_gguf
+    from shared.engines.llama_cpp.runtime import resolve_gguf
 
     try:
         resolve_gguf("qwen2.5-coder-1.5b")
@@ -72,7 +72,7 @@ def test_real_pair_on_llama_cpp(llama_server):  # type: ignore[no-untyped-def]
     differs is reported (llama.cpp's multi-token decodes round differently at near-ties:
     docs/benchmarks.md, the llama.cpp section)."""
     from scripts.harness.tiny_gguf import llama_greedy
-    from shared.llama_runtime import resolve_gguf
+    from shared.engines.llama_cpp.runtime import resolve_gguf
 
     client = SpecDecClient(llama_server.url, "qwen2.5-coder-0.5b",
                            options=DrafterOptions(engine="llama-cpp", threads=2))

@@ -12,9 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.engine import ForwardItem
-from shared.kv_pool import KVPool, RaggedBatch, Segment, ragged_attention
-from verifier_service.engine import Step, StepResult
+from shared.engines.target import ForwardItem, Step, StepResult
+from shared.engines.transformers.kv_pool import KVPool, RaggedBatch, Segment, ragged_attention
 from verifier_service.errors import VerifierError
 from verifier_service.scheduler import Scheduler, run_jobs
 

@@ -194,7 +194,7 @@ def test_openai_completions_on_an_encoder_decoder_target(pair: Any,
 def test_drafter_keeps_the_encoding_of_the_same_source(tiny_models: dict[str, Path]) -> None:
     """A new sequence on the same source reuses the drafter's encoding and cross-attention (one
     encoder run), and drafts what a fresh drafter drafts; another source is encoded anew."""
-    from drafter_client.drafters import HFSeq2SeqDrafter
+    from shared.engines.transformers.drafter import HFSeq2SeqDrafter
     from shared.sampling import SamplingConfig
 
     model = AutoModelForSeq2SeqLM.from_pretrained(str(tiny_models["t5-drafter"])).eval()

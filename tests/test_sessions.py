@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter_client.drafters import HFDrafter, common_prefix
+from shared.engines.drafter import common_prefix
+from shared.engines.transformers.drafter import HFDrafter
 from shared.models import load_causal_lm
 from shared.sampling import SamplingConfig
 from verifier_service.errors import VerifierError

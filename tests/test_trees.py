@@ -12,9 +12,9 @@ import torch
 
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
-from drafter_client.drafters import Draft, TreeBuilder
 from scripts.harness.tiny_models import hf_greedy
 from shared.acceptance.rule import accept_tree, tree_depths, verify_tree
+from shared.engines.drafter import Draft, TreeBuilder
 from shared.sampling import SamplingConfig
 
 PROMPTS = ["the cat sat on", "def x ( y ) :", "a big red dog ran to the", "if x = 1",

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from verifier_service.engine import BatchForward, verify_costs_path
+from shared.engines.target import BatchForward, verify_costs_path
 
 
 class Timed(BatchForward):

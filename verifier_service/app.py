@@ -13,9 +13,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from shared.connections import guarded_protocol
+from shared.engines.target import Engine
 from shared.http_metrics import RequestMetrics
 from shared.schema import REPLICA_HEADER
-from verifier_service.engine import Engine
 from verifier_service.errors import (
     VerifierError,
     http_error_handler,

@@ -31,9 +31,8 @@ from typing import Any
 
 import torch
 
-from shared.engine import ForwardItem
+from shared.engines.target import Engine, ForwardItem, Step, StepResult
 from shared.schema import GenerateRequest, GenerateResponse
-from verifier_service.engine import Engine, Step, StepResult
 from verifier_service.errors import VerifierError
 from verifier_service.jobs import JobContext
 from verifier_service.scheduler import Scheduler

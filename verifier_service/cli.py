@@ -14,13 +14,12 @@ import torch
 import uvicorn
 from pydantic import ValidationError
 
+from shared.engines.target import Engine
+from shared.engines.transformers.tensor_parallel import TensorParallel, follow, under_torchrun
 from shared.models import ModelSpecError
 from verifier_service.app import create_app, server_options
-from verifier_service.engine import Engine
-from verifier_service.settings import Settings, SettingsError, check_against_model
+from verifier_service.settings import Settings, SettingsError, check_against_model, load_engine
 from verifier_service.state import ModelThread
-from verifier_service.target import load_engine
-from verifier_service.tensor_parallel import TensorParallel, follow, under_torchrun
 
 
 def parse_settings(argv: list[str] | None = None) -> Settings:

@@ -11,7 +11,7 @@ import torch
 
 from shared.acceptance.batched import Check
 from shared.acceptance.rule import Verdict
-from shared.engine import ForwardItem
+from shared.engines.target import ForwardItem, Step, StepResult
 from shared.sampling import draw_uniforms
 from shared.schema import (
     CreateSessionRequest,
@@ -22,7 +22,6 @@ from shared.schema import (
     VerifyResponse,
 )
 from verifier_service.beam import beam_generate, check_beam_request
-from verifier_service.engine import Step, StepResult
 from verifier_service.errors import VerifierError
 from verifier_service.jobs import CreateSessionJob, JobContext, VerifyJob
 from verifier_service.scheduler import Scheduler

@@ -16,7 +16,7 @@ from typing import Any
 
 from shared.acceptance.batched import Check
 from shared.acceptance.rule import Verdict
-from shared.engine import ForwardItem
+from shared.engines.target import Engine, ForwardItem, Step, StepResult
 from shared.schema import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -25,7 +25,6 @@ from shared.schema import (
     VerifyResponse,
     encode_logprobs,
 )
-from verifier_service.engine import Engine, Step, StepResult
 from verifier_service.errors import VerifierError
 from verifier_service.sessions import Session, SessionKey, SessionStore, busy_error
 from verifier_service.validation import RequestValidator

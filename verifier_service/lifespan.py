@@ -12,13 +12,12 @@ from typing import Any
 import torch
 from fastapi import FastAPI
 
-from verifier_service.engine import Engine
+from shared.engines.target import Engine
 from verifier_service.jobs import JobContext
 from verifier_service.scheduler import BatchObserver, Scheduler
 from verifier_service.sessions import SessionStore
-from verifier_service.settings import Settings, check_against_model
+from verifier_service.settings import Settings, check_against_model, load_engine
 from verifier_service.state import ModelThread, VerifierState
-from verifier_service.target import load_engine
 from verifier_service.validation import RequestValidator
 
 log = logging.getLogger(__name__)

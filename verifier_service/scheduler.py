@@ -19,7 +19,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from verifier_service.engine import Engine, Step, StepResult
+from shared.engines.target import Engine, Step, StepResult
 from verifier_service.errors import VerifierError
 
 log = logging.getLogger(__name__)

@@ -8,10 +8,13 @@ and a test checks that table against this class.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from shared.engines.target import Engine, TargetOptions
 
 
 class Settings(BaseSettings):
@@ -109,6 +112,26 @@ class Settings(BaseSettings):
     def key_list(self) -> list[str]:
         return [key.strip() for key in self.api_keys.split(",") if key.strip()]
 
+    def target_options(self) -> TargetOptions:
+        """What the engine loads the target with."""
+        from shared.engines.target import TargetOptions
+
+        static_batch = (self.max_batch_size if self.batching else 1) if self.cuda_graphs else 0
+        return TargetOptions(
+            model=self.model, dtype=self.dtype, device=self.device, max_context=self.max_context,
+            kv_budget_tokens=self.kv_budget_tokens, threads=self.threads,
+            acceptance=self.acceptance, max_batch_tokens=self.max_batch_tokens,
+            device_map=self.device_map, offload_folder=self.offload_folder,
+            tp_plan=self.tp_plan, static_batch=static_batch,
+            static_length=self.max_draft_tokens + 1, attention=self.attention,
+            kv_memory_fraction=self.kv_memory_fraction)
+
+    def engine_name(self) -> str:
+        """``engine``, with ``auto`` kept to transformers where only it can place the model
+        (``device_map``, ``tp_plan``, ``cuda_graphs``)."""
+        placed = bool(self.device_map or self.tp_plan or self.cuda_graphs)
+        return "transformers" if self.engine == "auto" and placed else self.engine
+
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
         if self.max_context and self.max_prompt_tokens >= self.max_context:
@@ -138,6 +161,15 @@ class SettingsError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"--{field.replace('_', '-')} (SPECDEC_{field.upper()}): {message}")
         self.field = field
+
+
+def load_engine(settings: Settings) -> Engine:
+    """The target of ``settings``, on the engine they resolve to (``shared/engines``), loaded,
+    warmed up and ready to serve."""
+    from shared.engines import resolve
+
+    backend = resolve(settings.engine_name(), settings.model, settings.device)
+    return backend.load_target(settings.target_options())
 
 
 def check_against_model(settings: Settings, max_context: int, model_limit: int) -> None:

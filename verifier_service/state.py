@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from shared.engines.target import Engine
 from shared.schema import PROTOCOL_VERSION, InfoResponse
-from verifier_service.engine import Engine
 from verifier_service.jobs import JobContext
 from verifier_service.scheduler import Scheduler
 from verifier_service.settings import Settings

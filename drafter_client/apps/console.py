@@ -20,11 +20,11 @@ from typing import Any, TextIO
 from drafter_client.api import SpecDecClient
 from drafter_client.apps.output import TextStream, summary, utf8_text
 from drafter_client.draft_length import make_draft_length
-from drafter_client.drafters import LMDrafter
 from drafter_client.hybrid import HybridDrafter
 from drafter_client.settings import DEFAULTS, ClientSettings, Sampling, replaced
 from drafter_client.speculative import GenerationResult
 from drafter_client.transport import SpecDecError
+from shared.engines.drafter import LMDrafter
 from shared.schema import SamplingParams
 
 COLORS = {"accepted": "\x1b[32m", "recovered": "\x1b[33m", "bonus": "\x1b[36m", "target": "",

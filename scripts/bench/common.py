@@ -17,8 +17,8 @@ import transformers
 
 from scripts.fetch_models import fetch
 from scripts.harness.process import VerifierProcess
+from shared.engines.transformers.timing import median_ms, plain_step_ms, sync  # noqa: F401 - the benchmarks' own
 from shared.models import OFFLINE_MODELS
-from shared.timing import median_ms, plain_step_ms, sync  # noqa: F401 - the benchmarks' own
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT_DIR = ROOT / "benchmarks" / "prompts"

@@ -40,8 +40,6 @@ from typing import Any
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from drafter_client.drafters import HFDrafter
-from drafter_client.pooled import PooledDrafter
 from drafter_client.transport import HttpVerifier
 from scripts.bench import calls
 from scripts.bench.batching import on_off_sweep
@@ -57,11 +55,13 @@ from scripts.bench.common import (
 from scripts.harness.process import VerifierProcess
 from scripts.harness.tiny_models import build_tokenizer
 from shared.acceptance.batched import Check, decide
-from shared.engine import ForwardItem
+from shared.engines.target import ForwardItem
+from shared.engines.transformers.drafter import HFDrafter
+from shared.engines.transformers.pooled_drafter import PooledDrafter
+from shared.engines.transformers.target import CausalEngine
 from shared.models import load_causal_lm, load_tokenizer, pick_dtype
 from shared.sampling import SamplingConfig
 from shared.schema import CreateSessionRequest, GenerateRequest, VerifyRequest
-from verifier_service.target import CausalEngine
 
 # Qwen2.5-Coder-1.5B / 0.5B (their config.json), and a tiny one for smoke runs.
 SHAPES: dict[str, dict[str, Any]] = {

@@ -37,13 +37,12 @@ from scripts.bench.common import write_json
 from scripts.bench.gpu import SHAPES
 from scripts.harness.tiny_models import build_tokenizer, save_perturbed
 from shared.acceptance.batched import Check
-from shared.engine import ForwardItem
-from shared.kv_pool import attention_kernels
+from shared.engines.target import ForwardItem, Step
+from shared.engines.transformers.kv_pool import attention_kernels
+from shared.engines.transformers.target import CausalEngine
 from shared.models import load_causal_lm, load_tokenizer
 from shared.sampling import SamplingConfig
 from shared.transfer import Upload
-from verifier_service.engine import Step
-from verifier_service.target import CausalEngine
 
 CONTEXT = 256  # the tiny models' positions
 PROMPT = [(i * 37 + 5) % 1000 + 2 for i in range(40)]

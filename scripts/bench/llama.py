@@ -33,7 +33,7 @@ from scripts.bench.suite import workloads
 from scripts.fetch_models import fetch_gguf
 from scripts.harness.process import VerifierProcess, free_port
 from scripts.llama_build import LLAMA_CPP_PYTHON, build_tag, cmake_args
-from shared.llama_runtime import amx_works, extra_buffer_types, repacked_layouts_run
+from shared.engines.llama_cpp.runtime import amx_works, extra_buffer_types, repacked_layouts_run
 from shared.machine_cache import specdec_home
 from shared.models import OFFLINE_MODELS, load_tokenizer
 

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from drafter_client.drafters import HFDrafter
 from scripts.bench.common import (
     add_base_arguments,
     fetch_offline_models,
@@ -36,10 +35,11 @@ from scripts.bench.common import (
     plain_step_ms,
     write_json,
 )
-from shared.engine import ForwardItem
+from shared.engines.target import ForwardItem
+from shared.engines.transformers.drafter import HFDrafter
+from shared.engines.transformers.target import CausalEngine
 from shared.models import load_causal_lm, load_tokenizer, pick_dtype
 from shared.sampling import SamplingConfig
-from verifier_service.target import CausalEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -93,7 +93,7 @@ def save_tiny_gguf(model_dir: Path) -> Path:
 def llama_greedy(path: Path | str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """llama.cpp's own greedy decoding of the file: the prompt in one decode, then one token
     per decode on one sequence - what greedy speculation on the llama.cpp engine must equal."""
-    from shared.llama_runtime import LlamaModel, Segment
+    from shared.engines.llama_cpp.runtime import LlamaModel, Segment
 
     model = LlamaModel(str(path), n_seqs=1, seq_tokens=len(prompt_ids) + max_new_tokens + 1,
                        threads=1)

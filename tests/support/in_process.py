@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from drafter_client.transport import VerifierHTTPError
+from shared.engines.target import Engine
 from shared.schema import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -26,15 +27,13 @@ from shared.schema import (
     VerifyRequest,
     VerifyResponse,
 )
-from verifier_service.engine import Engine
 from verifier_service.errors import VerifierError
 from verifier_service.generate import verify_call
 from verifier_service.jobs import CreateSessionJob
 from verifier_service.lifespan import build_jobs
 from verifier_service.scheduler import Job, run_jobs
-from verifier_service.settings import Settings
+from verifier_service.settings import Settings, load_engine
 from verifier_service.state import describe
-from verifier_service.target import load_engine
 
 M = TypeVar("M", bound=BaseModel)
 

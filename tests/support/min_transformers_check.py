@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from drafter_client.drafters import HFDrafter, HFSeq2SeqDrafter
 from scripts.harness.tiny_models import build_model, build_seq2seq
+from shared.engines.transformers.drafter import HFDrafter, HFSeq2SeqDrafter
+from shared.engines.transformers.timing import plain_step_ms
 from shared.sampling import SamplingConfig
-from shared.timing import plain_step_ms
 
 
 def full_argmax(model: torch.nn.Module, ids: list[int], source: list[int] | None) -> int:

@@ -1,4 +1,4 @@
-"""Wall-clock timing of model work, shared by ``--dtype auto`` (shared/dtype_choice.py) and the
+"""Wall-clock timing of model work, shared by ``--dtype auto`` (``dtype_choice.py``) and the
 benchmarks: a median over repeats that waits for queued GPU work, and one transformers decode
 step of n tokens on a KV cache."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from shared.kv_cache import with_cache
+from shared.engines.transformers.kv_cache import with_cache
 
 
 def sync(device: torch.device) -> None:

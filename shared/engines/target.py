@@ -26,7 +26,6 @@ import torch
 
 from shared.acceptance.batched import Check, decide
 from shared.acceptance.rule import Verdict
-from shared.engine import ForwardItem
 from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
 
 VERIFY_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # drafts per block timed at start (``verify_ms``)
@@ -47,6 +46,45 @@ def device_name(device: torch.device | str) -> str:
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_name(device)
     return cpu_name()
+
+
+@dataclass(frozen=True)
+class ForwardItem:
+    """New tokens for one slot; ``keep_logits`` asks for their logits rows back."""
+
+    slot: int
+    start: int  # tokens already in the slot
+    token_ids: list[int]
+    keep_logits: bool
+    encoder_ids: list[int] | None = None  # encoder-decoder targets: a new session's source
+    tree_parents: list[int] | None = None  # token_ids[1:] form a tree below token_ids[0]
+    keep_from: int = 0  # with keep_logits: the rows of token_ids[keep_from:] only
+
+
+DEFAULT_KV_BUDGET = 65536  # tokens, where the cache is not sized from free device memory
+
+
+@dataclass(frozen=True)
+class TargetOptions:
+    """How to load a target, whatever the engine (each reads what applies to it; the
+    verifier's ``Settings.target_options`` fills it)."""
+
+    model: str  # short name, folder, .gguf file or hub id
+    dtype: str = "auto"
+    device: str = "auto"
+    max_context: int = 0  # tokens a session may hold; 0: the model's own limit
+    kv_budget_tokens: int = 32768  # 0: sized from the device's free memory (CUDA)
+    threads: int = 0  # llama.cpp's threads; 0: every core this process may use
+    acceptance: str = "device"  # "device": batched next to the rows; "host": the reference
+    max_batch_tokens: int = 2048
+    # transformers only
+    device_map: str = ""
+    offload_folder: str = ""
+    tp_plan: str = ""
+    static_batch: int = 0  # > 0: batches of up to this many jobs through static shapes
+    static_length: int = 17  # the longest segment a static-shape bucket holds
+    attention: str = "auto"
+    kv_memory_fraction: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -84,6 +122,7 @@ StepResult = Verdict | torch.Tensor | None
 class Engine(Protocol):
     info: ModelInfo
     trees: bool  # verifies token trees (a verify call with ``tree_parents``)
+    acceptance: str  # "device": decided batched next to the rows; "host": the reference path
 
     @property
     def num_slots(self) -> int: ...

@@ -2,38 +2,25 @@
 (``kv_pool.py``), eagerly or through static-shape buckets (``graphs.py``).
 
 The verifier's ``TargetRunner`` serves its sessions with it; the client's pooled drafter
-(``drafter_client/pooled.py``, ``--cuda-graphs``) drafts with it: one slot, one-token steps in a
+(``pooled_drafter.py``, ``--cuda-graphs``) drafts with it: one slot, one-token steps in a
 captured bucket.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from shared.acceptance.rule import tree_depths
-from shared.graphs import Shaped, StaticForwards
-from shared.kv_pool import KVPool, RaggedBatch, Segment
+from shared.engines.target import ForwardItem
+from shared.engines.transformers.graphs import Shaped, StaticForwards
+from shared.engines.transformers.kv_pool import KVPool, RaggedBatch, Segment
 from shared.transfer import Upload
 
 
 class PoolFullError(RuntimeError):
     """A slot must grow and no region that large is free (callers reserve first: ``reserve``)."""
-
-
-@dataclass(frozen=True)
-class ForwardItem:
-    """New tokens for one slot; ``keep_logits`` asks for their logits rows back."""
-
-    slot: int
-    start: int  # tokens already in the slot
-    token_ids: list[int]
-    keep_logits: bool
-    encoder_ids: list[int] | None = None  # encoder-decoder targets: a new session's source
-    tree_parents: list[int] | None = None  # token_ids[1:] form a tree below token_ids[0]
-    keep_from: int = 0  # with keep_logits: the rows of token_ids[keep_from:] only
 
 
 @torch.inference_mode()

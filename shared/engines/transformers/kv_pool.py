@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from shared.kv_regions import Regions
+from shared.engines.transformers.kv_regions import Regions
 from shared.transfer import Upload
 
 ATTENTION_NAME = "specdec_ragged"

@@ -1,6 +1,6 @@
 """Rolling back a transformers KV cache to a prefix: the model drafter's cache, and the
 decoder caches of an encoder-decoder target (a causal target's KV lives in the verifier's slot
-pool and rolls back by moving a length: ``shared/kv_pool.py``)."""
+pool and rolls back by moving a length: ``shared/engines/transformers/kv_pool.py``)."""
 
 from __future__ import annotations
 

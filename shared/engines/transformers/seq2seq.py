@@ -20,11 +20,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
-from shared.engine import ForwardItem
-from shared.kv_cache import crop_cache, with_cache
-from shared.kv_pool import SlotAllocator
-from verifier_service.engine import BatchForward, PoolSlots
-from verifier_service.hf_models import describe_model, input_device
+from shared.engines.target import BatchForward, ForwardItem, PoolSlots
+from shared.engines.transformers.kv_cache import crop_cache, with_cache
+from shared.engines.transformers.kv_pool import SlotAllocator
+from shared.engines.transformers.models import describe_model, input_device
 
 
 @dataclass
@@ -81,8 +80,9 @@ class Seq2SeqEngine(PoolSlots, BatchForward):
     trees = False
 
     def __init__(self, model: Any, tokenizer: Any, name: str, max_context: int = 0,
-                 kv_budget_tokens: int = 32768) -> None:
+                 kv_budget_tokens: int = 32768, acceptance: str = "device") -> None:
         self.model = model
+        self.acceptance = acceptance
         self.device = input_device(model)
         self.info, num_slots = describe_model(model, tokenizer, name, max_context,
                                               kv_budget_tokens, self.device)

@@ -4,7 +4,7 @@ its one-token steps in a static-shape bucket, captured once as a CUDA graph and 
 On a GPU an eager drafter step is launch-bound (one kernel launch per op, whatever the model's
 size), so an eager small drafter costs nearly what the target's forward does (figures:
 docs/benchmarks.md, GPU section). This drafter runs on the verifier's engine
-(``shared/engine.py``): one slot of a ``KVPool`` for the drafted sequence (plus the buckets'
+(``pooled.py``): one slot of a ``KVPool`` for the drafted sequence (plus the buckets'
 scratch slot), attention over the slot in place, and rollback by moving a length instead of
 cropping a ``DynamicCache``.
 
@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 
-from drafter_client.drafters import Draft, HFDrafter, align_vocab
-from shared.engine import ForwardItem, pooled_forward
-from shared.graphs import StaticForwards
-from shared.kv_pool import KVPool, use_ragged_attention
+from shared.engines.drafter import Draft, align_vocab
+from shared.engines.target import ForwardItem
+from shared.engines.transformers.drafter import HFDrafter
+from shared.engines.transformers.graphs import StaticForwards
+from shared.engines.transformers.kv_pool import KVPool, use_ragged_attention
+from shared.engines.transformers.pooled import pooled_forward
 from shared.sampling import SamplingConfig, greedy_tokens
 
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from shared.kv_pool import head_layout
+from shared.engines.target import DEFAULT_KV_BUDGET, ModelInfo
+from shared.engines.transformers.kv_pool import head_layout
 from shared.models import ModelSpecError, tokenizer_fingerprint
-from verifier_service.engine import ModelInfo
 
 
 def eos_ids_of(model: Any, tokenizer: Any) -> list[int]:
@@ -77,7 +77,6 @@ def input_device(model: Any) -> torch.device:
             or torch.device("cpu"))
 
 
-DEFAULT_KV_BUDGET = 65536  # tokens, where the pool is not sized from free device memory
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:

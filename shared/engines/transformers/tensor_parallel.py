@@ -20,8 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shared.engine import ForwardItem
-from verifier_service.engine import BatchForward, PoolSlots
+from shared.engines.target import BatchForward, ForwardItem, PoolSlots
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The llama.cpp engine: a GGUF target served through ``shared/llama_runtime.py``.
+"""The llama.cpp engine: a GGUF target served through ``shared/engines/llama_cpp/runtime.py``.
 
 A session's slot is a llama.cpp sequence in one unified KV cache. A batch of steps is ONE
 ``llama_decode`` over every step's new tokens (prefills included), with logits only at the
@@ -19,10 +19,15 @@ from typing import Any
 
 import torch
 
-from shared.engine import ForwardItem
-from shared.llama_runtime import GGUFWeights, LlamaModel, Segment, cost_key, resolve_gguf
+from shared.engines.llama_cpp.runtime import (
+    GGUFWeights,
+    LlamaModel,
+    Segment,
+    cost_key,
+    resolve_gguf,
+)
+from shared.engines.target import BatchForward, ForwardItem, ModelInfo
 from shared.models import load_tokenizer, tokenizer_fingerprint
-from verifier_service.engine import BatchForward, ModelInfo
 
 log = logging.getLogger(__name__)
 MAX_SLOTS = 127  # llama.cpp holds at most 256 sequences; each slot keeps one spare for beams
@@ -48,8 +53,10 @@ class LlamaCppEngine(BatchForward):
 
     trees = False
 
-    def __init__(self, model: LlamaModel, tokenizer: Any, name: str, num_slots: int) -> None:
+    def __init__(self, model: LlamaModel, tokenizer: Any, name: str, num_slots: int,
+                 acceptance: str = "device") -> None:
         self.model = model
+        self.acceptance = acceptance
         self.tokenizer = tokenizer
         self._num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
@@ -141,8 +148,7 @@ def load_llama_engine(spec: str, max_context: int = 0, kv_budget_tokens: int = 3
     num_slots = max(1, min(kv_budget_tokens // context, MAX_SLOTS))
     model = LlamaModel(weights, n_seqs=2 * num_slots, seq_tokens=context, threads=threads,
                        batch_tokens=max(max_batch_tokens, 512), cells=num_slots * context)
-    engine = LlamaCppEngine(model, load_tokenizer(tokenizer_spec), spec, num_slots)
-    engine.acceptance = acceptance
+    engine = LlamaCppEngine(model, load_tokenizer(tokenizer_spec), spec, num_slots, acceptance)
     engine.warm_up()
     log.info("loaded target %s on llama.cpp (%s, %d threads): %d slots x %d tokens "
              "(%.0f MiB of KV) in %.1f s", path, engine.info.dtype, model.threads, num_slots,

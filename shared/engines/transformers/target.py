@@ -11,24 +11,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shared.dtype_choice import cache_key, load_lm_auto
-from shared.engine import ForwardItem, pooled_forward
-from shared.graphs import StaticForwards
-from shared.kv_pool import KVPool, attention_kernels, use_ragged_attention
-from shared.llama_runtime import pick_engine
-from shared.models import ModelSpecError, load_tokenizer, pick_device
-from verifier_service.engine import BatchForward, Engine, PoolSlots, device_name
-from verifier_service.hf_models import (
+from shared.engines.target import (
     DEFAULT_KV_BUDGET,
+    BatchForward,
+    Engine,
+    ForwardItem,
+    PoolSlots,
+    TargetOptions,
+    device_name,
+)
+from shared.engines.transformers.dtype_choice import cache_key, load_lm_auto
+from shared.engines.transformers.graphs import StaticForwards
+from shared.engines.transformers.kv_pool import KVPool, attention_kernels, use_ragged_attention
+from shared.engines.transformers.models import (
     attention_devices,
     describe_model,
     input_device,
     kv_budget,
     parse_device_map,
 )
-from verifier_service.seq2seq import Seq2SeqEngine
-from verifier_service.settings import Settings
-from verifier_service.tensor_parallel import TensorParallel
+from shared.engines.transformers.pooled import pooled_forward
+from shared.engines.transformers.seq2seq import Seq2SeqEngine
+from shared.engines.transformers.tensor_parallel import TensorParallel
+from shared.models import ModelSpecError, load_tokenizer, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +44,10 @@ class CausalEngine(PoolSlots, BatchForward):
     trees = True
 
     def __init__(self, model: Any, tokenizer: Any, name: str, max_context: int = 0,
-                 kv_budget_tokens: int = 32768, tp_size: int = 1) -> None:
+                 kv_budget_tokens: int = 32768, tp_size: int = 1,
+                 acceptance: str = "device") -> None:
         self.model = model
+        self.acceptance = acceptance
         self.tokenizer = tokenizer
         self.device = input_device(model)  # where the token ids go in
         self.dtype = next(model.parameters()).dtype
@@ -111,63 +118,43 @@ class CausalEngine(PoolSlots, BatchForward):
                  attention_kernels(self.model.config, self.dtype, self.device))
 
 
-def load_engine(settings: Settings) -> Engine:
-    """The target of ``settings``, loaded, warmed up and ready to serve."""
-    placed = bool(settings.device_map or settings.tp_plan or settings.cuda_graphs)
-    engine = "transformers" if settings.engine == "auto" and placed else settings.engine
-    if pick_engine(engine, settings.model, settings.device) == "llama-cpp":
-        from verifier_service.llama_engine import load_llama_engine
-
-        return load_llama_engine(settings.model, settings.max_context,
-                                 settings.kv_budget_tokens or DEFAULT_KV_BUDGET, settings.threads,
-                                 settings.max_batch_tokens, settings.acceptance)
-    return load(settings.model, settings.dtype, settings.device, settings.max_context,
-                settings.kv_budget_tokens, settings.device_map, settings.offload_folder,
-                settings.tp_plan, acceptance=settings.acceptance,
-                static_batch=(settings.max_batch_size if settings.batching else 1)
-                if settings.cuda_graphs else 0, static_length=settings.max_draft_tokens + 1,
-                attention=settings.attention, kv_memory_fraction=settings.kv_memory_fraction,
-                max_batch_tokens=settings.max_batch_tokens)
-
-
-def load(spec: str, dtype: str = "auto", device: str = "auto", max_context: int = 0,
-         kv_budget_tokens: int = 32768, device_map: str = "", offload_folder: str = "",
-         tp_plan: str = "", acceptance: str = "device", static_batch: int = 0,
-         attention: str = "auto", kv_memory_fraction: float = 0.9,
-         max_batch_tokens: int = 2048, static_length: int = 17) -> Engine:
-    """``device_map``: place the model over several devices (accelerate's "auto",
-    "balanced", "sequential", or a JSON {module: device} map, "disk" offloading to
-    ``offload_folder``); each layer's KV slots live where that layer's attention runs.
-    ``static_batch``: serve batches of up to that many jobs through static-shape buckets
+def load(o: TargetOptions) -> Engine:
+    """A transformers target. ``device_map``: place the model over several devices
+    (accelerate's "auto", "balanced", "sequential", or a JSON {module: device} map, "disk"
+    offloading to ``offload_folder``); each layer's KV slots live where that layer's attention
+    runs. ``static_batch``: serve batches of up to that many jobs through static-shape buckets
     (``--cuda-graphs``). ``kv_budget_tokens`` 0: sized from the device's free memory on CUDA
-    (``kv_memory_fraction``; ``hf_models.kv_budget``)."""
+    (``kv_memory_fraction``; ``models.kv_budget``)."""
+    spec, device_map, tp_plan, static_batch = o.model, o.device_map, o.tp_plan, o.static_batch
+    kv_budget_tokens = o.kv_budget_tokens
     started = time.perf_counter()
-    model, chosen = load_lm_auto(spec, dtype, pick_device(device),
+    model, chosen = load_lm_auto(spec, o.dtype, pick_device(o.device),
                                  device_map=parse_device_map(device_map),
-                                 offload_folder=offload_folder or None, tp_plan=tp_plan or None)
+                                 offload_folder=o.offload_folder or None, tp_plan=tp_plan or None)
     log.info("target dtype: %s", chosen)
     if device_map or tp_plan:  # the pool spreads over devices: no one device's free memory
         kv_budget_tokens = kv_budget_tokens or DEFAULT_KV_BUDGET
     kv_budget_tokens = kv_budget(model.config, next(model.parameters()).dtype,
-                                 input_device(model), kv_budget_tokens, kv_memory_fraction,
-                                 max_batch_tokens)
+                                 input_device(model), kv_budget_tokens, o.kv_memory_fraction,
+                                 o.max_batch_tokens)
     tokenizer = load_tokenizer(spec)
     engine: CausalEngine | Seq2SeqEngine
     if getattr(model.config, "is_encoder_decoder", False):
         if tp_plan or static_batch:
             raise ModelSpecError("--tp-plan and --cuda-graphs serve decoder-only targets only")
-        engine = Seq2SeqEngine(model, tokenizer, spec, max_context, kv_budget_tokens)
+        engine = Seq2SeqEngine(model, tokenizer, spec, o.max_context, kv_budget_tokens,
+                               acceptance=o.acceptance)
     else:
-        engine = CausalEngine(model, tokenizer, spec, max_context, kv_budget_tokens,
-                              tp_size=dist.get_world_size() if tp_plan else 1)
-        if attention != "auto":
-            engine.attention = attention
-    engine.acceptance = acceptance
+        engine = CausalEngine(model, tokenizer, spec, o.max_context, kv_budget_tokens,
+                              tp_size=dist.get_world_size() if tp_plan else 1,
+                              acceptance=o.acceptance)
+        if o.attention != "auto":
+            engine.attention = o.attention
     engine.warm_up()  # every rank at once: the same forwards, so their collectives match
     if static_batch and isinstance(engine, CausalEngine):
         if tp_plan:
             raise ModelSpecError("--cuda-graphs serves a target on one device")
-        engine.enable_static_forwards(static_batch, max_length=static_length)
+        engine.enable_static_forwards(static_batch, max_length=o.static_length)
     log.info("loaded target %s (%s, %s) in %.1f s", spec, engine.info.dtype, engine.info.device,
              time.perf_counter() - started)
     return TensorParallel(engine) if tp_plan else engine

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from shared.engines.transformers.timing import plain_step_ms
 from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
 from shared.models import load_lm, pick_dtype, resolve_model_spec
-from shared.timing import plain_step_ms
 
 log = logging.getLogger("specdec.dtype")
 

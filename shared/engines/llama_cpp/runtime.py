@@ -34,7 +34,6 @@ from shared.models import OFFLINE_MODELS, ModelSpecError, offline_gguf_path, off
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("auto", "transformers", "llama-cpp")
 _BACKEND_LOCK = threading.Lock()
 GGML_LOG_LEVEL_ERROR = 4  # ggml.h: NONE, DEBUG, INFO, WARN, ERROR, CONT
 GGML_TYPE_F32 = 0
@@ -66,24 +65,6 @@ def kept_gguf(short_name: str) -> Path | None:
         return None
     path = offline_gguf_path(short_name)
     return path if path.is_file() else None
-
-
-def pick_engine(engine: str, spec: str, device: str = "auto") -> str:
-    """``auto``: llama.cpp on a CPU where llama-cpp-python is installed, for a .gguf file or a
-    short name of the offline pair whose GGUF file is kept (``scripts/fetch_models.py`` keeps
-    it where llama.cpp is installed): llama.cpp decoded the same file 4.5-6.5x faster than
-    transformers on the 2-core CPUs of docs/benchmarks.md. transformers for everything else
-    (folders, hub ids, a short name without its GGUF, CUDA)."""
-    if engine not in ENGINES:
-        raise ModelSpecError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
-    if engine != "auto":
-        return engine
-    if not (is_gguf(spec) or kept_gguf(spec)) or not llama_available():
-        return "transformers"
-    import torch
-
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    return "llama-cpp" if on_cpu else "transformers"
 
 
 def resolve_gguf(spec: str) -> tuple[str, str]:

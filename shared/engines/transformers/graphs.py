@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from shared.kv_pool import (
+from shared.engines.transformers.kv_pool import (
     KEY_ALIGN,
     KVPool,
     PaddedGroup,
