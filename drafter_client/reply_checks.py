@@ -5,12 +5,8 @@ nonsense is one clear error, never an IndexError or a silent wrong token."""
 
 from __future__ import annotations
 
-import torch
-
 from drafter_client.transport import SpecDecError
-from shared.acceptance import accepted_by_rule
-from shared.engines.drafter import Draft
-from shared.sampling import SamplingConfig
+from shared.acceptance import Block, accepted_by_rule
 from shared.schema import InfoResponse, VerifyRequest, VerifyResponse, decode_logprobs
 
 
@@ -67,15 +63,13 @@ def check_reply(reply: VerifyResponse, req: VerifyRequest, greedy: bool,
         raise SpecDecError(f"the verifier sent an invalid reply: {problem}")
 
 
-def check_verdict(reply: VerifyResponse, draft: Draft, draft_logprobs: torch.Tensor | None,
-                  log_uniforms: torch.Tensor, config: SamplingConfig) -> int:
+def check_verdict(reply: VerifyResponse, block: Block) -> int:
     """The acceptance rule (``shared.acceptance``), applied here to the reply's scores, must
-    give the verifier's verdict."""
-    scores = (None if config.deterministic
+    give the verifier's verdict on ``block``."""
+    scores = (None if block.config.deterministic
               else decode_logprobs(reply.target_logprobs or []))
-    accepted, path = accepted_by_rule(draft.ids, draft.parents, config, log_uniforms,
-                                      draft_logprobs, scores, reply.target_argmax)
-    if draft.parents is not None and path != reply.accepted_path:
+    accepted, path = accepted_by_rule(block, scores, reply.target_argmax)
+    if block.tree_parents is not None and path != reply.accepted_path:
         raise SpecDecError(f"verifier accepted the path {reply.accepted_path} where the "
                            f"acceptance rule gives {path}: protocol mismatch")
     if accepted != reply.num_accepted:

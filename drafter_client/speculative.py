@@ -25,7 +25,7 @@ from drafter_client.draft_length import DraftLength, FixedLength
 from drafter_client.metrics import GenerationMetrics, MetricsRecorder
 from drafter_client.reply_checks import check_reply, check_verdict
 from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
-from shared.acceptance.rule import recover_token
+from shared.acceptance.rule import Block, recover_token
 from shared.engines.drafter import Draft, Drafter
 from shared.sampling import SamplingConfig, draw_uniforms
 from shared.schema import (
@@ -205,13 +205,10 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
     draft_logprobs = None if config.deterministic else draft.logprobs  # None: one-hot draft
     # 3. One round trip: the verifier scores [last token, x_1..x_k] in one forward and finds
     #    the first rejection with our uniforms.
-    req = VerifyRequest(
-        position=session.position, last_token=session.committed[-1], draft_ids=draft.ids,
-        draft_logprobs=None if draft_logprobs is None else draft_logprobs.tolist(),
-        log_uniforms=log_uniforms.tolist(), final_uniform=float(uniforms[k]),
-        return_top_ids=drafter.top_k_filler, tree_parents=draft.parents,
-        more_uniforms=uniforms[k + 1:].tolist(),
-    )
+    block = Block(draft.ids, None if draft_logprobs is None else draft_logprobs.tolist(),
+                  log_uniforms.tolist(), float(uniforms[k]), config, session.position,
+                  draft.parents, drafter.top_k_filler)
+    req = VerifyRequest.of(block, session.committed[-1], uniforms[k + 1:].tolist())
     if in_flight is None:
         reply = session.verify(req)
     else:
@@ -220,7 +217,7 @@ def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
         reply = call.result()
     t2 = time.perf_counter()
     check_reply(reply, req, config.deterministic, info)
-    accepted = check_verdict(reply, draft, draft_logprobs, log_uniforms, config)
+    accepted = check_verdict(reply, block)
     # 4. The recovered or bonus token: drawn by the verifier when it could, else here from
     #    norm(max(0, p_j - q_j)) with p_j from the reply and our own q_j.
     if reply.next_token is not None:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shared.acceptance.rule import Block, Verdict
 from shared.sampling import SamplingConfig
 
 PROTOCOL_VERSION = 1
@@ -127,6 +128,20 @@ class VerifyRequest(_Strict):
             raise ValueError("log uniforms must be <= 0")
         return values
 
+    @classmethod
+    def of(cls, block: Block, last_token: int, more_uniforms: list[float]) -> VerifyRequest:
+        """The wire form of ``block`` (the sampling config travels once, at the session's
+        create)."""
+        return cls(position=block.position, last_token=last_token, draft_ids=block.draft_ids,
+                   draft_logprobs=block.draft_logprobs, log_uniforms=block.log_uniforms,
+                   final_uniform=block.final_uniform, return_top_ids=block.top_ids,
+                   tree_parents=block.tree_parents, more_uniforms=more_uniforms)
+
+    def block(self, config: SamplingConfig) -> Block:
+        """The block this request carries, under its session's sampling ``config``."""
+        return Block(self.draft_ids, self.draft_logprobs, self.log_uniforms, self.final_uniform,
+                     config, self.position, self.tree_parents, self.return_top_ids)
+
 
 class EncodedRow(_Strict):
     """A probability row: dense (ids is None, probs has vocab entries) or sparse."""
@@ -191,6 +206,20 @@ class VerifyResponse(_Strict):
     accepted_path: list[Id] | None = None
     # A plain run: the tokens drawn after next_token, one per more_uniforms entry used.
     more_tokens: list[Id] | None = None
+
+    @classmethod
+    def of(cls, verdict: Verdict, position: int, forward_ms: float) -> VerifyResponse:
+        """The wire form of ``verdict``; ``position``: the session's once it is committed."""
+        return cls(
+            num_accepted=verdict.num_accepted,
+            target_logprobs=(encode_logprobs(verdict.target_logprobs)
+                             if verdict.target_logprobs is not None else None),
+            target_argmax=(verdict.target_argmax.tolist()
+                           if verdict.target_argmax is not None else None),
+            next_token=verdict.next_token,
+            row=EncodedRow.encode(verdict.row) if verdict.row is not None else None,
+            position=position, forward_ms=forward_ms, top_ids=verdict.top_ids,
+            accepted_path=verdict.path)
 
 
 class GenerateRequest(_Strict):

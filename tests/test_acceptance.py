@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from shared.acceptance.batched import Check, decide
-from shared.acceptance.rule import verify_block
+from shared.acceptance.batched import decide
+from shared.acceptance.rule import Block, verify_block
 from shared.logits import process_rows
 from shared.sampling import SamplingConfig, process_logits
 
@@ -29,7 +29,7 @@ CONFIGS = [
 
 
 def random_task(rng: random.Random, gen: torch.Generator,
-                config: SamplingConfig) -> tuple[torch.Tensor, Check]:
+                config: SamplingConfig) -> tuple[torch.Tensor, Block]:
     """A job's logits and a draft that the target accepts part of the time: drafts are drawn
     from the target's own processed distribution (so acceptances happen), one-hot or not."""
     k = rng.choice([0, 1, 2, 4, 7])
@@ -39,21 +39,21 @@ def random_task(rng: random.Random, gen: torch.Generator,
     if config.greedy:
         best = logits.argmax(-1)
         drafts = [int(best[i]) if rng.random() < 0.7 else rng.randrange(VOCAB) for i in range(k)]
-        return logits, Check(drafts, None, [], rng.random(), config, rng.choice([0, 3]))
+        return logits, Block(drafts, None, [], rng.random(), config, rng.choice([0, 3]))
     probs = process_logits(logits, config).exp()  # [k + 1, vocab]
     drafts = [int(torch.multinomial(probs[i].double(), 1, generator=gen)) if rng.random() < 0.8
               else rng.randrange(VOCAB) for i in range(k)]
     one_hot = rng.random() < 0.5
     draft_lp = None if one_hot else [math_log(rng.uniform(0.05, 1.0)) for _ in range(k)]
     log_u = [math_log(rng.random() or 1e-12) for _ in range(k)]
-    return logits, Check(drafts, draft_lp, log_u, rng.random(), config, rng.choice([0, 2]))
+    return logits, Block(drafts, draft_lp, log_u, rng.random(), config, rng.choice([0, 2]))
 
 
 def math_log(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float64).log())
 
 
-def host_verdict(logits: torch.Tensor, task: Check):  # type: ignore[no-untyped-def]
+def host_verdict(logits: torch.Tensor, task: Block):  # type: ignore[no-untyped-def]
     return verify_block(
         logits, torch.tensor(task.draft_ids, dtype=torch.long),
         torch.tensor(task.draft_logprobs, dtype=torch.float64)
@@ -117,7 +117,7 @@ def test_certain_one_hot_draft_rejected_by_rounding_falls_back_to_p() -> None:
     residual is empty; both paths draw from p itself."""
     logits = torch.full((2, VOCAB), -1e4)
     logits[0, 9] = logits[1, 4] = 0.0  # rows 0 and 1 are certain of 9 and 4
-    task = Check([9], None, [0.0], 0.5, SamplingConfig(temperature=1.0))
+    task = Block([9], None, [0.0], 0.5, SamplingConfig(temperature=1.0))
     [decision] = decide([logits], [task])
     host = host_verdict(logits, task)
     assert host.num_accepted == decision.num_accepted == 0

@@ -29,8 +29,9 @@ class FakeEngine:
         self.calls.append([step.item for step in steps])
         if self.fail:
             raise RuntimeError("device lost")
-        return [torch.tensor(step.item.token_ids, dtype=torch.float32)[:, None].repeat(1, 2)
-                if step.item.keep_logits else None for step in steps]
+        return [StepResult(rows=torch.tensor(step.item.token_ids,
+                                             dtype=torch.float32)[:, None].repeat(1, 2))
+                if step.item.keep_logits else StepResult() for step in steps]
 
 
 @dataclass
@@ -52,8 +53,8 @@ class FakeJob:
         return Step(ForwardItem(0, 0, self.tokens, keep_logits=True))
 
     def finish(self, result: StepResult) -> Any:
-        assert isinstance(result, torch.Tensor)
-        return result[:, 0].tolist()
+        assert result.rows is not None
+        return result.rows[:, 0].tolist()
 
     def abort(self) -> None:
         self.events.append("abort")

@@ -175,8 +175,7 @@ class BeamForwardJob:
                                 self.encoder_ids))
 
     def finish(self, result: StepResult) -> torch.Tensor | None:
-        assert result is None or isinstance(result, torch.Tensor)
-        return None if result is None else result[-1]  # [vocab]
+        return None if result.rows is None else result.rows[-1]  # [vocab]
 
     def abort(self) -> None:
         pass

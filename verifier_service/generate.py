@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.acceptance.batched import Check
-from shared.acceptance.rule import Verdict
+from shared.acceptance.rule import Block
 from shared.engines.target import ForwardItem, Step, StepResult
 from shared.sampling import draw_uniforms
 from shared.schema import (
@@ -39,12 +38,13 @@ class FirstTokenJob(CreateSessionJob):
     def step(self, slot: int) -> Step:
         ids = self.req.prompt_ids
         return Step(ForwardItem(slot, 0, ids, keep_logits=True, keep_from=len(ids) - 1),
-                    Check([], None, [], self.uniform, self.req.sampling.to_config(), len(ids)))
+                    Block([], None, [], self.uniform, self.req.sampling.to_config(), len(ids)))
 
     def finish(self, result: StepResult) -> tuple[CreateSessionResponse, int]:  # type: ignore[override]
-        assert isinstance(result, Verdict) and result.next_token is not None
+        token = result.decided().next_token
+        assert token is not None  # a block without drafts: the next token is always drawn
         # the cache holds the prompt; the first token is committed
-        return self.open(len(self.req.prompt_ids) + 1), result.next_token
+        return self.open(len(self.req.prompt_ids) + 1), token
 
 
 async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,

@@ -14,16 +14,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.acceptance.batched import Check
-from shared.acceptance.rule import Verdict
 from shared.engines.target import Engine, ForwardItem, Step, StepResult
 from shared.schema import (
     CreateSessionRequest,
     CreateSessionResponse,
-    EncodedRow,
     VerifyRequest,
     VerifyResponse,
-    encode_logprobs,
 )
 from verifier_service.errors import VerifierError
 from verifier_service.sessions import Session, SessionKey, SessionStore, busy_error
@@ -197,16 +193,15 @@ class VerifyJob:
         return Step(
             ForwardItem(session.slot, session.position - 1, [req.last_token, *req.draft_ids],
                         keep_logits=True, tree_parents=req.tree_parents),
-            Check(req.draft_ids, req.draft_logprobs, req.log_uniforms, req.final_uniform,
-                  session.config, req.position, req.tree_parents, req.return_top_ids),
+            req.block(session.config),
             prefill)
 
-    def finish(self, verdict: StepResult) -> VerifyResponse:
+    def finish(self, result: StepResult) -> VerifyResponse:
         if self.replay is not None:
             self.ctx.counters.replayed_calls += 1
             return self.replay
-        session, req = self.session, self.req
-        assert session is not None and isinstance(verdict, Verdict)
+        session, req, verdict = self.session, self.req, result.decided()
+        assert session is not None
         session.pending = []  # the forward wrote the deferred prompt, if any
         # The slot holds position + k tokens now (a tree's accepted path already where a chain
         # would have put it); the session keeps the last token and the accepted drafts.
@@ -216,17 +211,8 @@ class VerifyJob:
         counters.scored_tokens += len(req.draft_ids) + 1
         counters.drafted_tokens += len(req.draft_ids)
         counters.accepted_tokens += verdict.num_accepted
-        reply = VerifyResponse(
-            num_accepted=verdict.num_accepted,
-            target_logprobs=(encode_logprobs(verdict.target_logprobs)
-                             if verdict.target_logprobs is not None else None),
-            target_argmax=(verdict.target_argmax.tolist()
-                           if verdict.target_argmax is not None else None),
-            next_token=verdict.next_token,
-            row=EncodedRow.encode(verdict.row) if verdict.row is not None else None,
-            position=session.position,
-            forward_ms=1e3 * (time.perf_counter() - self.started),
-            top_ids=verdict.top_ids, accepted_path=verdict.path)
+        reply = VerifyResponse.of(verdict, session.position,
+                                  1e3 * (time.perf_counter() - self.started))
         session.last_verify_position, session.last_verify_digest = req.position, self.digest
         session.last_reply = reply
         return reply

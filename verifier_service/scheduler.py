@@ -19,7 +19,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from shared.engines.target import Engine, Step, StepResult
+from shared.engines.target import NOTHING, Engine, Step, StepResult
 from verifier_service.errors import VerifierError
 
 log = logging.getLogger(__name__)
@@ -42,8 +42,8 @@ class Job(Protocol):
         not be evicted."""
 
     def finish(self, result: StepResult) -> Any:
-        """Turn the engine's result for its step (None without one) into its answer (model
-        thread)."""
+        """Turn the engine's result for its step (``NOTHING`` without one) into its answer
+        (model thread)."""
 
     def abort(self) -> None:
         """Undo ``prepare`` after a failed forward."""
@@ -204,7 +204,7 @@ def run_jobs(engine: Engine, jobs: list[Job]) -> list[tuple[bool | None, Any]]:
     steps = [step for _, step in prepared if step is not None]
     try:
         results = iter(engine.run(steps) if steps else [])
-        answered = [(i, next(results) if step is not None else None) for i, step in prepared]
+        answered = [(i, next(results) if step is not None else NOTHING) for i, step in prepared]
     except Exception as exc:  # the forward failed: every prepared job fails with it
         log.exception("batched forward failed")
         for i, _ in prepared:

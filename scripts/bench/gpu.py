@@ -54,7 +54,8 @@ from scripts.bench.common import (
 )
 from scripts.harness.process import VerifierProcess
 from scripts.harness.tiny_models import build_tokenizer
-from shared.acceptance.batched import Check, decide
+from shared.acceptance.batched import decide
+from shared.acceptance.rule import Block
 from shared.engines.target import ForwardItem
 from shared.engines.transformers.drafter import HFDrafter
 from shared.engines.transformers.pooled_drafter import PooledDrafter
@@ -170,14 +171,14 @@ def batched_engine(model: Any, target: str, args: argparse.Namespace,
         logits = [r for r in runner.forward(items) if r is not None]
         for name, config in (("greedy", SamplingConfig()),
                              ("sampled", SamplingConfig(temperature=0.7, top_p=0.95))):
-            tasks = [Check(item.token_ids[1:], None, [-0.7] * 4, 0.5, config)
+            tasks = [Block(item.token_ids[1:], None, [-0.7] * 4, 0.5, config)
                      for item in items]
 
-            def on_host(tasks: list[Check] = tasks,
+            def on_host(tasks: list[Block] = tasks,
                         logits: list[torch.Tensor] = logits) -> None:
                 decide(logits, tasks, on_device=False)  # each job's rows copied, decided alone
 
-            def on_device(tasks: list[Check] = tasks,
+            def on_device(tasks: list[Block] = tasks,
                           logits: list[torch.Tensor] = logits) -> None:
                 decide(logits, tasks)
 

@@ -36,7 +36,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from scripts.bench.common import write_json
 from scripts.bench.gpu import SHAPES
 from scripts.harness.tiny_models import build_tokenizer, save_perturbed
-from shared.acceptance.batched import Check
+from shared.acceptance.rule import Block
 from shared.engines.target import ForwardItem, Step
 from shared.engines.transformers.kv_pool import attention_kernels
 from shared.engines.transformers.target import CausalEngine
@@ -138,7 +138,7 @@ def host_syncs(target: Path, device: torch.device) -> dict[str, Any]:
         slots = prefilled(engine, lengths)
         for sampling, config in (("greedy", SamplingConfig()),
                                  ("sampled", SamplingConfig(temperature=0.8, top_p=0.9))):
-            steps = [Step(item, Check(item.token_ids[1:], None, [-0.5] * (len(item.token_ids) - 1),
+            steps = [Step(item, Block(item.token_ids[1:], None, [-0.5] * (len(item.token_ids) - 1),
                                       0.5, config, item.start + 1))
                      for item in batch_items(slots, lengths)]
             engine.run(steps)  # once untimed: kernels and allocator warm

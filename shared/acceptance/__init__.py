@@ -9,8 +9,9 @@
   (``tests/test_acceptance.py``).
 """
 
-from shared.acceptance.batched import Check, decide
+from shared.acceptance.batched import decide
 from shared.acceptance.rule import (
+    Block,
     Verdict,
     accept_drafts,
     accept_greedy,
@@ -22,6 +23,6 @@ from shared.acceptance.rule import (
     verify_tree,
 )
 
-__all__ = ["Check", "Verdict", "accept_drafts", "accept_greedy", "accept_tree",
+__all__ = ["Block", "Verdict", "accept_drafts", "accept_greedy", "accept_tree",
            "accepted_by_rule", "decide", "ratio_test", "recover_token", "verify_block",
            "verify_tree"]

@@ -26,6 +26,7 @@ import torch
 
 from shared.acceptance import rule
 from shared.acceptance.rule import (
+    Block,
     Verdict,
     chosen_tree_verdict,
     chosen_verdict,
@@ -33,32 +34,7 @@ from shared.acceptance.rule import (
     verify_tree,
 )
 from shared.logits import process_rows
-from shared.sampling import SamplingConfig
 from shared.transfer import to_device
-
-
-@dataclass(frozen=True)
-class Check:
-    """What to decide from one block's logits rows ([k + 1, vocab]; a tree's [N + 1, vocab]):
-    the drafts and the client's uniforms of a verify call, or none (a first token drawn from a
-    prefill's last row)."""
-
-    draft_ids: list[int]  # [k] (a tree's [N] nodes)
-    draft_logprobs: list[float] | None  # [k] log q_i(x_i); None for one-hot drafts
-    log_uniforms: list[float]  # [k]
-    final_uniform: float
-    config: SamplingConfig
-    position: int = 0  # the sequence index of row 0's token (coupled sampling's noise)
-    tree_parents: list[int] | None = None  # the drafts form this tree below row 0's token
-    top_ids: int = 0  # also the top-n ids of every row
-
-    @property
-    def on_device(self) -> bool:
-        """Decided batched on the model's device; coupled sampling (noise drawn on the host)
-        and sampled trees take the host path."""
-        if self.config.coupled:
-            return False
-        return self.tree_parents is None or self.config.greedy
 
 
 def top_ids(rows: torch.Tensor, n: int) -> list[list[int]]:
@@ -90,7 +66,7 @@ def sample_rows(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.where(index >= vocab, last_supported, index)
 
 
-def decide(rows: list[torch.Tensor], checks: list[Check], on_device: bool = True,
+def decide(rows: list[torch.Tensor], checks: list[Block], on_device: bool = True,
            together: int | None = None) -> list[Verdict]:
     """rows[j]: check j's logits rows, where the forward left them; one verdict each.
 
@@ -124,13 +100,13 @@ def decide(rows: list[torch.Tensor], checks: list[Check], on_device: bool = True
     return done
 
 
-def _chosen(check: Check, argmax: torch.Tensor) -> Verdict:
+def _chosen(check: Block, argmax: torch.Tensor) -> Verdict:
     if check.tree_parents is not None:
         return chosen_tree_verdict(check.tree_parents, check.draft_ids, argmax)
     return chosen_verdict(torch.tensor(check.draft_ids, dtype=torch.long), argmax)
 
 
-def _on_host(rows: torch.Tensor, check: Check) -> Verdict:
+def _on_host(rows: torch.Tensor, check: Block) -> Verdict:
     """The reference path: rows [n, vocab] float32 on the host."""
     if check.tree_parents is not None:
         return verify_tree(rows, check.draft_ids, check.tree_parents, check.log_uniforms,
@@ -182,7 +158,7 @@ class SampledLayout:
     final_uniforms: torch.Tensor  # [J] float64
 
     @classmethod
-    def build(cls, checks: list[Check], device: torch.device) -> SampledLayout:
+    def build(cls, checks: list[Block], device: torch.device) -> SampledLayout:
         lengths = [len(check.draft_ids) for check in checks]  # k_j
         jobs, k_max, drafts = len(checks), max(lengths), sum(lengths)
         first_row: list[int] = []
@@ -213,7 +189,7 @@ def _cuts(values: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return list(torch.split(values, sizes))
 
 
-def _decide_sampled(rows: list[torch.Tensor], checks: list[Check]) -> list[Verdict]:
+def _decide_sampled(rows: list[torch.Tensor], checks: list[Block]) -> list[Verdict]:
     jobs = len(checks)
     lengths = [len(check.draft_ids) for check in checks]  # k_j
     stacked = torch.cat(rows).float() if jobs > 1 else rows[0].float()  # [R, vocab]

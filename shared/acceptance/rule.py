@@ -65,6 +65,32 @@ def residual_without_token(target_probs: torch.Tensor, token: int) -> torch.Tens
 
 
 @dataclass(frozen=True)
+class Block:
+    """One drafted block as acceptance reads it, the same on both sides: the client builds it
+    from its draft and its own uniforms and sends it (``VerifyRequest`` is its codec); the
+    verifier decides it from the block's logits rows ([k + 1, vocab]; a tree's [N + 1, vocab]);
+    the client checks the verdict against it. No drafts: a first token drawn from a prefill's
+    last row."""
+
+    draft_ids: list[int]  # [k] (a tree's [N] nodes)
+    draft_logprobs: list[float] | None  # [k] log q_i(x_i); None for one-hot drafts
+    log_uniforms: list[float]  # [k]
+    final_uniform: float
+    config: SamplingConfig
+    position: int = 0  # the sequence index of row 0's token (coupled sampling's noise)
+    tree_parents: list[int] | None = None  # the drafts form this tree below row 0's token
+    top_ids: int = 0  # also the top-n ids of every row
+
+    @property
+    def on_device(self) -> bool:
+        """Decided batched on the model's device; coupled sampling (noise drawn on the host)
+        and sampled trees take the host path."""
+        if self.config.coupled:
+            return False
+        return self.tree_parents is None or self.config.greedy
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The verifier's reading of one drafted block: a chain or a token tree.
 
@@ -238,22 +264,25 @@ def verify_tree(
     return Verdict(len(path), node_lp, None, sample_from_probs(probs, final_uniform), path=path)
 
 
-def accepted_by_rule(draft_ids: list[int], parents: list[int] | None, config: SamplingConfig,
-                     log_uniforms: torch.Tensor, draft_logprobs: torch.Tensor | None,
-                     target_logprobs: torch.Tensor | None,
+def accepted_by_rule(block: Block, target_logprobs: torch.Tensor | None,
                      target_argmax: list[int] | None) -> tuple[int, list[int] | None]:
-    """The rule applied to the scores a verdict carries (what the client gets back: the
-    target's log p of every draft when sampling, its choice at every row in the deterministic
-    modes): (the number accepted, a tree's accepted path)."""
-    if parents is not None:
+    """The rule applied to ``block`` and the scores its verdict carries (what the client gets
+    back: the target's log p of every draft when sampling, its choice at every row in the
+    deterministic modes): (the number accepted, a tree's accepted path)."""
+    config = block.config
+    if block.tree_parents is not None:
         path, _ = accept_tree(
-            parents, draft_ids, None if config.deterministic else log_uniforms.tolist(),
+            block.tree_parents, block.draft_ids,
+            None if config.deterministic else block.log_uniforms,
             None if config.deterministic or target_logprobs is None
             else target_logprobs.tolist(),
             target_argmax if config.deterministic else None)
         return len(path), path
-    ids = torch.tensor(draft_ids, dtype=torch.long)  # [k]
+    ids = torch.tensor(block.draft_ids, dtype=torch.long)  # [k]
     if config.deterministic:
         return accept_greedy(ids, torch.tensor(target_argmax or [], dtype=torch.long)), None
     scores = target_logprobs if target_logprobs is not None else torch.empty(0)
-    return accept_drafts(scores, draft_logprobs, log_uniforms), None
+    draft_lp = (torch.tensor(block.draft_logprobs, dtype=torch.float64)
+                if block.draft_logprobs is not None else None)
+    return accept_drafts(scores, draft_lp,
+                         torch.tensor(block.log_uniforms, dtype=torch.float64)), None

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 
 import torch
 
-from shared.acceptance.batched import Check, decide
-from shared.acceptance.rule import Verdict
+from shared.acceptance.batched import decide
+from shared.acceptance.rule import Block, Verdict
 from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
 
 VERIFY_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # drafts per block timed at start (``verify_ms``)
@@ -106,17 +106,33 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class Step:
-    """One job's share of a batched forward. With a ``check``, the result is its verdict;
-    without one, the item's logits rows on the host ([n, vocab] float32) when it kept them."""
+    """One job's share of a batched forward. With a ``block`` to decide, the result holds its
+    verdict; without one, the item's logits rows on the host ([n, vocab] float32) when it kept
+    them."""
 
     item: ForwardItem
-    check: Check | None = None
+    block: Block | None = None
     # tokens to write into the same slot before ``item`` in the same forward (a session's
     # prompt, deferred from its create to its first verify): no rows, no result of their own
     prefill: ForwardItem | None = None
 
 
-StepResult = Verdict | torch.Tensor | None
+@dataclass(frozen=True)
+class StepResult:
+    """What the engine gives back for one step: the verdict of its block, or the rows it kept
+    (a step without a block: beam search reads whole rows), or neither (a prefill)."""
+
+    verdict: Verdict | None = None
+    rows: torch.Tensor | None = None  # [n, vocab] float32 on the host
+
+    def decided(self) -> Verdict:
+        """The verdict of a step that had a block."""
+        if self.verdict is None:
+            raise RuntimeError("the engine returned no verdict for a step with a block")
+        return self.verdict
+
+
+NOTHING = StepResult()
 
 
 class Engine(Protocol):
@@ -229,18 +245,19 @@ class BatchForward:
                 next(scored)  # kept no rows
             rows.append(next(scored) if needs_forward(step.item) else None)
         checked = [j for j, step in enumerate(steps)
-                   if step.check is not None and rows[j] is not None]
+                   if step.block is not None and rows[j] is not None]
         verdicts = decide([rows[j] for j in checked],  # type: ignore[misc]
-                          [steps[j].check for j in checked],  # type: ignore[misc]
+                          [steps[j].block for j in checked],  # type: ignore[misc]
                           on_device=self.acceptance == "device")
-        results: list[StepResult] = [  # rows asked for without a check: to the host
-            None if block is None or step.check is not None else block.float().cpu()
-            for step, block in zip(steps, rows, strict=True)]
+        results = [  # rows asked for without a block: to the host
+            NOTHING if kept is None or step.block is not None
+            else StepResult(rows=kept.float().cpu())
+            for step, kept in zip(steps, rows, strict=True)]
         for j, verdict in zip(checked, verdicts, strict=True):
             item = steps[j].item
             if verdict.path is not None:
                 self.keep_path(item.slot, item.start, verdict.path)
-            results[j] = verdict
+            results[j] = StepResult(verdict=verdict)
         return results
 
     def measured_verify_ms(self, slot: int, ids: list[int], key: str,
