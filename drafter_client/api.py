@@ -51,7 +51,7 @@ from shared.models import (
     load_tokenizer,
     tokenizer_fingerprint,
 )
-from shared.schema import PROTOCOL_VERSION, GenerateRequest, SamplingParams
+from shared.schema import PROTOCOL_VERSION, GenerateRequest
 
 log = logging.getLogger(__name__)
 
@@ -306,12 +306,12 @@ class SpecDecClient:
                  chat: bool = False,
                  on_tokens: Callable[[list[int]], None] | None = None,
                  on_block: Callable[[BlockOutcome], bool | None] | None = None,
-                 overlap: bool | None = None, reproducible: bool | None = None
-                 ) -> GenerationResult:
+                 overlap: bool | None = None, reproducible: bool | None = None,
+                 sampling: Sampling | None = None) -> GenerationResult:
         """Speculative generation; exactly the target's distribution for these settings.
 
-        An argument left out (None) is the client's ``settings``' (``settings.sampling``,
-        ``settings.num_draft_tokens``, ``settings.options.overlap``).
+        An argument left out (None) is ``sampling``'s, else the client's ``settings``'
+        (``settings.sampling``, ``settings.num_draft_tokens``, ``settings.options.overlap``).
         ``num_draft_tokens``: k, or ``"auto"`` (cost model) or ``"heuristic"`` (grow/shrink).
         ``on_tokens`` gets each block's new ids; ``on_block`` each :class:`BlockOutcome`
         (drafts, how many were accepted, the new ids) and ends the generation by returning True
@@ -321,7 +321,8 @@ class SpecDecClient:
         drafter, k or timing (Gumbel-max with noise shared by drafter and target)."""
         if self.drafter is None:
             raise SpecDecError("this client has no drafter; use baseline() or pass drafter=")
-        s = self._sampling(max_new_tokens, temperature, top_k, top_p, seed, reproducible)
+        s = self._sampling(sampling, max_new_tokens, temperature, top_k, top_p, seed,
+                           reproducible)
         if num_draft_tokens is None:
             num_draft_tokens = self.settings.num_draft_tokens
         try:
@@ -332,9 +333,7 @@ class SpecDecClient:
         try:
             prompt_ids, encoder_ids = self.inputs(prompt, chat)
             settings = GenerationSettings(
-                SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                               coupling_seed=s.seed if s.reproducible else None),
-                s.max_new_tokens, draft_length, s.seed, encoder_ids,
+                s.params(), s.max_new_tokens, draft_length, s.seed, encoder_ids,
                 overlap=self.options.overlap if overlap is None else overlap)
             result = speculative_generate(self.verifier, self.drafter, prompt_ids, settings,
                                           self.info, _block_callback(on_tokens, on_block))
@@ -350,13 +349,15 @@ class SpecDecClient:
                  top_p: float | None = None, seed: int | None = None,
                  chat: bool = False, num_beams: int = 1, length_penalty: float = 1.0,
                  early_stopping: bool | str = False,
-                 no_repeat_ngram_size: int = 0, reproducible: bool | None = None
-                 ) -> GenerationResult:
+                 no_repeat_ngram_size: int = 0, reproducible: bool | None = None,
+                 sampling: Sampling | None = None) -> GenerationResult:
         """Target-only generation on the verifier (``/v1/generate``), same sampling settings;
         with ``num_beams`` > 1 (greedy only) beam search as transformers' ``generate`` does it,
         with ``length_penalty``, ``early_stopping`` (True, False or "never") and
-        ``no_repeat_ngram_size``. Sampling left out (None) is the client's ``settings``'."""
-        s = self._sampling(max_new_tokens, temperature, top_k, top_p, seed, reproducible)
+        ``no_repeat_ngram_size``. Sampling left out (None) is ``sampling``'s, else the client's
+        ``settings``'."""
+        s = self._sampling(sampling, max_new_tokens, temperature, top_k, top_p, seed,
+                           reproducible)
         max_new_tokens = s.max_new_tokens
         prompt_ids, encoder_ids = self.inputs(prompt, chat)
         sent, received = self.verifier.bytes_sent, self.verifier.bytes_received
@@ -364,8 +365,7 @@ class SpecDecClient:
         try:
             reply = self.verifier.generate(GenerateRequest(
                 prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, seed=s.seed,
-                sampling=SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                        coupling_seed=s.seed if s.reproducible else None),
+                sampling=s.params(),
                 num_beams=num_beams, length_penalty=length_penalty,
                 early_stopping=early_stopping,  # type: ignore[arg-type]
                 no_repeat_ngram_size=no_repeat_ngram_size, encoder_ids=encoder_ids,
@@ -392,11 +392,11 @@ class SpecDecClient:
                                 finish_reason(reply.token_ids, max_new_tokens,
                                               self.info.eos_token_ids))
 
-    def _sampling(self, max_new_tokens: int | None, temperature: float | None,
-                  top_k: int | None, top_p: float | None, seed: int | None,
-                  reproducible: bool | None) -> Sampling:
-        """The client's sampling settings with a call's own values in place of theirs."""
-        return replaced(self.settings.sampling, max_new_tokens=max_new_tokens,
+    def _sampling(self, sampling: Sampling | None, max_new_tokens: int | None,
+                  temperature: float | None, top_k: int | None, top_p: float | None,
+                  seed: int | None, reproducible: bool | None) -> Sampling:
+        """A call's sampling (else the client's) with the call's own values in place."""
+        return replaced(sampling or self.settings.sampling, max_new_tokens=max_new_tokens,
                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                         reproducible=reproducible)
 

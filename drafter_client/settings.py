@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from shared.schema import SamplingParams
 
 MODEL_FREE_DRAFTERS = ("ngram", "prompt-lookup", "bigram")
 
@@ -67,11 +70,12 @@ class Sampling:
     # shared by drafter and target), whatever the drafter, k or timing
     reproducible: bool = False
 
-    def as_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``SpecDecClient.generate`` / ``baseline``."""
-        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                "top_k": self.top_k, "top_p": self.top_p, "seed": self.seed,
-                "reproducible": self.reproducible}
+    def params(self) -> SamplingParams:
+        """The wire form both sides process logits by (``reproducible``: its coupling seed)."""
+        from shared.schema import SamplingParams
+
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              coupling_seed=self.seed if self.reproducible else None)
 
 
 @dataclass(frozen=True)

@@ -210,10 +210,10 @@ class Console:
         s = self.settings
         ids = self.prompt_ids(text)
         stream = TextStream(self.client.decode, self._show)
-        sampling = replaced(s.sampling, seed=s.sampling.seed + self.turn).as_kwargs()
+        sampling = replaced(s.sampling, seed=s.sampling.seed + self.turn)
         try:
             result = self.client.generate(ids, num_draft_tokens=s.k, on_block=stream.block,
-                                          **sampling)
+                                          sampling=sampling)
             stream.finish()
         except SpecDecError as exc:
             self.out.write("\n")
@@ -236,10 +236,9 @@ class Console:
         if s.compare:
             self._compare(ids, result, sampling)
 
-    def _compare(self, ids: list[int], result: GenerationResult, sampling: dict[str, Any]
-                 ) -> None:
+    def _compare(self, ids: list[int], result: GenerationResult, sampling: Sampling) -> None:
         try:
-            alone = self.client.baseline(ids, **sampling)
+            alone = self.client.baseline(ids, sampling=sampling)
         except SpecDecError as exc:
             self.say(f"target alone: error: {exc}")
             return
