@@ -35,6 +35,7 @@ them (they lack the network's share of a round trip).
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Protocol
 
 DRAFT_SAMPLES = 7  # per-token drafting times the cost model's median is over
@@ -44,6 +45,24 @@ COPY_SAVING = 0.6  # the share of a plain step that a copied (free-draft) token 
 OPTIMISTIC_ACCEPTANCE = 0.9  # a probe is made only where drafting would pay at this rate
 PROBE_SHARE = 0.03  # probes may cost at most this share of the time spent in plain steps
 MIN_PROBE_ROOM = 16  # no probe with fewer tokens left to generate: it could not repay
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one block did and cost, as a k policy learns from it."""
+
+    proposed: int  # draft positions tested: k for a chain, the longest path for a tree
+    accepted: int
+    drafting_s: float
+    rtt_s: float  # the verify call's round trip
+    free: bool = False  # its draft cost nothing to make (a prompt-lookup match sent alone)
+    plain_tokens: int = 1  # the tokens of a plain run (k = 0): its round trip paid for them all
+    # the verifier's forward time within the round trip (the rest is the call's overhead:
+    # network, HTTP, queueing); None: not known
+    forward_s: float | None = None
+    # the share of drafting_s that fed tokens the drafter had not seen (Drafter.catch_up_s),
+    # not part of what drafting a token costs
+    catch_up_s: float = 0.0
 
 
 class DraftLength(Protocol):
@@ -69,16 +88,8 @@ class DraftLength(Protocol):
     def seed_drafting(self, seconds_per_token: float) -> None:
         """The drafter's cost per token measured before the first block (its warm-up)."""
 
-    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
-               free: bool = False, plain_tokens: int = 1, forward_s: float | None = None,
-               catch_up_s: float = 0.0) -> None:
-        """What the last block did: drafts proposed and accepted, and what it cost; ``free``:
-        its draft cost nothing to make (a prompt-lookup match sent alone); ``plain_tokens``:
-        the tokens of a plain run (k = 0), whose round trip paid for them all;
-        ``forward_s``: the verifier's forward time within the round trip (the rest is the
-        call's overhead: network, HTTP, queueing); ``catch_up_s``: the share of
-        ``drafting_s`` that fed tokens the drafter had not seen (``Drafter.catch_up_s``), not
-        part of what drafting a token costs."""
+    def update(self, block: Observation) -> None:
+        """What the last block did and cost."""
 
 
 class NoCostModel:
@@ -105,9 +116,7 @@ class FixedLength(NoCostModel):
     def next_k(self, catch_up_s: float = 0.0, room: int | None = None) -> int:
         return self.k
 
-    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
-               free: bool = False, plain_tokens: int = 1, forward_s: float | None = None,
-               catch_up_s: float = 0.0) -> None:
+    def update(self, block: Observation) -> None:
         pass
 
 
@@ -122,12 +131,10 @@ class HeuristicLength(NoCostModel):
     def next_k(self, catch_up_s: float = 0.0, room: int | None = None) -> int:
         return self.k
 
-    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
-               free: bool = False, plain_tokens: int = 1, forward_s: float | None = None,
-               catch_up_s: float = 0.0) -> None:
-        if proposed and accepted == proposed:
+    def update(self, block: Observation) -> None:
+        if block.proposed and block.accepted == block.proposed:
             self.k = min(self.k + 2, self.max_k)
-        elif proposed:
+        elif block.proposed:
             self.k = max(self.k - 1, 1)
 
 
@@ -354,12 +361,12 @@ class CostModelLength:
         weight, total = self._overhead
         return total / weight if weight > 1e-9 else None
 
-    def update(self, proposed: int, accepted: int, drafting_s: float, rtt_s: float,
-               free: bool = False, plain_tokens: int = 1, forward_s: float | None = None,
-               catch_up_s: float = 0.0) -> None:
+    def update(self, block: Observation) -> None:
         """A free block (a lookup match sent alone) tells the verify cost of its length, not
         the model's acceptance or drafting time: those stay the model's own. A plain run's
         round trip counts per token, and its tokens as plain steps."""
+        proposed, accepted, rtt_s = block.proposed, block.accepted, block.rtt_s
+        forward_s, plain_tokens = block.forward_s, block.plain_tokens
         d = self.decay
         whole_rtt_s = rtt_s
         if forward_s is not None and self.blocks:
@@ -369,7 +376,7 @@ class CostModelLength:
             rtt_s /= plain_tokens
             self.plain_steps += plain_tokens - 1
         self.blocks += 1
-        if not free:
+        if not block.free:
             for i in range(self.max_k):
                 self.reached[i] *= d
                 self.passed[i] *= d
@@ -377,7 +384,7 @@ class CostModelLength:
                 self.reached[i] += 1
                 self.passed[i] += float(i < accepted)
             if proposed and self.blocks > 1:
-                drafting = max(drafting_s - catch_up_s, 0.0)
+                drafting = max(block.drafting_s - block.catch_up_s, 0.0)
                 self._draft_samples = [*self._draft_samples[-(DRAFT_SAMPLES - 1):],
                                        drafting / proposed]
                 self.draft_s_per_token = statistics.median(self._draft_samples)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter_client.draft_length import DraftLength, FixedLength
+from drafter_client.draft_length import DraftLength, FixedLength, Observation
 from drafter_client.metrics import GenerationMetrics, MetricsRecorder
 from drafter_client.reply_checks import check_reply, check_verdict
 from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
@@ -316,12 +316,12 @@ def speculative_generate(
             ahead = in_flight.take(outcome.tokens) if in_flight is not None else None
             recorder.block(outcome.draft_ids, outcome.num_accepted, outcome.drafting_s,
                            outcome.round_trip_s, outcome.verifier_s)
-            schedule.update(outcome.depth, outcome.num_accepted, outcome.drafting_s,
-                            outcome.round_trip_s,
-                            free=drafter.free_draft and not outcome.drafted_ahead,
-                            plain_tokens=len(outcome.tokens) if not outcome.draft_ids else 1,
-                            forward_s=outcome.verifier_s,
-                            catch_up_s=catch_up_s if outcome.draft_ids else 0.0)
+            schedule.update(Observation(
+                outcome.depth, outcome.num_accepted, outcome.drafting_s, outcome.round_trip_s,
+                free=drafter.free_draft and not outcome.drafted_ahead,
+                plain_tokens=len(outcome.tokens) if not outcome.draft_ids else 1,
+                forward_s=outcome.verifier_s,
+                catch_up_s=catch_up_s if outcome.draft_ids else 0.0))
             if on_block is not None and on_block(outcome):
                 stopped = True
                 break

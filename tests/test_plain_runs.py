@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from drafter_client import SpecDecClient
-from drafter_client.draft_length import PLAIN_RUN, CostModelLength
+from drafter_client.draft_length import PLAIN_RUN, CostModelLength, Observation
 from scripts.harness.tiny_models import hf_greedy
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
@@ -75,20 +75,22 @@ def test_bad_plain_runs_are_refused(extra: dict, field: str, code: str | None,
 
 def test_cost_model_asks_for_runs_where_drafting_cannot_pay() -> None:
     model = CostModelLength(verify_ms=[(0, 10.0), (1, 30.0), (2, 50.0)])
-    model.update(2, 1, 0.010, 0.050)  # the first block: its costs include the prefills
-    model.update(1, 0, 0.005, 0.030)  # 5 ms to draft a token, 30 ms to verify one
+    model.update(Observation(2, 1, 0.010, 0.050))  # the first block: its costs include the prefills
+    model.update(Observation(1, 0, 0.005, 0.030))  # 5 ms to draft a token, 30 ms to verify one
     assert model.next_k() == 0  # a 1-draft block costs 3 plain steps: drafting cannot pay
     assert model.plain_run(100) == PLAIN_RUN and model.plain_run(3) == 3
-    model.update(0, 0, 0.0, 0.090, plain_tokens=9)
+    model.update(Observation(0, 0, 0.0, 0.090, plain_tokens=9))
     assert abs(model.rtt(0) - 0.010) < 1e-9  # a run's round trip counts per token
 
 
 def test_plain_runs_shorten_where_copies_begin_and_calls_are_cheap() -> None:
     steep = [(k, 80.0 + 160.0 * k) for k in (0, 1, 2, 4, 8, 16)]  # drafting cannot pay: no probes
     model = CostModelLength(verify_ms=steep)
-    model.update(2, 1, 0.010, 0.500, forward_s=0.4)  # the first block: prefills, not counted
+    # the first block: prefills, not counted
+    model.update(Observation(2, 1, 0.010, 0.500, forward_s=0.4))
     assert model.call_overhead() is None
-    model.update(0, 0, 0.0, 0.725, plain_tokens=9, forward_s=0.72)  # 5 ms over the forwards
+    # 5 ms over the forwards
+    model.update(Observation(0, 0, 0.0, 0.725, plain_tokens=9, forward_s=0.72))
     assert model.call_overhead() == pytest.approx(0.005)
     assert model.plain_run(100) == PLAIN_RUN  # no copies tracked: the longest run
     assert model.plain_run(100, copy_rate=0.0) == PLAIN_RUN
@@ -96,8 +98,8 @@ def test_plain_runs_shorten_where_copies_begin_and_calls_are_cheap() -> None:
     assert model.plain_run(100, copy_rate=1 / 15) == 1
     assert model.plain_run(100, copy_rate=0.005) == 5  # rare copies: 6.5 -> a run of 6
     far = CostModelLength(verify_ms=steep)
-    far.update(2, 1, 0.010, 0.500, forward_s=0.4)
-    far.update(0, 0, 0.0, 0.820, plain_tokens=9, forward_s=0.72)  # 100 ms round trips
+    far.update(Observation(2, 1, 0.010, 0.500, forward_s=0.4))
+    far.update(Observation(0, 0, 0.0, 0.820, plain_tokens=9, forward_s=0.72))  # 100 ms round trips
     assert far.plain_run(100, copy_rate=1 / 15) == 7  # sqrt(0.1 / 0.0017) = 7.6 tokens
 
 
