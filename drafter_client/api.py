@@ -29,6 +29,7 @@ from drafter_client.model_free import (
     PromptLookupDrafter,
     special_ids,
 )
+from drafter_client.policy import BlockOutcome
 from drafter_client.settings import (
     MODEL_FREE_DRAFTERS,
     ClientSettings,
@@ -37,7 +38,6 @@ from drafter_client.settings import (
     replaced,
 )
 from drafter_client.speculative import (
-    BlockOutcome,
     GenerationResult,
     GenerationSettings,
     finish_reason,

@@ -4,7 +4,9 @@
   KV cache on the verifier. It owns open / reopen-on-loss / close.
 * :func:`speculative_block` - one block: draft k, one verify round trip over
   ``[last committed token, x_1..x_k]``, accept / recover / bonus. Returns a :class:`BlockOutcome`.
-* :func:`speculative_generate` - blocks until ``max_new_tokens``, EOS or the context limit.
+* :func:`speculative_generate` - the driver: propose (the policy's :class:`BlockPlan`), verify
+  (one block), commit, until ``max_new_tokens``, EOS or the context limit. The policy
+  (``policy.py``) chooses each block's shape and learns from its outcome.
 
 Terms (as in ``shared/sampling.py``): *accepted* drafts passed the ratio test, the *recovered*
 token is drawn from norm(max(0, p - q)) at the first rejection, the *bonus* token from p after a
@@ -21,8 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter_client.draft_length import DraftLength, FixedLength, Observation
+from drafter_client.draft_length import DraftLength, FixedLength
 from drafter_client.metrics import GenerationMetrics, MetricsRecorder
+from drafter_client.policy import BlockOutcome, BlockPlan, BlockPolicy
 from drafter_client.reply_checks import check_reply, check_verdict
 from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
 from shared.acceptance.rule import Block, recover_token
@@ -106,21 +109,6 @@ class InFlight:
         return None
 
 
-@dataclass(frozen=True)
-class BlockOutcome:
-    draft_ids: list[int]  # [k] proposed
-    num_accepted: int
-    tokens: list[int]  # accepted drafts + the recovered / bonus token, cut after an EOS
-    finished: bool  # an EOS token was emitted
-    drafting_s: float
-    round_trip_s: float
-    verifier_s: float  # time inside the verifier (queue + forward), part of the round trip
-    depth: int = 0  # draft positions tested: k for a chain, the longest path for a tree
-    parents: list[int] | None = None  # a tree's parents (see Draft.parents)
-    accepted_path: list[int] | None = None  # a tree's accepted nodes
-    drafted_ahead: bool = False  # the draft was made while the previous block was in flight
-
-
 def _session_lost(exc: VerifierHTTPError) -> bool:
     """The verifier no longer holds our session as we know it: restarted, evicted, expired, or
     at another position (a call we never saw the answer to, then lost on the verifier too)."""
@@ -139,6 +127,7 @@ class VerifierSession:
     def __init__(self, verifier: Verifier, sampling: SamplingParams,
                  prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
         self.verifier, self.sampling, self.encoder_ids = verifier, sampling, encoder_ids
+        self.config = sampling.to_config()  # how both sides process logits
         self.committed = list(prompt_ids)
         self.session_id: str | None = None
         self.reopens = 0
@@ -178,28 +167,26 @@ class VerifierSession:
             self.session_id = None
 
 
-def speculative_block(session: VerifierSession, drafter: Drafter, k: int,
-                      config: SamplingConfig, generator: torch.Generator,
-                      info: InfoResponse, max_depth: int | None = None,
+def speculative_block(session: VerifierSession, drafter: Drafter, plan: BlockPlan,
+                      generator: torch.Generator, info: InfoResponse,
                       drafted: Draft | None = None,
-                      in_flight: InFlight | None = None, plain_run: int = 0) -> BlockOutcome:
-    """One block of Algorithm 1 after ``session.committed``; commits nothing itself.
-    ``max_depth``: the most tokens a draft may put on one path (default k; a drafter may offer
-    more than k where drafting is free, e.g. a prompt-lookup match). ``drafted``: a draft made
-    ahead (while the previous block was in flight). ``in_flight``: work to do while the verify
-    call is on the wire (it runs on a worker thread meanwhile). ``plain_run``: with no drafts,
-    ask for this many more plain steps in the same round trip (``more_uniforms``)."""
+                      in_flight: InFlight | None = None) -> BlockOutcome:
+    """One block of Algorithm 1 after ``session.committed``, shaped by ``plan``; commits
+    nothing itself. ``drafted``: a draft made ahead (while the previous block was in flight).
+    ``in_flight``: work to do while the verify call is on the wire (it runs on a worker thread
+    meanwhile)."""
+    config = session.config
     # 1. Draft k tokens x_1..x_k with their q_i (a drafter may stop early), or a token tree.
     t0 = time.perf_counter()
-    draft = (drafted if drafted is not None else drafter.propose(k, config, generator)).limited(
-        k if max_depth is None else max_depth,
-        min(info.max_draft_tokens, info.max_context - session.position))
+    proposed = drafted if drafted is not None else drafter.propose(plan.k, config, generator)
+    draft = proposed.limited(plan.depth,
+                             min(info.max_draft_tokens, info.max_context - session.position))
     k = len(draft.ids)
     t1 = time.perf_counter()
     # 2. Our randomness for the verdict: k acceptance uniforms + 1 for the last token (and a
     #    plain run's: one per extra step). log(1 - u) with u in [0, 1) is the log of a uniform
     #    on (0, 1], never -inf.
-    more = plain_run if k == 0 else 0
+    more = plan.plain_run if k == 0 else 0
     uniforms = draw_uniforms(generator, k + 1 + more)  # [k + 1 + more]
     log_uniforms = torch.log1p(-uniforms[:k])  # [k]
     draft_logprobs = None if config.deterministic else draft.logprobs  # None: one-hot draft
@@ -264,15 +251,11 @@ def speculative_generate(
     generation ends there with finish_reason "stop" (a stop string, a client gone; ending early
     leaves the distribution of what came before unchanged). On an unrecoverable error the
     :class:`SpecDecError` carries what was generated (``exc.partial``)."""
-    config = settings.sampling.to_config()
-    schedule = settings.draft_schedule()
-    drafter.advise(schedule)  # e.g. free lookup drafts judged by this schedule's costs
-    if drafter.draft_cost_s is not None:
-        schedule.seed_drafting(drafter.draft_cost_s)
+    session = VerifierSession(verifier, settings.sampling, prompt_ids, settings.encoder_ids)
+    policy = BlockPolicy(settings.draft_schedule(), drafter, info.max_context,
+                         info.max_draft_tokens)
     generator = torch.Generator().manual_seed(settings.seed)
     recorder = MetricsRecorder(verifier)
-    session = VerifierSession(verifier, settings.sampling, prompt_ids, settings.encoder_ids)
-
     stopped = False
 
     def result(error: bool = False) -> GenerationResult:
@@ -292,36 +275,17 @@ def speculative_generate(
         drafter.reset(prompt_ids, settings.encoder_ids)
         while ((generated := session.position - len(prompt_ids)) < settings.max_new_tokens
                and session.position <= info.max_context):
-            # A block yields up to k + 1 tokens and needs position + k <= max_context.
-            max_depth = max(0, min(settings.max_new_tokens - generated - 1,
-                                   info.max_context - session.position))
-            catch_up_s = drafter.catch_up_s  # the drafter's feed of tokens it has not seen
-            k = min(schedule.next_k(catch_up_s, settings.max_new_tokens - generated), max_depth)
-            in_flight = None
-            if pool is not None and k > 0:
-                # The draft ahead draws from its own generator, seeded from ours every block
-                # whatever happens, so a seed gives the same output however the timing falls.
-                seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
-                in_flight = InFlight(pool, drafter, k, config,
-                                     torch.Generator().manual_seed(seed),
-                                     room=settings.max_new_tokens - generated)
-            # a plain run asks for at most max_draft_tokens more steps (the verifier's cap)
-            run = (schedule.plain_run(min(max_depth, info.max_draft_tokens), drafter.copy_rate)
-                   if k == 0 else 0)
-            outcome = speculative_block(session, drafter, k, config, generator, info,
-                                        max_depth, drafted=ahead, in_flight=in_flight,
-                                        plain_run=run)
-            session.commit(outcome.tokens)
+            room = settings.max_new_tokens - generated
+            plan = policy.plan(session.position, room)  # propose the block's shape
+            in_flight = _draft_ahead(pool, drafter, plan.k, session.config, generator, room)
+            outcome = speculative_block(session, drafter, plan, generator, info,  # verify
+                                        drafted=ahead, in_flight=in_flight)
+            session.commit(outcome.tokens)  # commit
             drafter.commit(outcome.tokens)
             ahead = in_flight.take(outcome.tokens) if in_flight is not None else None
             recorder.block(outcome.draft_ids, outcome.num_accepted, outcome.drafting_s,
                            outcome.round_trip_s, outcome.verifier_s)
-            schedule.update(Observation(
-                outcome.depth, outcome.num_accepted, outcome.drafting_s, outcome.round_trip_s,
-                free=drafter.free_draft and not outcome.drafted_ahead,
-                plain_tokens=len(outcome.tokens) if not outcome.draft_ids else 1,
-                forward_s=outcome.verifier_s,
-                catch_up_s=catch_up_s if outcome.draft_ids else 0.0))
+            policy.observe(plan, outcome)
             if on_block is not None and on_block(outcome):
                 stopped = True
                 break
@@ -335,3 +299,15 @@ def speculative_generate(
             pool.shutdown(wait=True)
         session.close()
     return result()
+
+
+def _draft_ahead(pool: ThreadPoolExecutor | None, drafter: Drafter, k: int,
+                 config: SamplingConfig, generator: torch.Generator,
+                 room: int) -> InFlight | None:
+    """With overlap, drafting the block after this one while it is verified. The draft ahead
+    draws from its own generator, seeded from ours every block whatever happens, so a seed
+    gives the same output however the timing falls."""
+    if pool is None or k == 0:
+        return None
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+    return InFlight(pool, drafter, k, config, torch.Generator().manual_seed(seed), room=room)

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from drafter_client import SpecDecClient
+from drafter_client.policy import BlockPlan
 from drafter_client.speculative import VerifierSession, speculative_block
 from drafter_client.transport import SpecDecError
 from scripts.harness.tiny_models import hf_greedy
-from shared.sampling import SamplingConfig
 from shared.schema import SamplingParams
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import fp32_settings
@@ -37,7 +37,7 @@ def test_block_outcome_is_accepted_drafts_plus_one(client: SpecDecClient,
     session.open()
     assert client.drafter is not None
     client.drafter.reset(session.committed)
-    outcome = speculative_block(session, client.drafter, 4, SamplingConfig(), torch.Generator(),
+    outcome = speculative_block(session, client.drafter, BlockPlan(4), torch.Generator(),
                                 client.info)
     assert len(outcome.draft_ids) == 4
     assert outcome.tokens[:-1] == outcome.draft_ids[:outcome.num_accepted]
@@ -104,7 +104,6 @@ def test_a_new_session_writes_its_prompt_with_its_first_block(
     assert stored is not None and stored.pending == [2, 3, 4, 5]
     assert client.drafter is not None
     client.drafter.reset(session.committed)
-    speculative_block(session, client.drafter, 2, SamplingConfig(), torch.Generator(),
-                      client.info)
+    speculative_block(session, client.drafter, BlockPlan(2), torch.Generator(), client.info)
     assert stored.pending == []
     session.close()

@@ -7,7 +7,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from drafter_client.speculative import BlockOutcome, GenerationResult
+from drafter_client.policy import BlockOutcome
+from drafter_client.speculative import GenerationResult
 from drafter_client.text import TextTracker
 
 

@@ -27,8 +27,9 @@ from pydantic import ValidationError
 from drafter_client.api import SpecDecClient
 from drafter_client.gateway.metrics import GatewayMetrics
 from drafter_client.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIError
+from drafter_client.policy import BlockOutcome
 from drafter_client.settings import GatewaySettings
-from drafter_client.speculative import BlockOutcome, GenerationResult
+from drafter_client.speculative import GenerationResult
 from drafter_client.text import TextTracker
 from drafter_client.transport import SpecDecError, VerifierHTTPError, VerifierUnavailable
 from shared.auth import bearer_token
