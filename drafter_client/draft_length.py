@@ -19,7 +19,7 @@ overhead. While it drafts nothing its acceptance estimates go stale, so every ``
 plain steps it drafts one block of k = 1, the cheapest look (the gap doubles, up to
 ``max_probe_gap``, while probes do not win, and starts again when one does) - if drafting could
 pay at all: where it would lose even at 90% acceptance, no probe is made. A model drafter that
-has fallen behind must first feed what it has not seen (``Drafter.catch_up_s``: the whole
+has fallen behind must first feed what it has not seen (``DrafterCosts.catch_up_s``: the whole
 prompt before its first draft, every plain token after a plain stretch): a switch to drafting
 must repay that over the tokens left, and probes together may cost at most ``PROBE_SHARE`` of
 the time spent in plain steps (none in the last ``MIN_PROBE_ROOM`` tokens). Each choice
@@ -60,7 +60,7 @@ class Observation:
     # the verifier's forward time within the round trip (the rest is the call's overhead:
     # network, HTTP, queueing); None: not known
     forward_s: float | None = None
-    # the share of drafting_s that fed tokens the drafter had not seen (Drafter.catch_up_s),
+    # the share of drafting_s that fed tokens the drafter had not seen (DrafterCosts.catch_up_s),
     # not part of what drafting a token costs
     catch_up_s: float = 0.0
 
@@ -70,7 +70,7 @@ class DraftLength(Protocol):
 
     def next_k(self, catch_up_s: float = 0.0, room: int | None = None) -> int:
         """k for the next block; ``catch_up_s``: what the drafter must spend before it can
-        draft (``Drafter.catch_up_s``), ``room``: tokens the generation may still add."""
+        draft (``DrafterCosts.catch_up_s``), ``room``: tokens the generation may still add."""
 
     def free_k(self, acceptance: float) -> int | None:
         """How long a draft that costs nothing to make (a prompt-lookup match) should be when

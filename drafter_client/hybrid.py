@@ -35,9 +35,16 @@ from __future__ import annotations
 
 import torch
 
-from drafter_client.draft_length import DraftLength
 from drafter_client.model_free import PromptLookupDrafter
-from shared.engines.drafter import Draft, Drafter, LMDrafter, TreeBuilder, common_prefix
+from shared.engines.drafter import (
+    Draft,
+    Drafter,
+    DrafterCosts,
+    FreeDraftAdvice,
+    LMDrafter,
+    TreeBuilder,
+    common_prefix,
+)
 from shared.sampling import SamplingConfig
 
 SCORE_TOKENS = 2  # the shortest lookup proposal scored in a block (free: no forward)
@@ -72,7 +79,7 @@ class HybridDrafter(Drafter):
         self.name = f"{model.name}+lookup"
         # Set by the loop from its draft-length policy: how long a free lookup draft should be
         # at the lookup's trust, and whether it beats the model's best (see DraftLength).
-        self.advisor: DraftLength | None = None
+        self.advisor: FreeDraftAdvice | None = None
         self.sent_lookup = False  # the last proposal was a lookup match alone (free)
         self.reset_scores()
 
@@ -211,18 +218,11 @@ class HybridDrafter(Drafter):
         """Copies begun inside plain runs per plain token (decayed)."""
         return self.copies[0] / self.copies[1]
 
-    def advise(self, schedule: DraftLength) -> None:
+    def advise(self, schedule: FreeDraftAdvice) -> None:
         self.advisor = schedule
 
-    @property
-    def free_draft(self) -> bool:
-        return self.sent_lookup
-
-    @property
-    def draft_cost_s(self) -> float | None:
-        return self.model.draft_cost_s
-
-    @property
-    def catch_up_s(self) -> float:
-        return self.model.catch_up_s
+    def costs(self) -> DrafterCosts:
+        model = self.model.costs()
+        return DrafterCosts(model.draft_s_per_token, model.catch_up_s, self.copy_rate,
+                            free_draft=self.sent_lookup)
 

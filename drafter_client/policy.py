@@ -52,24 +52,25 @@ class BlockPolicy:
         self.schedule, self.drafter = schedule, drafter
         self.max_context, self.max_draft_tokens = max_context, max_draft_tokens
         drafter.advise(schedule)  # e.g. free lookup drafts judged by this schedule's costs
-        if drafter.draft_cost_s is not None:
-            schedule.seed_drafting(drafter.draft_cost_s)
+        measured = drafter.costs().draft_s_per_token
+        if measured is not None:
+            schedule.seed_drafting(measured)
 
     def plan(self, position: int, room: int) -> BlockPlan:
         """The next block at sequence ``position`` with ``room`` tokens left to generate. A
         block yields up to k + 1 tokens and needs position + k <= max_context."""
         max_depth = max(0, min(room - 1, self.max_context - position))
-        catch_up_s = self.drafter.catch_up_s  # the drafter's feed of tokens it has not seen
-        k = min(self.schedule.next_k(catch_up_s, room), max_depth)
+        costs = self.drafter.costs()
+        k = min(self.schedule.next_k(costs.catch_up_s, room), max_depth)
         # a plain run asks for at most max_draft_tokens more steps (the verifier's cap)
-        run = (self.schedule.plain_run(min(max_depth, self.max_draft_tokens),
-                                       self.drafter.copy_rate) if k == 0 else 0)
-        return BlockPlan(k, max_depth, run, catch_up_s)
+        run = (self.schedule.plain_run(min(max_depth, self.max_draft_tokens), costs.copy_rate)
+               if k == 0 else 0)
+        return BlockPlan(k, max_depth, run, costs.catch_up_s)
 
     def observe(self, plan: BlockPlan, outcome: BlockOutcome) -> None:
         drafted = bool(outcome.draft_ids)
         self.schedule.update(Observation(
             outcome.depth, outcome.num_accepted, outcome.drafting_s, outcome.round_trip_s,
-            free=self.drafter.free_draft and not outcome.drafted_ahead,
+            free=self.drafter.costs().free_draft and not outcome.drafted_ahead,
             plain_tokens=len(outcome.tokens) if not drafted else 1,
             forward_s=outcome.verifier_s, catch_up_s=plan.catch_up_s if drafted else 0.0))

@@ -112,7 +112,8 @@ def test_the_model_drafter_measures_its_catch_up(monkeypatch: Any) -> None:
     assert model.measured_feed_s == pytest.approx((0.005 + 0.048) / 48)
     hybrid.reset(list(range(1, 11)) * 4)  # a 40-token prompt not yet fed
     assert model.behind == 40
-    assert hybrid.catch_up_s == pytest.approx((40 - FED_EVERY_BLOCK) * model.measured_feed_s)
+    expected = (40 - FED_EVERY_BLOCK) * model.measured_feed_s
+    assert hybrid.costs().catch_up_s == pytest.approx(expected)
     hybrid.propose(2, SamplingConfig(), torch.Generator())
     assert model.measured_feed_s == pytest.approx(0.045 / 40)  # this context's own feed
     hybrid.commit([7, 7, 3])

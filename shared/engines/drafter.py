@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -21,8 +21,40 @@ from shared.sampling import (
     sample_from_probs,
 )
 
-if TYPE_CHECKING:
-    from drafter_client.draft_length import DraftLength
+
+class FreeDraftAdvice(Protocol):
+    """What a drafter whose proposals may cost nothing to make asks of the loop's k policy
+    (``drafter_client.draft_length.DraftLength`` offers it)."""
+
+    def free_k(self, acceptance: float) -> int | None:
+        """How long a free draft whose tokens each pass with ``acceptance`` should be; None:
+        as long as k."""
+
+    def prefers_free(self, acceptance: float) -> bool | None:
+        """Whether such a draft beats the model drafter at its best k; None: no opinion."""
+
+
+@dataclass(frozen=True)
+class DrafterCosts:
+    """What a drafter knows of its own costs, which the loop's k policy weighs."""
+
+    # seconds per drafted token measured at warm-up (None: not measured): seeds the policy's
+    # estimate before the first block
+    draft_s_per_token: float | None = None
+    # seconds the next draft will spend first feeding committed tokens the drafter has not seen
+    # (after plain steps or lookup-only blocks; the prompt before its first draft), beyond the
+    # one or two every block feeds; 0: none or not measured
+    catch_up_s: float = 0.0
+    # how often, per token of a plain run (k = 0), a free draft would have begun inside the run -
+    # a copy the run then output (None: not tracked); the cost model shortens plain runs where
+    # this is high (``DraftLength.plain_run``)
+    copy_rate: float | None = None
+    # the last proposal cost nothing to make: its block must not teach the policy what
+    # drafting costs
+    free_draft: bool = False
+
+
+NO_COSTS = DrafterCosts()
 
 
 @dataclass
@@ -77,8 +109,9 @@ class Drafter:
     declared here with defaults that say "not supported", so the loop never probes for them:
     ``top_k_filler`` / ``observe_top_k`` (NASD: the target's top ids per scored position),
     ``speculate`` (drafting the next block while this one is verified, ``--overlap``),
-    ``advise`` / ``free_draft`` (a drafter whose proposals may cost nothing to make, told the
-    loop's draft-length policy so it can judge how long such a proposal should be)."""
+    ``advise`` (a drafter whose proposals may cost nothing to make, told the loop's k policy so
+    it can judge how long such a proposal should be) and ``costs`` (what it knows of its own
+    costs: :class:`DrafterCosts`)."""
 
     name: str = "drafter"
     top_k_filler: int = 0  # how many of the target's top ids it wants back; 0: none
@@ -109,35 +142,12 @@ class Drafter:
 
     overlaps: bool = False  # ``speculate`` drafts ahead (worth a thread for ``--overlap``)
 
-    def advise(self, schedule: DraftLength) -> None:
+    def advise(self, schedule: FreeDraftAdvice) -> None:
         """The loop's draft-length policy for this generation (set before the first block)."""
 
-    @property
-    def free_draft(self) -> bool:
-        """The last proposal cost nothing to make (its block must not teach the draft-length
-        policy what drafting costs)."""
-        return False
-
-    @property
-    def draft_cost_s(self) -> float | None:
-        """Seconds per drafted token measured at warm-up (None: not measured), which seeds the
-        draft-length policy's estimate before the first block."""
-        return None
-
-    @property
-    def copy_rate(self) -> float | None:
-        """How often, per token of a plain run (k = 0), a free draft would have begun inside
-        the run - a copy that the run then output (None: not tracked). The cost model shortens
-        plain runs where this is high (``DraftLength.plain_run``)."""
-        return None
-
-    @property
-    def catch_up_s(self) -> float:
-        """Seconds the next draft will spend first feeding committed tokens that the drafter
-        has not seen (a model drafter after plain steps or lookup-only blocks; the prompt
-        before its first draft), beyond the one or two every block feeds; 0: none or not
-        measured. The cost model weighs it before it drafts again."""
-        return 0.0
+    def costs(self) -> DrafterCosts:
+        """What it knows of its own costs now (read by the loop's policy around each block)."""
+        return NO_COSTS
 
 
 class TreeBuilder:
@@ -233,7 +243,7 @@ class LMDrafter(Drafter):
     def warm_up(self) -> None:
         """Throwaway drafts, so the first real block does not pay for kernel warm-up: the
         prefill of a 48-token context (timed: ``catch_up_s``) and a first block, then one
-        block of 4 timed after it (``draft_cost_s``)."""
+        block of 4 timed after it (``measured_draft_s``)."""
         config, generator = SamplingConfig(), torch.Generator()
         self.reset([i % self.vocab_size for i in range(WARM_UP_CONTEXT)])
         first = self.propose(2, config, generator)
@@ -243,9 +253,8 @@ class LMDrafter(Drafter):
         if timed.ids:
             self.measured_draft_s = (time.perf_counter() - started) / len(timed.ids)
 
-    @property
-    def draft_cost_s(self) -> float | None:
-        return self.measured_draft_s
+    def costs(self) -> DrafterCosts:
+        return DrafterCosts(self.measured_draft_s, self.catch_up_s)
 
     @property
     def behind(self) -> int:
