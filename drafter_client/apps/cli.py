@@ -9,13 +9,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import TYPE_CHECKING, Any
 
 # Only light imports here: the parser, --help and the flag checks run before torch and
 # transformers load (they take seconds); each command imports what it runs.
-from drafter_client.settings import DEFAULTS, ClientSettings, DrafterOptions, Sampling
+from drafter_client.settings import (
+    DEFAULTS,
+    ClientSettings,
+    DrafterOptions,
+    GatewaySettings,
+    Sampling,
+)
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -277,9 +284,17 @@ def client_settings(args: argparse.Namespace) -> ClientSettings:
         draft_min_prob=args.draft_min_prob, tree_width=args.tree_width, lookup=args.lookup,
         lookup_tokens=args.lookup_tokens, overlap=args.overlap,
         cuda_graphs=args.cuda_graphs, engine=args.drafter_engine, threads=args.threads)
+    gateway = GATEWAY
+    if "max_concurrency" in args:  # specdec serve
+        gateway = GatewaySettings(
+            served_model_name=args.served_model_name or "", host=args.host, port=args.port,
+            max_concurrency=args.max_concurrency, max_waiting=args.max_waiting,
+            max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
+            header_timeout_s=args.header_timeout_s,
+            api_key=args.serve_api_key or None)  # empty (compose passes "" when unset): open
     return ClientSettings(num_draft_tokens=str(args.num_draft_tokens), options=options,
                           sampling=sampling, dtype=args.dtype, device=args.device,
-                          **connection)
+                          gateway=gateway, **connection)
 
 
 def make_client(args: argparse.Namespace, with_drafter: bool = True) -> SpecDecClient:
@@ -294,7 +309,7 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from drafter_client.draft_length import make_draft_length
-    from drafter_client.gateway import GatewaySettings, create_gateway, server_options
+    from drafter_client.gateway import create_gateway, server_options
     from drafter_client.transport import SpecDecError
 
     template = None
@@ -311,16 +326,12 @@ def _serve(args: argparse.Namespace) -> int:
     except (SpecDecError, ValueError) as exc:
         print(f"specdec: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    settings = GatewaySettings(
-        served_model_name=args.served_model_name or client.info.model,
-        max_concurrency=args.max_concurrency,
-        max_waiting=args.max_waiting, chat_template=template,
-        max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
-        header_timeout_s=args.header_timeout_s,
-        api_key=args.serve_api_key or None)  # empty (compose passes "" when unset): open
+    settings = dataclasses.replace(
+        client.settings.gateway, chat_template=template,
+        served_model_name=client.settings.gateway.served_model_name or client.info.model)
     print(f"specdec serve: {settings.served_model_name!r} on http://{args.host}:{args.port}/v1 "
           f"(verifier {args.verifier_url}, drafter {args.drafter})", file=sys.stderr)
-    uvicorn.run(create_gateway(client, settings), host=args.host, port=args.port,
+    uvicorn.run(create_gateway(client, settings), host=settings.host, port=settings.port,
                 log_level="warning", **server_options(settings))
     return 0
 
