@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 from drafter_client.api import SpecDecClient
 from drafter_client.apps.cli import run
 from tests.support.live_server import LiveServer, fp32_settings
-from verifier_service.beam import BeamSearch
+from verifier_service.scheduling.beam import BeamSearch
 
 PROMPTS = [[2, 3, 4], [5, 9, 2, 7, 11]]
 

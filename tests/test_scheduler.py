@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from shared.engines.target import ForwardItem, Step, StepResult
 from shared.engines.transformers.kv_pool import KVPool, RaggedBatch, Segment, ragged_attention
 from verifier_service.errors import VerifierError
-from verifier_service.scheduler import Scheduler, run_jobs
+from verifier_service.scheduling.scheduler import Scheduler, run_jobs
 
 
 class FakeEngine:

@@ -10,7 +10,7 @@ from shared.engines.transformers.drafter import HFDrafter
 from shared.models import load_causal_lm
 from shared.sampling import SamplingConfig
 from verifier_service.errors import VerifierError
-from verifier_service.sessions import Session, SessionStore
+from verifier_service.scheduling.sessions import Session, SessionStore
 
 
 class FakeClock:

@@ -22,8 +22,8 @@ from starlette.routing import Route
 
 from shared.schema import VerifyRequest
 from verifier_service.errors import error_response, validation_problem
-from verifier_service.generate import verify_call
 from verifier_service.guards import OWNER_KEY
+from verifier_service.scheduling.generate import verify_call
 
 VERIFY_PATH = "/v1/sessions/{session_id}/verify"
 

@@ -13,12 +13,12 @@ import torch
 from fastapi import FastAPI
 
 from shared.engines.target import Engine
-from verifier_service.jobs import JobContext
-from verifier_service.scheduler import BatchObserver, Scheduler
-from verifier_service.sessions import SessionStore
+from verifier_service.scheduling.jobs import JobContext
+from verifier_service.scheduling.scheduler import BatchObserver, Scheduler
+from verifier_service.scheduling.sessions import SessionStore
+from verifier_service.scheduling.validation import RequestValidator
 from verifier_service.settings import Settings, check_against_model, load_engine
 from verifier_service.state import ModelThread, VerifierState
-from verifier_service.validation import RequestValidator
 
 log = logging.getLogger(__name__)
 

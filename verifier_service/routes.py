@@ -18,9 +18,9 @@ from shared.schema import (
     VerifyRequest,
     VerifyResponse,
 )
-from verifier_service import generate as target_alone
 from verifier_service.guards import OWNER_KEY
-from verifier_service.jobs import CreateSessionJob
+from verifier_service.scheduling import generate as target_alone
+from verifier_service.scheduling.jobs import CreateSessionJob
 from verifier_service.state import VerifierState
 from verifier_service.telemetry import CONTENT_TYPE_LATEST
 

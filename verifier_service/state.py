@@ -10,8 +10,8 @@ from typing import Any, TypeVar
 
 from shared.engines.target import Engine
 from shared.schema import PROTOCOL_VERSION, InfoResponse
-from verifier_service.jobs import JobContext
-from verifier_service.scheduler import Scheduler
+from verifier_service.scheduling.jobs import JobContext
+from verifier_service.scheduling.scheduler import Scheduler
 from verifier_service.settings import Settings
 
 T = TypeVar("T")

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results[f"target: specdec engine, {new} new token(s)"] = median_ms(
             lambda n=new: step(n), args.repeats)
     # A session's first block: its prompt written by a forward of its own (as creates did),
-    # or in the block's forward (the deferred prefill, verifier_service/jobs.py).
+    # or in the block's forward (the deferred prefill, verifier_service/scheduling/jobs.py).
     prompt, first = context[:-1], [context[-1], *context[:args.k]]
     results[f"target: prompt, then a {args.k + 1}-token block (two forwards)"] = median_ms(
         lambda: (runner.forward([ForwardItem(slot, 0, prompt, False)]),

@@ -28,10 +28,10 @@ from shared.schema import (
     VerifyResponse,
 )
 from verifier_service.errors import VerifierError
-from verifier_service.generate import verify_call
-from verifier_service.jobs import CreateSessionJob
 from verifier_service.lifespan import build_jobs
-from verifier_service.scheduler import Job, run_jobs
+from verifier_service.scheduling.generate import verify_call
+from verifier_service.scheduling.jobs import CreateSessionJob
+from verifier_service.scheduling.scheduler import Job, run_jobs
 from verifier_service.settings import Settings, load_engine
 from verifier_service.state import describe
 

@@ -34,9 +34,9 @@ import torch
 from shared.engines.target import Engine, ForwardItem, Step, StepResult
 from shared.schema import GenerateRequest, GenerateResponse
 from verifier_service.errors import VerifierError
-from verifier_service.jobs import JobContext
-from verifier_service.scheduler import Scheduler
-from verifier_service.sessions import busy_error
+from verifier_service.scheduling.jobs import JobContext
+from verifier_service.scheduling.scheduler import Scheduler
+from verifier_service.scheduling.sessions import busy_error
 
 NEG = -1.0e9  # transformers' "impossible" score
 

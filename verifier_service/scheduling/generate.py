@@ -1,6 +1,6 @@
-"""Target-only decoding: the baseline behind ``/v1/generate`` - a session advanced by verify
-jobs with no drafts, each drawing the next token with the same sampling math and our own seed,
-or beam search (``num_beams`` > 1, :mod:`verifier_service.beam`) - and a verify call's plain run
+"""Target-only decoding: the baseline behind ``/v1/generate`` - a session advanced by verify jobs
+with no drafts, each drawing the next token with the same sampling math and our own seed, or beam
+search (``num_beams`` > 1, :mod:`verifier_service.scheduling.beam`) - and a verify call's plain run
 (``more_uniforms``: the same plain steps on a client's session, one round trip for them all)."""
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from shared.schema import (
     VerifyRequest,
     VerifyResponse,
 )
-from verifier_service.beam import beam_generate, check_beam_request
 from verifier_service.errors import VerifierError
-from verifier_service.jobs import CreateSessionJob, JobContext, VerifyJob
-from verifier_service.scheduler import Scheduler
-from verifier_service.sessions import busy_error
+from verifier_service.scheduling.beam import beam_generate, check_beam_request
+from verifier_service.scheduling.jobs import CreateSessionJob, JobContext, VerifyJob
+from verifier_service.scheduling.scheduler import Scheduler
+from verifier_service.scheduling.sessions import busy_error
 
 
 @dataclass

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from shared.schema import PROTOCOL_VERSION, VerifyRequest
 from verifier_service.errors import VerifierError
-from verifier_service.sessions import Session
+from verifier_service.scheduling.sessions import Session
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from shared.schema import (
     VerifyResponse,
 )
 from verifier_service.errors import VerifierError
-from verifier_service.sessions import Session, SessionKey, SessionStore, busy_error
-from verifier_service.validation import RequestValidator
+from verifier_service.scheduling.sessions import Session, SessionKey, SessionStore, busy_error
+from verifier_service.scheduling.validation import RequestValidator
 
 
 @dataclass
