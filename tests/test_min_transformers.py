@@ -59,9 +59,9 @@ def test_gpu_bench_dry_run_on_the_gpu_machines_software(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     run_under_min([
         "-m", "scripts.bench", "gpu", "--shape", "tiny", "--device", "cpu", "--dtype",
-        "float32", "--ks", "0", "2", "--calls", "2", "--clients", "1", "2", "--max-new-tokens",
+        "float32", "--ks", "0", "2", "--calls", "2", "--clients", "2", "--max-new-tokens",
         "4", "--blocks", "1", "5", "--batches", "2", "--call-sessions", "2", "--call-seconds",
-        "1", "--client-processes", "1", "--out", str(out)], 480)
+        "0.5", "--client-processes", "1", "--out", str(out)], 480)
     payload = json.loads(out.read_text())
     assert payload["machine"]["transformers"] == MIN_VERSION
     assert [r["new_tokens"] for r in payload["raw_forward"]] == [1, 5]
