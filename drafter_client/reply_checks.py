@@ -24,41 +24,59 @@ def _tree_problem(reply: VerifyResponse, req: VerifyRequest) -> str | None:
     return None
 
 
+def _score_problem(reply: VerifyResponse, k: int, greedy: bool, vocab: int) -> str | None:
+    """The target's scores: its choice at every row (greedy), or log p of every draft."""
+    if reply.num_accepted > k:
+        return f"num_accepted {reply.num_accepted} for {k} drafts"
+    if greedy:
+        if reply.target_argmax is None or len(reply.target_argmax) < k + 1:
+            return f"target_argmax needs {k + 1} ids in greedy mode"
+        if any(t >= vocab for t in reply.target_argmax):
+            return f"target_argmax holds ids outside [0, {vocab})"
+        return None
+    if reply.target_logprobs is None or len(reply.target_logprobs) != k:
+        return f"target_logprobs needs {k} entries when sampling"
+    if any(v is not None and not v <= 0.0 for v in reply.target_logprobs):
+        return "target_logprobs holds a value above 0 or NaN"
+    return None
+
+
+def _token_problem(reply: VerifyResponse, req: VerifyRequest, vocab: int) -> str | None:
+    """The tokens it drew: the next one (or the row to draw it from) and a plain run's."""
+    more = reply.more_tokens or []
+    if reply.next_token is not None and reply.next_token >= vocab:
+        return f"next_token {reply.next_token} is outside [0, {vocab})"
+    if reply.next_token is None and reply.row is None:
+        return "neither next_token nor the target row"
+    if req.tree_parents is not None and reply.next_token is None:
+        return "no next_token for a tree"
+    if len(more) > len(req.more_uniforms):
+        return f"more_tokens has {len(more)} tokens for {len(req.more_uniforms)} more_uniforms"
+    if any(t >= vocab for t in more):
+        return f"more_tokens holds ids outside [0, {vocab})"
+    return None
+
+
+def _position_problem(reply: VerifyResponse, req: VerifyRequest, k: int,
+                      vocab: int) -> str | None:
+    """Where the session stands now, and the top ids asked for."""
+    if reply.position != req.position + reply.num_accepted + 1 + len(reply.more_tokens or []):
+        return f"position {reply.position} after accepting {reply.num_accepted} at {req.position}"
+    if req.return_top_ids and (reply.top_ids is None or len(reply.top_ids) < k + 1
+                               or any(t >= vocab for ids in reply.top_ids for t in ids)):
+        return "top_ids does not hold one row of ids per scored position"
+    return None
+
+
 def check_reply(reply: VerifyResponse, req: VerifyRequest, greedy: bool,
-                 info: InfoResponse) -> None:
+                info: InfoResponse) -> None:
     """Everything the loop reads from a reply, checked against what it asked: a verifier (or
     anything at its URL) that answers nonsense is one clear error, never an IndexError."""
     k, vocab = len(req.draft_ids), info.vocab_size
-    problem = None
-    if req.tree_parents is not None and (problem := _tree_problem(reply, req)) is not None:
-        pass
-    elif reply.num_accepted > k:
-        problem = f"num_accepted {reply.num_accepted} for {k} drafts"
-    elif greedy and (reply.target_argmax is None or len(reply.target_argmax) < k + 1):
-        problem = f"target_argmax needs {k + 1} ids in greedy mode"
-    elif greedy and any(t >= vocab for t in reply.target_argmax or []):
-        problem = f"target_argmax holds ids outside [0, {vocab})"
-    elif not greedy and (reply.target_logprobs is None or len(reply.target_logprobs) != k):
-        problem = f"target_logprobs needs {k} entries when sampling"
-    elif not greedy and any(v is not None and not v <= 0.0 for v in reply.target_logprobs or []):
-        problem = "target_logprobs holds a value above 0 or NaN"
-    elif reply.next_token is not None and reply.next_token >= vocab:
-        problem = f"next_token {reply.next_token} is outside [0, {vocab})"
-    elif reply.next_token is None and reply.row is None:
-        problem = "neither next_token nor the target row"
-    elif req.tree_parents is not None and reply.next_token is None:
-        problem = "no next_token for a tree"
-    elif len(reply.more_tokens or []) > len(req.more_uniforms):
-        problem = (f"more_tokens has {len(reply.more_tokens or [])} tokens for "
-                   f"{len(req.more_uniforms)} more_uniforms")
-    elif any(t >= vocab for t in reply.more_tokens or []):
-        problem = f"more_tokens holds ids outside [0, {vocab})"
-    elif reply.position != req.position + reply.num_accepted + 1 + len(reply.more_tokens or []):
-        problem = (f"position {reply.position} after accepting {reply.num_accepted} at "
-                   f"{req.position}")
-    elif req.return_top_ids and (reply.top_ids is None or len(reply.top_ids) < k + 1
-                                 or any(t >= vocab for ids in reply.top_ids for t in ids)):
-        problem = "top_ids does not hold one row of ids per scored position"
+    problem = ((_tree_problem(reply, req) if req.tree_parents is not None else None)
+               or _score_problem(reply, k, greedy, vocab)
+               or _token_problem(reply, req, vocab)
+               or _position_problem(reply, req, k, vocab))
     if problem is not None:
         raise SpecDecError(f"the verifier sent an invalid reply: {problem}")
 
