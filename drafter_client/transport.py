@@ -5,12 +5,13 @@ from __future__ import annotations
 import random
 import secrets
 import time
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import httpx
 import orjson
 from pydantic import BaseModel, ValidationError
 
+from drafter_client.errors import SpecDecError, checked_url
 from drafter_client.settings import DEFAULTS
 from shared.auth import bearer_header
 from shared.schema import (
@@ -25,13 +26,6 @@ from shared.schema import (
 )
 
 M = TypeVar("M", bound=BaseModel)
-
-
-class SpecDecError(RuntimeError):
-    """An error the client cannot recover from; the message is one line for the user.
-    ``partial``: what was generated before it (a GenerationResult), when anything was."""
-
-    partial: Any = None
 
 
 class VerifierHTTPError(SpecDecError):
@@ -87,19 +81,6 @@ def _is_name_error(exc: Exception) -> bool:
     """A host name that does not resolve will not start resolving by retrying."""
     text = str(exc).lower()
     return "name or service not known" in text or "nodename nor servname" in text
-
-
-def checked_url(url: str) -> str:
-    """The verifier's base URL without a trailing slash; SpecDecError naming what is wrong
-    with one that httpx cannot use."""
-    try:
-        parsed = httpx.URL(url)
-    except (httpx.InvalidURL, TypeError) as exc:
-        raise SpecDecError(f"the verifier URL {url!r} is not a valid URL: {exc}") from None
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        raise SpecDecError(f"the verifier URL {url!r} needs http:// or https:// and a host "
-                           "(e.g. http://127.0.0.1:8000)")
-    return url.rstrip("/")
 
 
 class HttpVerifier:

@@ -11,14 +11,16 @@ verifier's KV cache holds all of them but the last, which the next verify call f
 from __future__ import annotations
 
 import base64
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-import numpy as np
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from shared.acceptance.rule import Block, Verdict
-from shared.sampling import SamplingConfig
+if TYPE_CHECKING:  # torch loads where a tensor is made, not with the schema (the CLI checks
+    # its flags against these models before it loads torch)
+    import torch
+
+    from shared.acceptance.rule import Block, Verdict
+    from shared.sampling import SamplingConfig
 
 PROTOCOL_VERSION = 1
 INT32_MAX = 2**31 - 1
@@ -47,6 +49,8 @@ class SamplingParams(_Strict):
         "drafter, k or timing; null: the client's uniforms decide")
 
     def to_config(self) -> SamplingConfig:
+        from shared.sampling import SamplingConfig
+
         return SamplingConfig(self.temperature, self.top_k, self.top_p, self.coupling_seed)
 
 
@@ -139,6 +143,8 @@ class VerifyRequest(_Strict):
 
     def block(self, config: SamplingConfig) -> Block:
         """The block this request carries, under its session's sampling ``config``."""
+        from shared.acceptance.rule import Block
+
         return Block(self.draft_ids, self.draft_logprobs, self.log_uniforms, self.final_uniform,
                      config, self.position, self.tree_parents, self.return_top_ids)
 
@@ -152,6 +158,8 @@ class EncodedRow(_Strict):
     @classmethod
     def encode(cls, probs: torch.Tensor, sparse_below: float = 0.5) -> EncodedRow:
         """Send only the support when it covers less than ``sparse_below`` of the vocabulary."""
+        import torch
+
         probs = probs.float().cpu()  # [vocab]
         support = torch.nonzero(probs > 0).flatten()
         if len(support) < sparse_below * len(probs):
@@ -164,6 +172,9 @@ class EncodedRow(_Strict):
     def decode(self, vocab_size: int) -> torch.Tensor:
         """[vocab_size] float32 probabilities; ValueError for anything that is not a valid row
         (bad base64, wrong length, ids outside the vocabulary, negative, NaN or all zero)."""
+        import numpy as np
+        import torch
+
         values = np.frombuffer(base64.b64decode(self.probs, validate=True), dtype="<f4")
         if self.ids is None:
             if len(values) != vocab_size:
@@ -188,6 +199,8 @@ def encode_logprobs(logprobs: torch.Tensor) -> list[float | None]:
 
 
 def decode_logprobs(values: list[float | None]) -> torch.Tensor:
+    import torch
+
     return torch.tensor([float("-inf") if v is None else v for v in values], dtype=torch.float64)
 
 

@@ -342,10 +342,17 @@ def run(argv: list[str] | None = None) -> int:
     if problem is not None:
         print(f"specdec: error: {problem}", file=sys.stderr)
         return EXIT_ERROR
+    from drafter_client.errors import SpecDecError, checked_url
+
+    try:  # input errors before torch loads: one line at once
+        checked_url(args.verifier_url)
+        prompt = _read_prompt(args) if args.command in ("generate", "baseline") else ""
+    except (SpecDecError, ValueError) as exc:
+        print(f"specdec: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     if args.command == "serve":
         return _serve(args)
     from drafter_client.apps.output import TextStream, summary
-    from drafter_client.transport import SpecDecError
 
     if args.command == "chat":
         from drafter_client.apps.console import run_console
@@ -356,11 +363,6 @@ def run(argv: list[str] | None = None) -> int:
             print(f"specdec: error: {exc}", file=sys.stderr)
             return EXIT_ERROR
         return run_console(client, args)
-    try:
-        prompt = _read_prompt(args)
-    except ValueError as exc:
-        print(f"specdec: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
     try:
         if args.command == "generate":
             client = make_client(args)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from drafter_client.policy import BlockOutcome
-from drafter_client.speculative import GenerationResult
 from drafter_client.text import TextTracker
+
+if TYPE_CHECKING:
+    from drafter_client.policy import BlockOutcome
+    from drafter_client.speculative import GenerationResult
 
 
 def utf8_text(data: str | bytes, where: str) -> str:
