@@ -99,6 +99,11 @@ class GatewaySettings:
     # are tokenized where they arrive, so they never wait behind a long one.
     max_tokenizing: int = 4
 
+    def serving(self, model: str) -> GatewaySettings:
+        """These settings with ``model`` (the verifier's) as the served name where none is set."""
+        return self if self.served_model_name else dataclasses.replace(
+            self, served_model_name=model)
+
 
 @dataclass(frozen=True)
 class ClientSettings:

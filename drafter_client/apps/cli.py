@@ -326,10 +326,10 @@ def _serve(args: argparse.Namespace) -> int:
     except (SpecDecError, ValueError) as exc:
         print(f"specdec: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    settings = dataclasses.replace(
-        client.settings.gateway, chat_template=template,
-        served_model_name=client.settings.gateway.served_model_name or client.info.model)
-    print(f"specdec serve: {settings.served_model_name!r} on http://{args.host}:{args.port}/v1 "
+    settings = dataclasses.replace(client.settings.gateway,
+                                   chat_template=template).serving(client.info.model)
+    print(f"specdec serve: {settings.served_model_name!r} on "
+          f"http://{settings.host}:{settings.port}/v1 "
           f"(verifier {args.verifier_url}, drafter {args.drafter})", file=sys.stderr)
     uvicorn.run(create_gateway(client, settings), host=settings.host, port=settings.port,
                 log_level="warning", **server_options(settings))

@@ -16,7 +16,6 @@ metrics ride in an extra ``specdec`` field that OpenAI clients ignore.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -235,9 +234,7 @@ def _with_body_schemas(app: FastAPI, served_model_name: str) -> Callable[[], dic
 
 def create_gateway(client: SpecDecClient, settings: GatewaySettings | None = None) -> FastAPI:
     """The gateway's app over ``client``; ``settings``' empty model name: the verifier's."""
-    settings = settings or GatewaySettings()
-    if not settings.served_model_name:
-        settings = dataclasses.replace(settings, served_model_name=client.info.model)
+    settings = (settings or GatewaySettings()).serving(client.info.model)
     gateway = Gateway(client, settings)
 
     @contextlib.asynccontextmanager

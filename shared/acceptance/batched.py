@@ -66,56 +66,56 @@ def sample_rows(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.where(index >= vocab, last_supported, index)
 
 
-def decide(rows: list[torch.Tensor], checks: list[Block], on_device: bool = True,
+def decide(rows: list[torch.Tensor], blocks: list[Block], on_device: bool = True,
            together: int | None = None) -> list[Verdict]:
-    """rows[j]: check j's logits rows, where the forward left them; one verdict each.
+    """rows[j]: block j's logits rows, where the forward left them; one verdict each.
 
-    ``on_device``: the checks that can be are decided batched next to the rows, the rest (and
+    ``on_device``: the blocks that can be are decided batched next to the rows, the rest (and
     all of them without it) on the host, one at a time, by the reference functions of
-    ``shared.acceptance.rule``. ``together``: sampled checks decided in one step. Default: all
+    ``shared.acceptance.rule``. ``together``: sampled blocks decided in one step. Default: all
     of them on an accelerator; on a CPU as many as keep the stacked rows under ``CPU_BLOCK``
     values, because there a block that stays in cache wins over one large stack."""
-    verdicts: list[Verdict | None] = [None] * len(checks)
-    device = [j for j, check in enumerate(checks) if on_device and check.on_device]
-    greedy = [j for j in device if checks[j].config.greedy]
-    sampled = [j for j in device if not checks[j].config.greedy]
+    verdicts: list[Verdict | None] = [None] * len(blocks)
+    device = [j for j, block in enumerate(blocks) if on_device and block.on_device]
+    greedy = [j for j in device if blocks[j].config.greedy]
+    sampled = [j for j in device if not blocks[j].config.greedy]
     if greedy:  # the argmax of every row, one small copy back
         argmax = torch.cat([torch.argmax(rows[j], dim=-1) for j in greedy]).cpu()  # [R]
         cursor = 0
         for j in greedy:
             n = rows[j].shape[0]
-            verdicts[j] = _chosen(checks[j], argmax[cursor:cursor + n])  # lowest id on ties
+            verdicts[j] = _chosen(blocks[j], argmax[cursor:cursor + n])  # lowest id on ties
             cursor += n
     if sampled:
         for group in _groups(sampled, rows, together):
-            decided = _decide_sampled([rows[j] for j in group], [checks[j] for j in group])
+            decided = _decide_sampled([rows[j] for j in group], [blocks[j] for j in group])
             for j, verdict in zip(group, decided, strict=True):
                 verdicts[j] = verdict
     done: list[Verdict] = []
-    for j, check in enumerate(checks):
-        verdict = verdicts[j] or _on_host(rows[j].float().cpu(), check)
-        if check.top_ids:  # few callers ask; one topk each
-            verdict = replace(verdict, top_ids=top_ids(rows[j], check.top_ids))
+    for j, block in enumerate(blocks):
+        verdict = verdicts[j] or _on_host(rows[j].float().cpu(), block)
+        if block.top_ids:  # few callers ask; one topk each
+            verdict = replace(verdict, top_ids=top_ids(rows[j], block.top_ids))
         done.append(verdict)
     return done
 
 
-def _chosen(check: Block, argmax: torch.Tensor) -> Verdict:
-    if check.tree_parents is not None:
-        return chosen_tree_verdict(check.tree_parents, check.draft_ids, argmax)
-    return chosen_verdict(torch.tensor(check.draft_ids, dtype=torch.long), argmax)
+def _chosen(block: Block, argmax: torch.Tensor) -> Verdict:
+    if block.tree_parents is not None:
+        return chosen_tree_verdict(block.tree_parents, block.draft_ids, argmax)
+    return chosen_verdict(torch.tensor(block.draft_ids, dtype=torch.long), argmax)
 
 
-def _on_host(rows: torch.Tensor, check: Block) -> Verdict:
+def _on_host(rows: torch.Tensor, block: Block) -> Verdict:
     """The reference path: rows [n, vocab] float32 on the host."""
-    if check.tree_parents is not None:
-        return verify_tree(rows, check.draft_ids, check.tree_parents, check.log_uniforms,
-                           check.final_uniform, check.config, check.position)
-    draft_lp = (torch.tensor(check.draft_logprobs, dtype=torch.float64)
-                if check.draft_logprobs is not None else None)
-    return verify_block(rows, torch.tensor(check.draft_ids, dtype=torch.long), draft_lp,
-                        torch.tensor(check.log_uniforms, dtype=torch.float64),
-                        check.final_uniform, check.config, check.position)
+    if block.tree_parents is not None:
+        return verify_tree(rows, block.draft_ids, block.tree_parents, block.log_uniforms,
+                           block.final_uniform, block.config, block.position)
+    draft_lp = (torch.tensor(block.draft_logprobs, dtype=torch.float64)
+                if block.draft_logprobs is not None else None)
+    return verify_block(rows, torch.tensor(block.draft_ids, dtype=torch.long), draft_lp,
+                        torch.tensor(block.log_uniforms, dtype=torch.float64),
+                        block.final_uniform, block.config, block.position)
 
 
 CPU_BLOCK = 1 << 20  # logits values decided in one step on a CPU
@@ -158,9 +158,9 @@ class SampledLayout:
     final_uniforms: torch.Tensor  # [J] float64
 
     @classmethod
-    def build(cls, checks: list[Block], device: torch.device) -> SampledLayout:
-        lengths = [len(check.draft_ids) for check in checks]  # k_j
-        jobs, k_max, drafts = len(checks), max(lengths), sum(lengths)
+    def build(cls, blocks: list[Block], device: torch.device) -> SampledLayout:
+        lengths = [len(block.draft_ids) for block in blocks]  # k_j
+        jobs, k_max, drafts = len(blocks), max(lengths), sum(lengths)
         first_row: list[int] = []
         first_draft: list[int] = []
         draft_rows: list[int] = []
@@ -172,13 +172,13 @@ class SampledLayout:
             draft_rows.extend(range(row, row + k))
             grid.extend([*range(draft, draft + k), *[drafts] * (k_max + 1 - k)])
             row, draft = row + k + 1, draft + k
-        one_hot = [int(c.draft_logprobs is None and bool(c.draft_ids)) for c in checks]
-        ints = to_device([*draft_rows, *(x for c in checks for x in c.draft_ids), 0, *grid,
+        one_hot = [int(c.draft_logprobs is None and bool(c.draft_ids)) for c in blocks]
+        ints = to_device([*draft_rows, *(x for c in blocks for x in c.draft_ids), 0, *grid,
                           *first_row, *first_draft, *one_hot], torch.long, device)
-        floats = to_device([*(lp for c in checks
+        floats = to_device([*(lp for c in blocks
                               for lp in (c.draft_logprobs or [0.0] * len(c.draft_ids))),
-                            *(u for c in checks for u in c.log_uniforms),
-                            *(c.final_uniform for c in checks)], torch.float64, device)
+                            *(u for c in blocks for u in c.log_uniforms),
+                            *(c.final_uniform for c in blocks)], torch.float64, device)
         ints_at = _cuts(ints, [drafts, drafts + 1, jobs * (k_max + 1), jobs, jobs, jobs])
         floats_at = _cuts(floats, [drafts, drafts, jobs])
         return cls(ints_at[0], ints_at[1], ints_at[2].view(jobs, k_max + 1), ints_at[3],
@@ -189,13 +189,13 @@ def _cuts(values: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
     return list(torch.split(values, sizes))
 
 
-def _decide_sampled(rows: list[torch.Tensor], checks: list[Block]) -> list[Verdict]:
-    jobs = len(checks)
-    lengths = [len(check.draft_ids) for check in checks]  # k_j
+def _decide_sampled(rows: list[torch.Tensor], blocks: list[Block]) -> list[Verdict]:
+    jobs = len(blocks)
+    lengths = [len(block.draft_ids) for block in blocks]  # k_j
     stacked = torch.cat(rows).float() if jobs > 1 else rows[0].float()  # [R, vocab]
-    configs = [c.config for c, k in zip(checks, lengths, strict=True) for _ in range(k + 1)]
+    configs = [c.config for c, k in zip(blocks, lengths, strict=True) for _ in range(k + 1)]
     logprobs = process_rows(stacked, configs)  # [R, vocab]
-    at = SampledLayout.build(checks, rows[0].device)
+    at = SampledLayout.build(blocks, rows[0].device)
     drafts = at.draft_rows.shape[0]
 
     # 1. The ratio test of every draft, all blocks at once: accept x_i while
@@ -210,7 +210,7 @@ def _decide_sampled(rows: list[torch.Tensor], checks: list[Block]) -> list[Verdi
     #    only the client has, so its row goes back instead.
     stop_probs = logprobs[at.first_row + accepted].exp()  # [J, vocab] float32
     weights = stop_probs.double()
-    one_hot = [c.draft_logprobs is None and bool(c.draft_ids) for c in checks]
+    one_hot = [c.draft_logprobs is None and bool(c.draft_ids) for c in blocks]
     if any(one_hot):  # rows whose one-hot draft was rejected take the residual
         rejected = at.grid.gather(1, accepted[:, None])[:, 0] < drafts  # [J] stopped on a draft
         if not all(one_hot):
@@ -224,7 +224,7 @@ def _decide_sampled(rows: list[torch.Tensor], checks: list[Block]) -> list[Verdi
     accepted_host = packed[:jobs].long().tolist()
     next_host = packed[jobs:2 * jobs].long().tolist()
     lp_host = packed[2 * jobs:].float()
-    row_jobs = [j for j, (c, k) in enumerate(zip(checks, lengths, strict=True))
+    row_jobs = [j for j, (c, k) in enumerate(zip(blocks, lengths, strict=True))
                 if c.draft_logprobs is not None and accepted_host[j] < k]
     row_host = dict(zip(row_jobs, stop_probs[row_jobs].cpu(), strict=True)) if row_jobs else {}
     verdicts = []

@@ -170,7 +170,7 @@ class BeamForwardJob:
         return self.key
 
     def prepare(self, busy: set[Any]) -> Step:
-        # no check: beam search reads the whole row on the host
+        # no block to decide: beam search reads the whole row on the host
         return Step(ForwardItem(self.slot, self.start, self.tokens, self.keep_logits,
                                 self.encoder_ids))
 
