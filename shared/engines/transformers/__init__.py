@@ -57,6 +57,7 @@ class TransformersBackend:
 
     def load_drafter(self, spec: str, dtype: str = "auto", device: str = "auto",
                      threads: int = 0, cuda_graphs: bool = False) -> TransformersDrafterModel:
+        # threads: torch's intra-op threads are the process's (SpecDecClient sets them)
         from shared.engines.transformers.dtype_choice import load_lm_auto
         from shared.models import pick_device
 
