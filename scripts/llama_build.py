@@ -15,8 +15,10 @@ docs/benchmarks.md that made a 1-token decode of the 1.5B Q4_K_M target 11% fast
 The wheel is built once per llama-cpp-python version and flag set, into
 ``$SPECDEC_HOME/llama-wheels/`` (pip's own wheel cache would reuse a wheel built with other
 flags), and the ``llama-server`` peer of ``scripts.bench llama`` is built with the same flags.
-``SPECDEC_LLAMA_BUILD_AMX=1`` keeps AMX (a machine where its kernels work); ``CMAKE_ARGS`` set by
-the user is passed on (e.g. ``-DGGML_CUDA=on``).
+It is also built without llamafile's kernels (``-DGGML_LLAMAFILE=OFF``), which the exact engine
+needs (docs/design.md, "Exact greedy on llama.cpp"); on a Q4_K_M file they ran only float16
+attention products. ``SPECDEC_LLAMA_BUILD_AMX=1`` keeps AMX (a machine where its kernels
+work); ``CMAKE_ARGS`` set by the user is passed on (e.g. ``-DGGML_CUDA=on``).
 
     python -m scripts.llama_build wheel PYTHON   # builds if missing, prints the wheel's path
     python -m scripts.llama_build cmake-args     # the CMake arguments, one per line
@@ -52,16 +54,22 @@ def compiler_flags() -> list[str]:
     return list(AMX_OFF)
 
 
+# llamafile's matrix kernels multiply two rows and more unlike llama.cpp's one-row dot product
+# (float16 attention included), so with them a verify block cannot round like one-token steps:
+# the exact engine (kernels="exact") needs a build without them.
+EXACT = ("-DGGML_LLAMAFILE=OFF",)
+
+
 def cmake_args() -> list[str]:
     flags = " ".join(compiler_flags())
     ours = [f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"] if flags else []
-    return [*ours, *shlex.split(os.environ.get("CMAKE_ARGS", ""))]
+    return [*ours, *EXACT, *shlex.split(os.environ.get("CMAKE_ARGS", ""))]
 
 
 def build_tag() -> str:
     """Names the flag set in the cache's folder names, so a change of flags builds anew."""
     extra = os.environ.get("CMAKE_ARGS", "").strip()
-    tag = "noamx" if compiler_flags() else "native"
+    tag = ("noamx" if compiler_flags() else "native") + "-nollamafile"
     if extra:
         tag += "-" + hashlib.sha256(extra.encode()).hexdigest()[:10]
     return tag

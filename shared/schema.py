@@ -78,6 +78,9 @@ class InfoResponse(_Strict):
     # [k, ms]: a verify forward of k drafts (k + 1 new tokens) on a short cache in this
     # verifier's engine, measured at start; a client's `-k auto` starts from these costs.
     verify_ms: list[tuple[Count, float]] | None = None
+    # How the target computes a block's rows: "exact" (as one-token steps: greedy speculation
+    # equals the target alone's), "fast" (llama.cpp's multi-row kernels), or "inexact: <why>".
+    kernels: str | None = None
 
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"

@@ -25,22 +25,24 @@ def test_amx_off_on_x86_only(clean_env: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     args = llama_build.cmake_args()
     assert args == ["-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
-                    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"]
-    assert llama_build.build_tag() == "noamx"
+                    "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16",
+                    "-DGGML_LLAMAFILE=OFF"]
+    assert llama_build.build_tag() == "noamx-nollamafile"
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-    assert llama_build.cmake_args() == [] and llama_build.build_tag() == "native"
+    assert llama_build.cmake_args() == ["-DGGML_LLAMAFILE=OFF"]
+    assert llama_build.build_tag() == "native-nollamafile"
 
 
 def test_amx_kept_when_asked_and_user_args_passed_on(clean_env: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.setenv("SPECDEC_LLAMA_BUILD_AMX", "1")
-    assert llama_build.cmake_args() == []
+    assert llama_build.cmake_args() == ["-DGGML_LLAMAFILE=OFF"]
     monkeypatch.delenv("SPECDEC_LLAMA_BUILD_AMX")
     monkeypatch.setenv("CMAKE_ARGS", "-DGGML_CUDA=on")
     assert llama_build.cmake_args()[-1] == "-DGGML_CUDA=on"
     tag = llama_build.build_tag()
-    assert tag.startswith("noamx-") and tag != "noamx"  # its own wheel folder
+    assert tag.startswith("noamx-nollamafile-")  # its own wheel folder
     monkeypatch.setenv("CMAKE_ARGS", "-DGGML_BLAS=on")
     assert llama_build.build_tag() != tag
 
@@ -56,7 +58,8 @@ def test_wheel_built_once_with_the_flags(clean_env: Path, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(subprocess, "run", fake_pip)
     wheel = llama_build.build_wheel("python")
-    assert wheel.exists() and wheel.parent == clean_env / "llama-wheels" / "0.3.36-noamx"
+    assert wheel.exists()
+    assert wheel.parent == clean_env / "llama-wheels" / "0.3.36-noamx-nollamafile"
     cmd, env = calls[0]
     assert "--no-cache-dir" in cmd  # pip's cache holds wheels built with other flags
     # scikit-build-core splits CMAKE_ARGS with shlex: each -D value stays whole

@@ -224,7 +224,7 @@ def test_greedy_in_one_batch_with_other_sessions(tiny_models: dict[str, Path],
     results: dict[int, list[int]] = {}
     calls: dict[int, int] = {}
     verifier.group = CallGroup(verifier.engine, len(clients))
-    decodes = verifier.engine.counters()["llama_decodes"]
+    forwards = verifier.engine.counters()["llama_forwards"]
 
     def work(i: int) -> None:
         try:
@@ -243,7 +243,7 @@ def test_greedy_in_one_batch_with_other_sessions(tiny_models: dict[str, Path],
         ids = clients[i].encode(prompt)
         assert results[i] == expected(ggufs, ids, 24, clients[i].info.eos_token_ids)
     # one decode per round of calls, not one per call
-    assert verifier.engine.counters()["llama_decodes"] - decodes == max(calls.values())
+    assert verifier.engine.counters()["llama_forwards"] - forwards == max(calls.values())
 
 
 def test_beam_search_equals_the_transformers_engine(server: LiveServer,

@@ -46,6 +46,13 @@ class Settings(BaseSettings):
                          "the ranks of a torchrun group (rank 0 serves); empty: off")
     threads: int = Field(0, ge=0, description="the engine's CPU threads (torch intra-op, or "
                          "llama.cpp's); 0: torch's default, or every core llama.cpp may use")
+    kernels: Literal["exact", "fast"] = Field(
+        "exact", description="the llama-cpp engine's kernels. exact: every row of a verify "
+        "block computed as a one-token step computes it (one-row dot products, the plain weight "
+        "layout, one KV stream per session), so greedy output equals the target alone's token "
+        "for token at any k and load. fast: llama.cpp's defaults (repacked weights, multi-row "
+        "kernels, one shared cache): cheaper blocks, but greedy output may differ from the "
+        "target alone's, from run to run and with load")
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")
 
@@ -121,7 +128,7 @@ class Settings(BaseSettings):
             model=self.model, dtype=self.dtype, device=self.device, max_context=self.max_context,
             kv_budget_tokens=self.kv_budget_tokens, threads=self.threads,
             acceptance=self.acceptance, max_batch_tokens=self.max_batch_tokens,
-            device_map=self.device_map, offload_folder=self.offload_folder,
+            kernels=self.kernels, device_map=self.device_map, offload_folder=self.offload_folder,
             tp_plan=self.tp_plan, static_batch=static_batch,
             static_length=self.max_draft_tokens + 1, attention=self.attention,
             kv_memory_fraction=self.kv_memory_fraction)

@@ -8,6 +8,7 @@ GGUF's own vocabulary), so client and verifier agree on the ids exactly.
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -108,3 +109,38 @@ def llama_greedy(path: Path | str, prompt_ids: list[int], max_new_tokens: int) -
             [rows] = model.decode([Segment(0, len(prompt_ids) + len(out) - 1, out[-1:], 0)])
     finally:
         model.close()
+
+
+def save_quantized_gguf(folder: Path, seed: int = 0, vocab_size: int = 256) -> Path:
+    """``folder/model-q4_k_m.gguf``: a random Llama shaped to llama.cpp's quantization blocks
+    (hidden 256, FFN 768, 2 layers, 4 query heads over 2 KV heads), written as float32 and
+    quantized to Q4_K_M by llama.cpp itself, so its matrices run the kernels of a real Q4_K_M
+    file: Q4_K and Q6_K rows of 256, enough rows to be repacked where that layout is on. Its
+    logits are close to uniform, so a rounding difference shows as a different greedy token."""
+    import llama_cpp
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from scripts.harness.tiny_models import build_tokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    quantized = folder / "model-q4_k_m.gguf"
+    if quantized.is_file():
+        return quantized
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=768,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=1024, eos_token_id=1, bos_token_id=1,
+                         initializer_range=0.05)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    build_tokenizer(vocab_size).save_pretrained(folder)
+    plain = write_llama_gguf(folder, folder / "model-f32.gguf")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.nthread = 1
+    scratch = folder / "model-q4_k_m.gguf.part"
+    if llama_cpp.llama_model_quantize(str(plain).encode(), str(scratch).encode(),
+                                      ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {plain}")
+    scratch.rename(quantized)
+    plain.unlink()
+    return quantized

@@ -77,6 +77,7 @@ class TargetOptions:
     threads: int = 0  # llama.cpp's threads; 0: every core this process may use
     acceptance: str = "device"  # "device": batched next to the rows; "host": the reference
     max_batch_tokens: int = 2048
+    kernels: str = "exact"  # llama.cpp: "exact" or "fast" (Settings.kernels)
     # transformers only
     device_map: str = ""
     offload_folder: str = ""
@@ -102,6 +103,9 @@ class ModelInfo:
     encoder_decoder: bool = False
     decoder_start_token_id: int | None = None
     verify_ms: list[tuple[int, float]] = field(default_factory=list)  # [k, ms] measured at start
+    # how the rows are computed: "exact" (a verify block's rows equal one-token steps', so
+    # greedy speculation equals the target alone's), "fast", or "inexact: <why>"
+    kernels: str = "exact"
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,8 @@ class LlamaCppBackend:
 
         return load_llama_engine(options.model, options.max_context,
                                  options.kv_budget_tokens or DEFAULT_KV_BUDGET, options.threads,
-                                 options.max_batch_tokens, options.acceptance)
+                                 options.max_batch_tokens, options.acceptance,
+                                 options.kernels)
 
     def load_drafter(self, spec: str, dtype: str = "auto", device: str = "auto",
                      threads: int = 0, cuda_graphs: bool = False) -> GGUFDrafterModel:

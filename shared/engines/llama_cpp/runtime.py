@@ -40,6 +40,9 @@ GGML_TYPE_F32 = 0
 _backend_ready = False
 
 
+Token = tuple[int, int, int, bool]  # sequence, position, id, whether its logits row is kept
+
+
 @dataclass(frozen=True)
 class Segment:
     """New tokens for one sequence, at positions ``start``, ``start + 1``, ...; ``rows_from``:
@@ -250,10 +253,40 @@ def repacked_layouts_run(path: str, threads: int) -> bool:
     return "AMX" not in extra_buffer_types() or amx_works(path, threads) is not False
 
 
-class GGUFWeights:
-    """A GGUF model's weights loaded by llama.cpp (memory-mapped), shared by its contexts."""
+# The most rows an exact decode gives llama.cpp at once: its CPU kernels for up to 3 rows compute
+# each row alone, as for one (the repacked layouts' gemv below 4 rows; the tiled K-quant kernel
+# starts at 8); more rows take kernels that share work across rows and round otherwise.
+EXACT_ROWS = 3
 
-    def __init__(self, path: str, threads: int = 0) -> None:
+
+@functools.cache
+def has_llamafile() -> bool:
+    """Whether the installed llama.cpp was built with its llamafile matrix kernels (llama.cpp's
+    default build): they multiply two rows and more unlike its one-row dot product, float16
+    attention included, so a verify block cannot round like one-token steps there."""
+    import llama_cpp
+
+    cpu = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-cpu.so"))
+    probe = getattr(cpu, "ggml_cpu_has_llamafile", None)
+    return bool(probe()) if probe is not None else True
+
+
+def exact_kernels() -> tuple[bool, str]:
+    """Whether this process's llama.cpp computes every row of a decode like a one-token step
+    (the engine's ``kernels="exact"``), and if not, why."""
+    _library()
+    if has_llamafile():
+        return False, ("this llama-cpp-python was built with llamafile's kernels (build it "
+                       "with CMAKE_ARGS=-DGGML_LLAMAFILE=OFF, as `make install` does)")
+    return True, (f"rows of a verify decode {EXACT_ROWS} at a time through one-row kernels, "
+                  "prompts alone, one KV stream per sequence")
+
+
+class GGUFWeights:
+    """A GGUF model's weights loaded by llama.cpp (memory-mapped), shared by its contexts.
+    ``plain``: keep llama.cpp's plain weight layout, not the repacked ones it offers here."""
+
+    def __init__(self, path: str, threads: int = 0, plain: bool = False) -> None:
         if not Path(path).is_file():
             raise ModelSpecError(f"GGUF file {path!r} does not exist")
         self.path = path
@@ -261,7 +294,7 @@ class GGUFWeights:
         model_params = lib.llama_model_default_params()
         model_params.n_gpu_layers = 0
         # Repacked layouts (llama.cpp's default) only where they run: AMX's are tried first.
-        self.extra_layouts = repacked_layouts_run(path, threads or default_threads())
+        self.extra_layouts = not plain and repacked_layouts_run(path, threads or default_threads())
         model_params.use_extra_bufts = self.extra_layouts
         self.model = lib.llama_model_load_from_file(path.encode(), model_params)
         if not self.model:
@@ -299,11 +332,19 @@ class GGUFWeights:
 class LlamaModel:
     """A context on GGUF weights (a path, or :class:`GGUFWeights` shared with other contexts)
     holding ``n_seqs`` sequences of up to ``seq_tokens`` each in a unified cache of ``cells``
-    tokens (default ``n_seqs * seq_tokens``). Not thread-safe: one caller at a time (the
+    tokens (default ``n_seqs * seq_tokens``).
+
+    ``exact``: every row a decode returns is bit-equal to what one-token steps return, whatever
+    the batch: one KV stream of ``seq_tokens`` cells per sequence (position p of a sequence
+    always lies in its stream's cell p, whatever other sequences did, so attention sums the same
+    cells in the same order), a prompt written into an empty sequence is decoded alone (its
+    rows' kernels depend on the prompt only), and every other token goes to llama.cpp at most
+    :data:`EXACT_ROWS` rows per ``llama_decode``. Not thread-safe: one caller at a time (the
     verifier's model thread, or one drafter)."""
 
     def __init__(self, weights: str | GGUFWeights, n_seqs: int = 1, seq_tokens: int = 4096,
-                 threads: int = 0, batch_tokens: int = 2048, cells: int = 0) -> None:
+                 threads: int = 0, batch_tokens: int = 2048, cells: int = 0,
+                 exact: bool = False) -> None:
         self.weights = (weights if isinstance(weights, GGUFWeights)
                         else GGUFWeights(weights, threads))
         lib = self.lib = self.weights.lib
@@ -312,8 +353,9 @@ class LlamaModel:
         self.seq_tokens = min(seq_tokens, self.model_limit) if seq_tokens else self.model_limit
         self.n_seqs = n_seqs
         self.threads = threads or default_threads()
+        self.exact = exact
         params = lib.llama_context_default_params()
-        params.n_ctx = cells or n_seqs * self.seq_tokens
+        params.n_ctx = n_seqs * self.seq_tokens if exact else cells or n_seqs * self.seq_tokens
         params.n_seq_max = n_seqs
         params.n_batch = self.batch_tokens = max(1, min(batch_tokens, params.n_ctx))
         params.n_ubatch = min(512, self.batch_tokens)
@@ -323,7 +365,8 @@ class LlamaModel:
         self.kv_f32 = self.meta("general.file_type") == "0"
         if self.kv_f32:
             params.type_k = params.type_v = GGML_TYPE_F32
-        params.kv_unified = True  # one pool of cells: any sequence may use any of them
+        # unified: one pool of cells that any sequence may use; exact: a stream per sequence
+        params.kv_unified = not exact
         params.no_perf = True
         # Off: its CPU kernel rounds by where a sequence's cells lie in the cache (a beam's
         # scores then depend on which slot it sits in), and it was not faster here
@@ -337,7 +380,8 @@ class LlamaModel:
         self.n_ctx = int(lib.llama_n_ctx(self.ctx))
         self.nbytes = self.n_ctx * self.weights.kv_bytes_per_token() * (2 if self.kv_f32 else 1)
         self._batch = lib.llama_batch_init(self.batch_tokens, 0, 1)
-        self.decodes = 0  # llama_decode calls made
+        self.forwards = 0  # decode() calls: batched forwards
+        self.decodes = 0  # llama_decode calls made (an exact forward makes several)
 
     def meta(self, key: str) -> str | None:
         return self.weights.meta(key)
@@ -356,9 +400,10 @@ class LlamaModel:
                 raise ValueError(f"position {pos} of sequence {seq} outside the context")
         for s in segments:
             self.remove(s.seq, s.start)
+        order, calls = self._plan(segments)
+        self.forwards += 1
         gathered: list[np.ndarray] = []
-        for begin in range(0, len(flat), self.batch_tokens):
-            chunk = flat[begin:begin + self.batch_tokens]
+        for chunk in calls:
             batch = self._batch
             for i, (seq, pos, token, rows) in enumerate(chunk):
                 batch.token[i] = token
@@ -379,16 +424,40 @@ class LlamaModel:
                     pointer, shape=(outputs, self.vocab_size)).copy())
         rows_all = np.concatenate(gathered) if gathered else np.zeros((0, self.vocab_size),
                                                                       np.float32)
-        results: list[np.ndarray | None] = []
+        results: list[np.ndarray | None] = [None] * len(segments)
         offset = 0
-        for s in segments:
+        for j in order:
+            s = segments[j]
             if s.rows_from is None:
-                results.append(None)
                 continue
             count = max(len(s.token_ids) - s.rows_from, 0)
-            results.append(rows_all[offset:offset + count])
+            results[j] = rows_all[offset:offset + count]
             offset += count
         return results
+
+    def _plan(self, segments: list[Segment]) -> tuple[list[int], list[list[Token]]]:
+        """The segments in the order their tokens are written, and the ``llama_decode`` calls
+        that write them: chunks of the context's batch size, or the exact layout (each prompt
+        alone, then the rest in sequence order, :data:`EXACT_ROWS` tokens a call)."""
+        def tokens(j: int) -> list[Token]:
+            s = segments[j]
+            return [(s.seq, s.start + i, token, s.rows_from is not None and i >= s.rows_from)
+                    for i, token in enumerate(s.token_ids)]
+
+        def chunks(flat: list[Token], size: int) -> list[list[Token]]:
+            return [flat[at:at + size] for at in range(0, len(flat), size)]
+
+        if not self.exact:
+            order = list(range(len(segments)))
+            return order, chunks([t for j in order for t in tokens(j)], self.batch_tokens)
+        # In sequence order: llama.cpp splits a multi-stream batch into ubatches of
+        # consecutive sequences, so neighbours share one.
+        by_seq = sorted(range(len(segments)), key=lambda j: segments[j].seq)
+        prompts = [j for j in by_seq if segments[j].start == 0]
+        rest = [j for j in by_seq if segments[j].start != 0]
+        calls = [call for j in prompts for call in chunks(tokens(j), self.batch_tokens)]
+        calls += chunks([t for j in rest for t in tokens(j)], EXACT_ROWS)
+        return prompts + rest, calls
 
     def remove(self, seq: int, start: int = 0, end: int = -1) -> None:
         """Drop sequence ``seq``'s cached positions [start, end) (end -1: to its end)."""
@@ -397,6 +466,20 @@ class LlamaModel:
     def copy(self, src: int, dst: int, start: int = 0, end: int = -1) -> None:
         """Sequence ``dst`` also holds ``src``'s positions [start, end) (cells are shared)."""
         self.lib.llama_memory_seq_cp(self.memory, src, dst, start, end)
+
+    def save(self, seq: int) -> Any:
+        """Sequence ``seq``'s cached keys and values, as llama.cpp serializes them."""
+        size = int(self.lib.llama_state_seq_get_size(self.ctx, seq))
+        state = (ctypes.c_uint8 * max(size, 1))()
+        if self.lib.llama_state_seq_get_data(self.ctx, state, size, seq) != size:
+            raise RuntimeError(f"llama.cpp could not save sequence {seq}")
+        return state
+
+    def restore(self, seq: int, state: Any) -> None:
+        """Sequence ``seq`` holds what :meth:`save` took (its own cells dropped first)."""
+        self.remove(seq)
+        if self.lib.llama_state_seq_set_data(self.ctx, state, len(state), seq) == 0:
+            raise RuntimeError(f"llama.cpp could not restore sequence {seq}")
 
     def length(self, seq: int) -> int:
         """Cached positions of ``seq`` (its largest position + 1)."""

@@ -1,13 +1,21 @@
 """The llama.cpp engine: a GGUF target served through ``shared/engines/llama_cpp/runtime.py``.
 
-A session's slot is a llama.cpp sequence in one unified KV cache. A batch of steps is ONE
-``llama_decode`` over every step's new tokens (prefills included), with logits only at the
-positions a verify block decides from; a block's rejected drafts are dropped from the sequence
-when its next tokens are written (``LlamaModel.decode`` removes the positions it rewrites).
+A session's slot is a llama.cpp sequence. A batch of steps is ONE ``llama_decode`` over every
+step's new tokens (prefills included), with logits only at the positions a verify block decides
+from; a block's rejected drafts are dropped from the sequence when its next tokens are written
+(``LlamaModel.decode`` removes the positions it rewrites).
+
+``kernels="exact"`` (the default) computes every row of a decode as a one-token step computes
+it, so greedy speculation equals the target alone's token for token, at any k and under any
+load (``LlamaModel``'s ``exact``: one KV stream per slot, prompts decoded alone, every other
+token at most three rows per ``llama_decode``, in a llama.cpp built without llamafile).
+``kernels="fast"`` gives llama.cpp whole batches in one unified cache: cheaper blocks, but a
+block's rows round unlike one-token steps, and a session's by where its cells lie
+(docs/design.md, "Exact greedy on llama.cpp").
 Acceptance is the same code as on the transformers engines (``BatchForward.run``), on the rows
 llama.cpp returns. Token trees are not verified here (``trees = False``: the validator answers
-422 ``tree_unsupported``); beam search reorders sequences with ``seq_cp``, which shares cells
-instead of copying them.
+422 ``tree_unsupported``); beam search reorders sequences by copying their cells (``seq_cp`` shares
+cells in the unified cache; with streams the sequences' states are saved and restored).
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ from shared.engines.llama_cpp.runtime import (
     LlamaModel,
     Segment,
     cost_key,
+    exact_kernels,
+    extra_buffer_types,
     resolve_gguf,
 )
 from shared.engines.target import BatchForward, ForwardItem, ModelInfo
@@ -54,7 +64,7 @@ class LlamaCppEngine(BatchForward):
     trees = False
 
     def __init__(self, model: LlamaModel, tokenizer: Any, name: str, num_slots: int,
-                 acceptance: str = "device") -> None:
+                 acceptance: str = "device", kernels: str = "fast") -> None:
         self.model = model
         self.acceptance = acceptance
         self.tokenizer = tokenizer
@@ -66,7 +76,7 @@ class LlamaCppEngine(BatchForward):
         self.info = ModelInfo(
             name=name, vocab_size=model.vocab_size, eos_token_ids=eos_ids(model, tokenizer),
             fingerprint=tokenizer_fingerprint(tokenizer), max_context=model.seq_tokens,
-            model_limit=model.model_limit, dtype=kind, device="cpu")
+            model_limit=model.model_limit, dtype=kind, device="cpu", kernels=kernels)
 
     # -- slots
     @property
@@ -98,6 +108,13 @@ class LlamaCppEngine(BatchForward):
     def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
         if parents == list(range(len(slots))):
             return
+        if self.model.exact:  # a stream copies whole: save each parent, restore children
+            states = {parent: self.model.save(slots[parent]) for parent in set(parents)}
+            for child, (slot, parent) in enumerate(zip(slots, parents, strict=True)):
+                if parent != child:
+                    self.model.restore(slot, states[parent])
+                    self.model.remove(slot, length)
+            return
         spare = [self._num_slots + j for j in range(len(slots))]
         for parent, scratch in zip(parents, spare, strict=True):
             self.model.remove(scratch)
@@ -108,7 +125,7 @@ class LlamaCppEngine(BatchForward):
             self.model.remove(scratch)
 
     def counters(self) -> dict[str, int]:
-        return {"llama_decodes": self.model.decodes}
+        return {"llama_forwards": self.model.forwards, "llama_decodes": self.model.decodes}
 
     # -- model operations
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
@@ -137,20 +154,33 @@ class LlamaCppEngine(BatchForward):
 
 def load_llama_engine(spec: str, max_context: int = 0, kv_budget_tokens: int = 32768,
                       threads: int = 0, max_batch_tokens: int = 2048,
-                      acceptance: str = "device") -> LlamaCppEngine:
+                      acceptance: str = "device", kernels: str = "exact") -> LlamaCppEngine:
     """A GGUF target on llama.cpp: slots of ``max_context`` tokens (0: the model's context),
-    as many as ``kv_budget_tokens`` holds, in one cache."""
+    as many as ``kv_budget_tokens`` holds; ``kernels``: "exact" (one-row kernels, a KV stream
+    per slot) or "fast" (llama.cpp's defaults, one unified cache)."""
     started = time.perf_counter()
     path, tokenizer_spec = resolve_gguf(spec)
-    weights = GGUFWeights(path, threads)
+    exact = kernels == "exact"
+    # AMX's kernels are not known to compute a row alone at any row count: exact keeps them off
+    weights = GGUFWeights(path, threads, plain=exact and "AMX" in extra_buffer_types())
     limit = weights.model_limit
     context = min(max_context or limit, limit, kv_budget_tokens)
     num_slots = max(1, min(kv_budget_tokens // context, MAX_SLOTS))
-    model = LlamaModel(weights, n_seqs=2 * num_slots, seq_tokens=context, threads=threads,
-                       batch_tokens=max(max_batch_tokens, 512), cells=num_slots * context)
-    engine = LlamaCppEngine(model, load_tokenizer(tokenizer_spec), spec, num_slots, acceptance)
+    model = LlamaModel(weights, n_seqs=num_slots if exact else 2 * num_slots,
+                       seq_tokens=context, threads=threads,
+                       batch_tokens=max(max_batch_tokens, 512), cells=num_slots * context,
+                       exact=exact)
+    described = kernels
+    if exact:
+        holds, why = exact_kernels()
+        if not holds:
+            log.warning("kernels=exact asked, but greedy output may differ from the target "
+                        "alone's here: %s", why)
+            described = f"inexact: {why}"
+    engine = LlamaCppEngine(model, load_tokenizer(tokenizer_spec), spec, num_slots, acceptance,
+                            described)
     engine.warm_up()
-    log.info("loaded target %s on llama.cpp (%s, %d threads): %d slots x %d tokens "
-             "(%.0f MiB of KV) in %.1f s", path, engine.info.dtype, model.threads, num_slots,
-             context, model.nbytes / 2**20, time.perf_counter() - started)
+    log.info("loaded target %s on llama.cpp (%s, %s kernels, %d threads): %d slots x %d tokens "
+             "(%.0f MiB of KV) in %.1f s", path, engine.info.dtype, kernels, model.threads,
+             num_slots, context, model.nbytes / 2**20, time.perf_counter() - started)
     return engine

@@ -1,0 +1,168 @@
+"""Exact greedy output on the llama.cpp engine, on a tiny Q4_K_M file whose matrices take the
+kernels of a real one (``save_quantized_gguf``: Q4_K / Q6_K rows of 256, enough rows to be
+repacked).
+
+The exact kernels (``kernels="exact"``, the default) compute every row of a decode as a
+one-token step computes it: a verify block's logits rows are bit-equal to one-token steps', for
+any block length, after other sessions' history and beside other sessions in the same decode,
+so greedy speculation equals the target alone's token for token. The negative controls run
+llama.cpp's defaults (``kernels="fast"``: repacked weights, one unified cache), whose blocks
+round differently, and must fail the same checks.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from drafter_client import SpecDecClient
+from drafter_client.api import DrafterOptions
+from scripts.harness.tiny_gguf import save_quantized_gguf
+from shared.engines.llama_cpp.runtime import GGUFWeights, LlamaModel, Segment, exact_kernels
+from tests.support.live_server import LiveServer
+from verifier_service.settings import Settings
+
+NEW = 24  # new tokens per check
+
+
+@pytest.fixture(scope="module")
+def q4k(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("q4k")
+    return {"target": save_quantized_gguf(root / "target", seed=0),
+            "drafter": save_quantized_gguf(root / "drafter", seed=1)}
+
+
+def context(path: Path, kernels: str) -> LlamaModel:
+    """Six sequences of 256 tokens, as the engine lays them out for ``kernels``."""
+    return LlamaModel(GGUFWeights(str(path), 1), n_seqs=6, seq_tokens=256, threads=1,
+                      cells=6 * 256, exact=kernels == "exact")
+
+
+PROMPT = [5, 17, 33, 2, 90, 41, 7, 250, 12, 64, 3, 128]
+OTHER = [int(t) for t in np.random.default_rng(3).integers(2, 256, 37)]
+
+
+def one_token_steps(model: LlamaModel, seq: int) -> tuple[list[int], np.ndarray]:
+    """Greedy decoding one token per decode: the tokens and every step's logits row."""
+    [rows] = model.decode([Segment(seq, 0, PROMPT, len(PROMPT) - 1)])
+    assert rows is not None
+    kept, out = [rows[-1]], []
+    for i in range(NEW):
+        out.append(int(kept[-1].argmax()))
+        [rows] = model.decode([Segment(seq, len(PROMPT) + i, out[-1:], 0)])
+        assert rows is not None
+        kept.append(rows[0])
+    model.remove(seq)
+    return out, np.stack(kept)
+
+
+def in_blocks(model: LlamaModel, seq: int, tokens: list[int], k: int,
+              beside: int | None = None) -> np.ndarray:
+    """The same rows from the prompt then ``tokens`` written ``k`` at a time (a verify block's
+    rows); ``beside``: another sequence writes 3 tokens in each of the same decodes."""
+    [rows] = model.decode([Segment(seq, 0, PROMPT, len(PROMPT) - 1)])
+    assert rows is not None
+    kept = [rows[-1]]
+    other_at = model.length(beside) if beside is not None else 0
+    for at in range(0, NEW, k):
+        segments = [Segment(seq, len(PROMPT) + at, tokens[at:at + k], 0)]
+        if beside is not None:
+            segments.append(Segment(beside, other_at, [3, 4, 5], 0))
+            other_at += 3
+        block = model.decode(segments)[0]
+        assert block is not None
+        kept.extend(block)
+    model.remove(seq)
+    return np.stack(kept[:NEW + 1])
+
+
+def block_layouts(model: LlamaModel) -> dict[str, bool]:
+    """Whether each way of writing the same tokens gives rows bit-equal to one-token steps."""
+    tokens, reference = one_token_steps(model, 0)
+    same = {f"k={k}": np.array_equal(in_blocks(model, 1, tokens, k), reference)
+            for k in (2, 4, 8, 16)}
+    model.decode([Segment(2, 0, OTHER, None)])  # another session's cells come first
+    same["after another session"] = np.array_equal(in_blocks(model, 3, tokens, 8), reference)
+    same["beside another session"] = np.array_equal(in_blocks(model, 4, tokens, 5, beside=2),
+                                                    reference)
+    return same
+
+
+def test_exact_kernels_are_installed() -> None:
+    """`make install` builds llama.cpp without llamafile and the runtime keeps its tiled
+    kernel off: the exact configuration is what this machine runs."""
+    assert exact_kernels() == (True, exact_kernels()[1]), exact_kernels()[1]
+
+
+def test_block_rows_equal_one_token_steps(q4k: dict[str, Path]) -> None:
+    assert block_layouts(context(q4k["target"], "exact")) == {
+        "k=2": True, "k=4": True, "k=8": True, "k=16": True,
+        "after another session": True, "beside another session": True}
+
+
+def test_negative_control_fast_kernels_round_blocks_differently(q4k: dict[str, Path]) -> None:
+    """llama.cpp's defaults: repacked Q4_K rows of four and more are multiplied in another
+    order than one, so a block's rows are not a one-token step's."""
+    model = context(q4k["target"], "fast")
+    if not model.weights.extra_layouts:
+        pytest.skip("llama.cpp offers no repacked layout on this CPU: its defaults are exact")
+    same = block_layouts(model)
+    assert not same["k=4"] and not same["k=8"] and not same["k=16"], same
+
+
+def exact_settings(path: Path, kernels: str = "exact") -> Settings:
+    return Settings(model=str(path), engine="llama-cpp", threads=1, max_draft_tokens=8,
+                    max_context=256, kernels=kernels)  # type: ignore[arg-type]
+
+
+PROMPTS = [[5, 17, 33, 2, 90], [41, 7, 250, 12, 64, 3, 128, 77], [9, 9, 9, 100, 101, 102]]
+
+
+def speculative_vs_alone(url: str, drafter: Path, concurrent: int,
+                         ks: tuple[int | str, ...] = (1, 3, 8, "auto")) -> list[str]:
+    """Greedy generations that differ from the target alone's (``baseline``, one session at a
+    time, on the same verifier): every prompt alone at each k, then ``concurrent`` sessions at
+    once at mixed k (the verifier batches their calls into shared decodes)."""
+    options = DrafterOptions(engine="llama-cpp", threads=1)
+    alone = SpecDecClient(url, None, tokenizer=str(drafter.parent))
+    want = [alone.baseline(ids, max_new_tokens=NEW).token_ids for ids in PROMPTS]
+    differ = []
+    client = SpecDecClient(url, str(drafter), options=options)
+    for k in ks:
+        for i, ids in enumerate(PROMPTS):
+            if client.generate(ids, num_draft_tokens=k, max_new_tokens=NEW).token_ids != want[i]:
+                differ.append(f"prompt {i} alone k={k}")
+    if concurrent > 1:
+        clients = [SpecDecClient(url, str(drafter), options=options) for _ in range(concurrent)]
+        results: dict[int, list[int]] = {}
+
+        def work(j: int) -> None:
+            results[j] = clients[j].generate(
+                PROMPTS[j % len(PROMPTS)], num_draft_tokens=ks[j % len(ks)],
+                max_new_tokens=NEW).token_ids
+
+        threads = [threading.Thread(target=work, args=(j,)) for j in range(concurrent)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        differ += [f"prompt {j % len(PROMPTS)} among {concurrent}"
+                   for j in range(concurrent) if results.get(j) != want[j % len(PROMPTS)]]
+    return differ
+
+
+@pytest.fixture(scope="module")
+def exact_server(q4k: dict[str, Path]) -> LiveServer:
+    with LiveServer(exact_settings(q4k["target"])) as live:
+        yield live  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("concurrent", [1, 3, 7])
+def test_greedy_speculation_equals_the_target_alone(concurrent: int, exact_server: LiveServer,
+                                                    q4k: dict[str, Path]) -> None:
+    assert SpecDecClient(exact_server.url, None,
+                         tokenizer=str(q4k["target"].parent)).info.kernels == "exact"
+    assert speculative_vs_alone(exact_server.url, q4k["drafter"], concurrent) == []
