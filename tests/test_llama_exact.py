@@ -21,9 +21,10 @@ import pytest
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
 from scripts.harness.tiny_gguf import save_quantized_gguf
+from shared.engines.llama_cpp import runtime
 from shared.engines.llama_cpp.runtime import GGUFWeights, LlamaModel, Segment, exact_kernels
 from tests.support.live_server import LiveServer
-from verifier_service.settings import Settings
+from verifier_service.settings import Settings, load_engine
 
 NEW = 24  # new tokens per check
 
@@ -103,14 +104,35 @@ def test_block_rows_equal_one_token_steps(q4k: dict[str, Path]) -> None:
         "after another session": True, "beside another session": True}
 
 
-def test_negative_control_fast_kernels_round_blocks_differently(q4k: dict[str, Path]) -> None:
-    """llama.cpp's defaults: repacked Q4_K rows of four and more are multiplied in another
-    order than one, so a block's rows are not a one-token step's."""
-    model = context(q4k["target"], "fast")
+def repacked(model: LlamaModel) -> LlamaModel:
     if not model.weights.extra_layouts:
-        pytest.skip("llama.cpp offers no repacked layout on this CPU: its defaults are exact")
-    same = block_layouts(model)
+        pytest.skip("llama.cpp offers no repacked layout on this CPU: its blocks of 4 rows "
+                    "and more take the one-row kernels there")
+    return model
+
+
+def test_negative_control_fast_kernels_round_blocks_differently(q4k: dict[str, Path]) -> None:
+    """kernels="fast": repacked Q4_K rows of four and more are multiplied in another order
+    than one, so a block's rows are not a one-token step's."""
+    same = block_layouts(repacked(context(q4k["target"], "fast")))
     assert not same["k=4"] and not same["k=8"] and not same["k=16"], same
+
+
+def test_negative_control_without_the_row_cap(q4k: dict[str, Path],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each part of the exact layout is needed: whole blocks in one llama_decode..."""
+    monkeypatch.setattr(runtime, "EXACT_ROWS", 512)
+    same = block_layouts(repacked(context(q4k["target"], "exact")))
+    assert not same["k=4"] and not same["beside another session"], same
+
+
+def test_negative_control_in_one_unified_cache(q4k: dict[str, Path]) -> None:
+    """...and a stream per sequence: in one shared cache a session's cells lie after or
+    between other sessions', and attention's vector sums group them otherwise."""
+    model = context(q4k["target"], "fast")
+    model.exact = True  # the exact plan of decodes, on the unified cache
+    same = block_layouts(model)
+    assert same["k=16"] and not same["beside another session"], same
 
 
 def exact_settings(path: Path, kernels: str = "exact") -> Settings:
@@ -118,7 +140,10 @@ def exact_settings(path: Path, kernels: str = "exact") -> Settings:
                     max_context=256, kernels=kernels)  # type: ignore[arg-type]
 
 
-PROMPTS = [[5, 17, 33, 2, 90], [41, 7, 250, 12, 64, 3, 128, 77], [9, 9, 9, 100, 101, 102]]
+# Six random prompts of 48 new tokens: enough near-ties that llama.cpp's whole-batch kernels
+# change some greedy token (the negative control), while exact kernels change none.
+PROMPTS = [[int(t) for t in np.random.default_rng(5).integers(2, 256, 6)] for _ in range(6)]
+LONG = 48
 
 
 def speculative_vs_alone(url: str, drafter: Path, concurrent: int,
@@ -128,12 +153,12 @@ def speculative_vs_alone(url: str, drafter: Path, concurrent: int,
     once at mixed k (the verifier batches their calls into shared decodes)."""
     options = DrafterOptions(engine="llama-cpp", threads=1)
     alone = SpecDecClient(url, None, tokenizer=str(drafter.parent))
-    want = [alone.baseline(ids, max_new_tokens=NEW).token_ids for ids in PROMPTS]
+    want = [alone.baseline(ids, max_new_tokens=LONG).token_ids for ids in PROMPTS]
     differ = []
     client = SpecDecClient(url, str(drafter), options=options)
     for k in ks:
         for i, ids in enumerate(PROMPTS):
-            if client.generate(ids, num_draft_tokens=k, max_new_tokens=NEW).token_ids != want[i]:
+            if client.generate(ids, num_draft_tokens=k, max_new_tokens=LONG).token_ids != want[i]:
                 differ.append(f"prompt {i} alone k={k}")
     if concurrent > 1:
         clients = [SpecDecClient(url, str(drafter), options=options) for _ in range(concurrent)]
@@ -142,7 +167,7 @@ def speculative_vs_alone(url: str, drafter: Path, concurrent: int,
         def work(j: int) -> None:
             results[j] = clients[j].generate(
                 PROMPTS[j % len(PROMPTS)], num_draft_tokens=ks[j % len(ks)],
-                max_new_tokens=NEW).token_ids
+                max_new_tokens=LONG).token_ids
 
         threads = [threading.Thread(target=work, args=(j,)) for j in range(concurrent)]
         for thread in threads:
@@ -163,6 +188,20 @@ def exact_server(q4k: dict[str, Path]) -> LiveServer:
 @pytest.mark.parametrize("concurrent", [1, 3, 7])
 def test_greedy_speculation_equals_the_target_alone(concurrent: int, exact_server: LiveServer,
                                                     q4k: dict[str, Path]) -> None:
+    """At k = 1, 3, 8 and auto, alone and among 3 and 7 concurrent sessions, after every
+    earlier test's sessions on the same verifier."""
     assert SpecDecClient(exact_server.url, None,
                          tokenizer=str(q4k["target"].parent)).info.kernels == "exact"
     assert speculative_vs_alone(exact_server.url, q4k["drafter"], concurrent) == []
+
+
+def test_negative_control_fast_kernels_change_greedy_output(q4k: dict[str, Path]) -> None:
+    """The same check on kernels="fast" (llama.cpp's whole batches, one unified cache)."""
+    settings = exact_settings(q4k["target"], "fast")
+    engine = load_engine(settings)
+    if not engine.model.weights.extra_layouts:  # type: ignore[attr-defined]
+        pytest.skip("llama.cpp offers no repacked layout on this CPU")
+    with LiveServer(settings, engine) as fast:
+        assert SpecDecClient(fast.url, None,
+                             tokenizer=str(q4k["target"].parent)).info.kernels == "fast"
+        assert speculative_vs_alone(fast.url, q4k["drafter"], 7) != []
