@@ -1,17 +1,21 @@
-"""``--dtype auto`` on a CPU measures float32 against bfloat16 on the model itself and keeps the
-faster (issue #27); the choice is cached per model and machine, and the model it returns is the
-model a direct load in that dtype gives (parameters and buffers, bit for bit). The verifier
-reports its measured verify costs in ``/v1/info``."""
+"""``--dtype fastest`` (and a drafter's ``auto``) on a CPU measures float32 against bfloat16 on
+the model itself and keeps the faster (issue #27); the choice is cached per model and machine,
+and the model it returns is the model a direct load in that dtype gives (parameters and
+buffers, bit for bit). A target's ``auto`` on a CPU is float32, where greedy speculation equals
+the target alone's; in bfloat16 it does not (issue #41). The verifier reports its measured
+verify costs in ``/v1/info``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import httpx
+import numpy as np
 import orjson
 import pytest
 import torch
 
+from drafter_client import SpecDecClient
 from scripts.harness.tiny_models import build_model, build_tokenizer
 from shared.engines.transformers.dtype_choice import (
     block_ms,
@@ -22,6 +26,7 @@ from shared.engines.transformers.dtype_choice import (
 from shared.models import load_causal_lm
 from shared.schema import InfoResponse
 from tests.support.live_server import LiveServer
+from verifier_service.settings import Settings
 
 CPU = torch.device("cpu")
 
@@ -91,9 +96,40 @@ def test_an_explicit_dtype_is_not_measured(checkpoint: Path) -> None:
     model, why = load_lm_auto(str(checkpoint), "float32", CPU)
     assert model.dtype == torch.float32 and "asked for" in why
     assert not cache_path().exists()
-    model, why = load_lm_auto(str(checkpoint), "auto", CPU)
+    model, why = load_lm_auto(str(checkpoint), "auto", CPU)  # a target's auto: exact
+    assert model.dtype == torch.float32 and "auto on cpu" in why
+    assert not cache_path().exists()
+    model, why = load_lm_auto(str(checkpoint), "fastest", CPU)
     assert model.dtype in (torch.float32, torch.bfloat16) and "ms for 1 / 3 / 5" in why
     assert cache_path().exists()
+    model, why = load_lm_auto(str(checkpoint), "auto", CPU, exact=False)  # a drafter's auto
+    assert "measured before" in why
+
+
+PROMPTS = [[int(t) for t in ids] for ids in np.random.default_rng(5).integers(2, 64, (8, 6))]
+
+
+def greedy_differences(target: Path, drafter: Path, dtype: str) -> list[tuple[int, int]]:
+    """(prompt, k) whose greedy speculation differs from the target alone's on a verifier of
+    ``dtype``."""
+    settings = Settings(model=str(target), dtype=dtype, device="cpu",  # type: ignore[arg-type]
+                        max_draft_tokens=8)
+    with LiveServer(settings) as live:
+        alone = SpecDecClient(live.url, None, tokenizer=str(target))
+        want = [alone.baseline(ids, max_new_tokens=48).token_ids for ids in PROMPTS]
+        client = SpecDecClient(live.url, str(drafter), dtype="float32", device="cpu")
+        return [(i, k) for k in (1, 3, 8) for i, ids in enumerate(PROMPTS)
+                if client.generate(ids, num_draft_tokens=k, max_new_tokens=48).token_ids
+                != want[i]]
+
+
+def test_auto_keeps_greedy_speculation_equal_to_the_target_alone(
+        tiny_models: dict[str, Path]) -> None:
+    """auto (float32 here) against bfloat16, the negative control: its blocks round unlike its
+    one-token steps and change greedy tokens."""
+    target, drafter = tiny_models["llama-target"], tiny_models["llama-drafter"]
+    assert greedy_differences(target, drafter, "auto") == []
+    assert greedy_differences(target, drafter, "bfloat16") != []
 
 
 def test_the_verifier_reports_its_measured_verify_costs(gpt2_server: LiveServer) -> None:

@@ -142,7 +142,7 @@ def exact_settings(path: Path, kernels: str = "exact") -> Settings:
 
 # Six random prompts of 48 new tokens: enough near-ties that llama.cpp's whole-batch kernels
 # change some greedy token (the negative control), while exact kernels change none.
-PROMPTS = [[int(t) for t in np.random.default_rng(5).integers(2, 256, 6)] for _ in range(6)]
+PROMPTS = [[int(t) for t in ids] for ids in np.random.default_rng(5).integers(2, 256, (6, 6))]
 LONG = 48
 
 

@@ -31,11 +31,13 @@ class Settings(BaseSettings):
         "for a .gguf file or a short name whose GGUF is kept (CPU; needs the [llama] extra); "
         "auto: llama.cpp on a CPU where it is installed, for a .gguf file or a short name "
         "whose GGUF is kept, else transformers")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="auto: on a CPU the faster of float32 and bfloat16 for this "
-        "model, measured at its first load here and cached in $SPECDEC_DTYPE_CACHE (default "
-        "$SPECDEC_HOME/dtype-choices.json); bfloat16 on CUDA, for GGUF files and "
-        "encoder-decoders")
+    dtype: Literal["auto", "fastest", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the transformers engine's dtype. auto: float32 on a CPU (in "
+        "bfloat16 a verify block rounds unlike one-token steps and greedy output may differ "
+        "from the target alone's), bfloat16 on CUDA. fastest: on a CPU the faster of float32 "
+        "and bfloat16 for this model, measured at its first load here and cached in "
+        "$SPECDEC_DTYPE_CACHE (default $SPECDEC_HOME/dtype-choices.json); bfloat16 on CUDA, "
+        "for GGUF files and encoder-decoders")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     device_map: str = Field("", description="a target larger than one device: accelerate's "
                             "placement (auto, balanced, sequential: over the GPUs, then CPU "

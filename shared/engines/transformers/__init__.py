@@ -61,7 +61,8 @@ class TransformersBackend:
         from shared.engines.transformers.dtype_choice import load_lm_auto
         from shared.models import pick_device
 
-        model, chosen = load_lm_auto(spec, dtype, pick_device(device))
+        # a drafter only proposes: its auto is the fastest dtype, not the exact one
+        model, chosen = load_lm_auto(spec, dtype, pick_device(device), exact=False)
         encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))
         if encoder_decoder and cuda_graphs:
             raise ModelSpecError("cuda_graphs drafts with decoder-only models only")

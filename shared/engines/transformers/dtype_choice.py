@@ -1,6 +1,12 @@
-"""``--dtype auto``: the dtype a causal LM runs fastest in on this machine, measured.
+"""``--dtype auto`` and ``fastest``: what a model runs in when no dtype is asked for.
 
-On CUDA it is bfloat16. On a CPU it depends on the chip: with native bf16 (AVX512-BF16, AMX)
+A target's ``auto`` on a CPU is float32: in bfloat16 a verify block's rows round unlike one-token
+steps' enough to change greedy tokens (a tiny Llama pair here: 4 of 24 generations differed
+from the target alone's), and speculation must not change greedy output. ``fastest`` (a target
+that trades that for speed, and every drafter's ``auto``: a drafter only proposes) is the dtype
+the model runs fastest in on this machine, measured.
+
+On CUDA both are bfloat16. On a CPU it depends on the chip: with native bf16 (AVX512-BF16, AMX)
 bfloat16 can decode much faster than float32; without it bfloat16 matmuls are emulated and
 float32 wins; and what a block of k tokens costs next to one differs between the two. So the
 first load of a model on a machine times forwards of the blocks the speculative loop runs (1, 3
@@ -130,17 +136,22 @@ def load_fastest(spec: str, load: Callable[[torch.dtype], Any],
     return model, DtypeChoice(dtype, block, cached=False)
 
 
-def load_lm_auto(spec: str, dtype: str, device: torch.device, **placement: Any
-                 ) -> tuple[Any, str]:
-    """``load_lm`` with ``--dtype``; ``auto`` on a CPU measures (``load_fastest``) for a causal
-    LM on one device. Returns the model and a line saying what was chosen and why."""
+def load_lm_auto(spec: str, dtype: str, device: torch.device, exact: bool = True,
+                 **placement: Any) -> tuple[Any, str]:
+    """``load_lm`` with ``--dtype``: ``auto`` on a CPU is float32 where ``exact`` (a target),
+    else it is ``fastest``, which on a CPU measures (``load_fastest``) for a causal LM on one
+    device. Returns the model and a line saying what was chosen and why."""
     from transformers import AutoConfig
 
+    if dtype == "auto" and device.type == "cpu" and exact:
+        return (load_lm(spec, torch.float32, device, **placement),
+                "float32 (auto on cpu: bfloat16 blocks round unlike one-token steps; "
+                "--dtype fastest measures the faster)")
     placed = any(placement.get(name) for name in ("device_map", "tp_plan"))
-    if dtype != "auto" or device.type != "cpu" or placed:
+    if dtype not in ("auto", "fastest") or device.type != "cpu" or placed:
         chosen = pick_dtype(dtype, device)
         model = load_lm(spec, chosen, device, **placement)
-        why = "asked for" if dtype != "auto" else f"auto on {device.type}"
+        why = "asked for" if dtype not in ("auto", "fastest") else f"{dtype} on {device.type}"
         return model, f"{str(chosen).removeprefix('torch.')} ({why})"
     path, gguf_file = resolve_model_spec(spec)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}

@@ -150,6 +150,10 @@ def load(o: TargetOptions) -> Engine:
                               acceptance=o.acceptance)
         if o.attention != "auto":
             engine.attention = o.attention
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    engine.info = replace(engine.info, kernels=f"inexact: torch's {dtype} matrix kernels round "
+                          "by row count" + ("" if dtype == "float32" else
+                                            " (greedy output may differ from the target alone's)"))
     engine.warm_up()  # every rank at once: the same forwards, so their collectives match
     if static_batch and isinstance(engine, CausalEngine):
         if tp_plan:
