@@ -7,6 +7,14 @@ user sees it. The peer is ``llama-server`` built from the llama.cpp source that
 ``llama-cpp-python`` vendors (cmake, cached in $SPECDEC_HOME/llama-server): its target alone,
 its ``draft-simple`` speculation with the drafter GGUF, and its ``ngram-simple`` mode.
 
+Every system's greedy output is checked against its own target alone in the same round (specdec
+against specdec's ``baseline()`` on the same verifier; ``llama-server``'s modes against its
+target alone): speculation must change the speed and nothing else. specdec runs on the default
+exact kernels, and with ``--fast-kernels`` also on a second verifier with ``--kernels fast``
+(llama.cpp's whole-batch kernels), to show what exactness costs. A last phase runs
+``--concurrent`` default clients at once on the exact verifier and checks each output against
+the same prompt run alone.
+
     python -m scripts.bench llama --rounds 2 --prompts 2 --max-new-tokens 128
 
 Prints a table per workload and writes the JSON (every run, with its tokens) to ``--out``.
@@ -20,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -126,6 +135,22 @@ SPECDEC = {
     "specdec llama.cpp: model k=2": ("model", DrafterOptions(lookup=False), 2),
     "specdec llama.cpp: prompt lookup, -k auto": ("prompt-lookup", DrafterOptions(), "auto"),
 }
+FAST = {  # on a second verifier with --kernels fast
+    "specdec llama.cpp fast kernels: target alone": (None, None, None),
+    "specdec llama.cpp fast kernels: default (model + lookup, -k auto)": (
+        "model", DrafterOptions(), "auto"),
+}
+CONCURRENT = "specdec llama.cpp: default, {n} concurrent sessions"
+
+
+def own_alone(system: str) -> str:
+    """The target-alone system a system's greedy output must equal."""
+    if system.startswith("llama-server"):
+        return "llama-server: target alone"
+    for prefix in ("specdec llama.cpp fast kernels", "specdec transformers"):
+        if system.startswith(prefix):
+            return f"{prefix}: target alone"
+    return "specdec llama.cpp: target alone"
 
 
 def specdec_run(client: SpecDecClient, ids: list[int], max_new: int, k: int | str | None,
@@ -163,6 +188,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the two-host simulation: verifier and client pinned to "
                         "different cores, one thread each, 0 / 20 / 100 ms added round trip")
     parser.add_argument("--rtts", type=float, nargs="+", default=[0.0, 20.0, 100.0])
+    parser.add_argument("--fast-kernels", action=argparse.BooleanOptionalAction, default=True,
+                        help="also a verifier with --kernels fast: its target alone and the "
+                        "default client")
+    parser.add_argument("--concurrent", type=int, default=4,
+                        help="default clients at once on the exact verifier, each output "
+                        "checked against the same prompt alone (0: skip)")
     parser.add_argument("--out", default="bench_results/llama.json")
 
 
@@ -198,6 +229,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     verifier = VerifierProcess(["--model", str(target), "--engine", "llama-cpp",
                                 "--kv-budget-tokens", str(args.kv_budget_tokens),
                                 "--max-context", "4096"], threads=args.threads)
+    fast_verifier = VerifierProcess(["--model", str(target), "--engine", "llama-cpp",
+                                     "--kernels", "fast",
+                                     "--kv-budget-tokens", str(args.kv_budget_tokens),
+                                     "--max-context", "4096"], threads=args.threads)
     hf_verifier = VerifierProcess(["--model", args.target, "--engine", "transformers",
                                    "--kv-budget-tokens", str(args.kv_budget_tokens),
                                    "--max-context", "4096"], threads=args.threads)
@@ -214,16 +249,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             clients["specdec transformers: default (model + lookup, -k auto)"] = (
                 SpecDecClient(hf_verifier.url, args.drafter,
                               options=DrafterOptions(engine="transformers")), "auto", False)
-        for name, (kind, options, k) in SPECDEC.items():
-            if kind is None:
-                clients[name] = (SpecDecClient(verifier.url, None, tokenizer=tokenizer), k, True)
-                engine["verify_ms"] = clients[name][0].info.verify_ms  # timed at its start
-            else:
-                spec = str(drafter) if kind == "model" else kind
-                opts = DrafterOptions(**{**(options or DrafterOptions()).__dict__,
-                                         "engine": "llama-cpp", "threads": args.threads})
-                clients[name] = (SpecDecClient(verifier.url, spec, tokenizer=tokenizer,
-                                               options=opts), k, False)
+        systems = [(verifier, SPECDEC)]
+        if args.fast_kernels:
+            fast_verifier.start()
+            systems.append((fast_verifier, FAST))
+        for process, table in systems:
+            for name, (kind, options, k) in table.items():
+                if kind is None:
+                    clients[name] = (SpecDecClient(process.url, None, tokenizer=tokenizer), k,
+                                     True)
+                    info = clients[name][0].info  # verify costs timed at its start
+                    engine[name] = {"verify_ms": info.verify_ms, "kernels": info.kernels}
+                else:
+                    spec = str(drafter) if kind == "model" else kind
+                    opts = DrafterOptions(**{**(options or DrafterOptions()).__dict__,
+                                             "engine": "llama-cpp", "threads": args.threads})
+                    clients[name] = (SpecDecClient(process.url, spec, tokenizer=tokenizer,
+                                                   options=opts), k, False)
         for round_no in range(args.rounds):
             for workload, items in prompts.items():
                 for prompt in items:
@@ -237,14 +279,50 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         records.append({"round": round_no, "workload": workload,
                                         "prompt": prompt.name, "system": name, **out})
                     print(f"round {round_no} {prompt.name}: done", flush=True)
+        if args.concurrent:
+            records += concurrent_runs(args, verifier.url, drafter, tokenizer, prompts, ids_of)
     finally:
         for server in servers.values():
             server.close()
         verifier.stop()
+        fast_verifier.stop()
         hf_verifier.stop()
     two_host = two_host_runs(args, binary, target, drafter, tokenizer, prompts, ids_of) \
         if args.two_host else []
     return report(records, args, two_host, engine)
+
+
+def concurrent_runs(args: argparse.Namespace, url: str, drafter: Path, tokenizer: Any,
+                    prompts: dict[str, list[Any]], ids_of: Any) -> list[dict[str, Any]]:
+    """``args.concurrent`` default clients at once (a llama.cpp drafter of one thread each, on
+    the verifier's cores), the workload's prompts cycled among them, every round."""
+    n = args.concurrent
+    clients = [SpecDecClient(url, str(drafter), tokenizer=tokenizer,
+                             options=DrafterOptions(engine="llama-cpp", threads=1))
+               for _ in range(n)]
+    records: list[dict[str, Any]] = []
+    for round_no in range(args.rounds):
+        for workload, items in prompts.items():
+            outs: dict[int, dict[str, Any]] = {}
+
+            def work(j: int, ids: list[int], outs: dict[int, dict[str, Any]]) -> None:
+                outs[j] = specdec_run(clients[j], ids, args.max_new_tokens, "auto", False)
+
+            threads = [threading.Thread(target=work,
+                                        args=(j, ids_of(items[j % len(items)]), outs))
+                       for j in range(n)]
+            started = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            wall = time.perf_counter() - started
+            for j, out in sorted(outs.items()):
+                records.append({"round": round_no, "workload": workload,
+                                "prompt": items[j % len(items)].name,
+                                "system": CONCURRENT.format(n=n), "batch_wall_s": wall, **out})
+            print(f"round {round_no} {workload}: {n} concurrent done", flush=True)
+    return records
 
 
 def two_host_runs(args: argparse.Namespace, binary: Path, target: Path, drafter: Path,
@@ -299,11 +377,14 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace,
     for r in records:
         r["tok_s"] = len(r["tokens"]) / r["wall_s"] if r["wall_s"] else 0.0
     alone = "llama-server: target alone"
-    reference = {(r["round"], r["prompt"]): r for r in records if r["system"] == alone}
+    reference = {(r["round"], r["prompt"], r["system"]): r for r in records
+                 if r["system"].endswith("target alone")}
     for r in records:
-        ref = reference[(r["round"], r["prompt"])]
+        ref = reference[(r["round"], r["prompt"], alone)]
         r["vs_llama_server"] = r["tok_s"] / ref["tok_s"] if ref["tok_s"] else None
-        r["first_difference"] = first_difference(r["tokens"], ref["tokens"])
+        own = reference.get((r["round"], r["prompt"], own_alone(r["system"])))
+        r["first_difference"] = first_difference(r["tokens"], own["tokens"]) if own else None
+        r["checked_against"] = own_alone(r["system"]) if own else None
     rows = []
     systems = list(dict.fromkeys(r["system"] for r in records))
     for workload in args.workloads:
@@ -316,12 +397,13 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace,
                 "workload": workload, "system": system,
                 "tok_s": statistics.median(r["tok_s"] for r in mine),
                 "vs_llama_server": statistics.median(r["vs_llama_server"] for r in mine),
-                "same_as_llama_server": f"{len(mine) - len(diffs)}/{len(mine)}",
+                "same_as_alone": f"{len(mine) - len(diffs)}/{len(mine)}",
                 "first_difference": min(diffs) if diffs else None})
     table = markdown_table(rows, [
-        ("workload", "workload"), ("system", "system"), ("tok_s", "tok/s (median)"),
+        ("workload", "workload"), ("system", "system"), ("tok_s", "tok/s (median; concurrent: "
+                                                         "per session)"),
         ("vs_llama_server", "vs llama-server alone (median)"),
-        ("same_as_llama_server", "output = llama-server's greedy"),
+        ("same_as_alone", "output = its target alone's"),
         ("first_difference", "first differing token")])
     print(table)
     two_host_rows = []
