@@ -2,7 +2,7 @@
 
 Starts `specdec-verifier` on a free loopback port with its defaults, builds the client with the
 project's defaults (engine `auto`: llama.cpp on the kept GGUF files on a CPU where it is
-installed, else transformers with dtype `auto` measured on this machine; the model drafter
+installed, else transformers with dtype `auto`: float32 on a CPU; the model drafter
 hybrid with prompt lookup, `-k auto`) and says what they chose. Then, for two short tasks - a
 code question and an input-grounded edit of a given snippet - it streams the speculative answer,
 runs the target alone on the same verifier (`/v1/generate`, the same engine and dtype) and
@@ -110,10 +110,9 @@ def main() -> None:
         # the engines `auto` picked, by the function both sides pick them with
         engine = resolve("auto", args.target).name
         drafter_engine = resolve(settings.options.engine, args.drafter).name
-        weights = ("the GGUF file's own weights" if engine == "llama-cpp" else
-                   "dtype auto: measured on this machine")
+        weights = ("the GGUF file's own weights" if engine == "llama-cpp" else "dtype auto")
         print(f"\nverifier: {args.target}, engine {engine}, {info.dtype} on {info.device} "
-              f"({weights}); verify forwards {costs}")
+              f"({weights}), kernels {info.kernels}; verify forwards {costs}")
         drafter_weights = ("" if drafter_engine == "llama-cpp" else
                            f", dtype chosen: {client.drafter_dtype}")
         print(f"client:   {settings.describe(args.drafter)}; drafter engine chosen: "
