@@ -62,9 +62,11 @@ def one_token_steps(model: LlamaModel, seq: int) -> tuple[list[int], np.ndarray]
 
 def in_blocks(model: LlamaModel, seq: int, tokens: list[int], k: int,
               beside: int | None = None) -> np.ndarray:
-    """The same rows from the prompt then ``tokens`` written ``k`` at a time (a verify block's
-    rows); ``beside``: another sequence writes 3 tokens in each of the same decodes."""
-    [rows] = model.decode([Segment(seq, 0, PROMPT, len(PROMPT) - 1)])
+    """The same rows from the prompt less its last token (as a session writes it), then the
+    last prompt token and ``tokens`` ``k`` at a time (verify blocks); ``beside``: another
+    sequence writes 3 tokens in each of the same decodes."""
+    model.decode([Segment(seq, 0, PROMPT[:-1])])
+    [rows] = model.decode([Segment(seq, len(PROMPT) - 1, PROMPT[-1:], 0)])
     assert rows is not None
     kept = [rows[-1]]
     other_at = model.length(beside) if beside is not None else 0

@@ -278,8 +278,8 @@ def exact_kernels() -> tuple[bool, str]:
     if has_llamafile():
         return False, ("this llama-cpp-python was built with llamafile's kernels (build it "
                        "with CMAKE_ARGS=-DGGML_LLAMAFILE=OFF, as `make install` does)")
-    return True, (f"rows of a verify decode {EXACT_ROWS} at a time through one-row kernels, "
-                  "prompts alone, one KV stream per sequence")
+    return True, (f"at most {EXACT_ROWS} rows per llama_decode (one-row kernels), one KV "
+                  "stream per sequence")
 
 
 class GGUFWeights:
@@ -337,8 +337,7 @@ class LlamaModel:
     ``exact``: every row a decode returns is bit-equal to what one-token steps return, whatever
     the batch: one KV stream of ``seq_tokens`` cells per sequence (position p of a sequence
     always lies in its stream's cell p, whatever other sequences did, so attention sums the same
-    cells in the same order), a prompt written into an empty sequence is decoded alone (its
-    rows' kernels depend on the prompt only), and every other token goes to llama.cpp at most
+    cells in the same order), and every token, prompts included, goes to llama.cpp at most
     :data:`EXACT_ROWS` rows per ``llama_decode``. Not thread-safe: one caller at a time (the
     verifier's model thread, or one drafter)."""
 
@@ -437,8 +436,10 @@ class LlamaModel:
 
     def _plan(self, segments: list[Segment]) -> tuple[list[int], list[list[Token]]]:
         """The segments in the order their tokens are written, and the ``llama_decode`` calls
-        that write them: chunks of the context's batch size, or the exact layout (each prompt
-        alone, then the rest in sequence order, :data:`EXACT_ROWS` tokens a call)."""
+        that write them: chunks of the context's batch size, or under ``exact`` in sequence
+        order, :data:`EXACT_ROWS` tokens a call, prompts included (how a prompt's rows were
+        computed must not depend on how long a segment brought them: a session writes its
+        prompt less its last token, then that token with its first drafts)."""
         def tokens(j: int) -> list[Token]:
             s = segments[j]
             return [(s.seq, s.start + i, token, s.rows_from is not None and i >= s.rows_from)
@@ -452,12 +453,8 @@ class LlamaModel:
             return order, chunks([t for j in order for t in tokens(j)], self.batch_tokens)
         # In sequence order: llama.cpp splits a multi-stream batch into ubatches of
         # consecutive sequences, so neighbours share one.
-        by_seq = sorted(range(len(segments)), key=lambda j: segments[j].seq)
-        prompts = [j for j in by_seq if segments[j].start == 0]
-        rest = [j for j in by_seq if segments[j].start != 0]
-        calls = [call for j in prompts for call in chunks(tokens(j), self.batch_tokens)]
-        calls += chunks([t for j in rest for t in tokens(j)], EXACT_ROWS)
-        return prompts + rest, calls
+        order = sorted(range(len(segments)), key=lambda j: segments[j].seq)
+        return order, chunks([t for j in order for t in tokens(j)], EXACT_ROWS)
 
     def remove(self, seq: int, start: int = 0, end: int = -1) -> None:
         """Drop sequence ``seq``'s cached positions [start, end) (end -1: to its end)."""
