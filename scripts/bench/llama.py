@@ -180,7 +180,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts per workload")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    parser.add_argument("--kv-budget-tokens", type=int, default=8192)
+    parser.add_argument("--kv-budget-tokens", type=int, default=16384,
+                        help="each verifier's KV budget: 4 sessions of 4096 tokens")
     parser.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
                         help="also today's transformers engine (bf16 folders of the same "
                         "short names): target alone and the default client setting")
