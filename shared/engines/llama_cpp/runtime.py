@@ -390,16 +390,14 @@ class LlamaModel:
         """Write every segment's tokens into its sequence (its cached positions from ``start``
         on are dropped first: a rollback); return the logits rows ([rows, vocab] float32) of
         the segments that asked, in order."""
-        flat = [(s.seq, s.start + i, token, s.rows_from is not None and i >= s.rows_from)
-                for s in segments for i, token in enumerate(s.token_ids)]
-        for seq, pos, token, _ in flat:
+        order, calls = self._plan(segments)
+        for seq, pos, token, _ in (t for call in calls for t in call):
             if not 0 <= token < self.vocab_size:
                 raise ValueError(f"token id {token} outside the vocabulary of {self.vocab_size}")
             if not 0 <= seq < self.n_seqs or pos >= self.seq_tokens:
                 raise ValueError(f"position {pos} of sequence {seq} outside the context")
         for s in segments:
             self.remove(s.seq, s.start)
-        order, calls = self._plan(segments)
         self.forwards += 1
         gathered: list[np.ndarray] = []
         for chunk in calls:
