@@ -12,9 +12,8 @@ size; outputs must be the same with batching on and off.
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
-import threading
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -27,6 +26,7 @@ from drafter_client import SpecDecClient
 from drafter_client.metrics import quantile
 from scripts.bench.common import (
     add_base_arguments,
+    at_once,
     load_prompts,
     machine_record,
     markdown_table,
@@ -39,19 +39,9 @@ def run_clients(url: str, prompts: list[str], n: int, max_new_tokens: int,
                 k: int) -> dict[str, Any]:
     clients = [SpecDecClient(url, "ngram") for _ in range(n)]
     before = httpx.get(f"{url}/v1/metrics").json()
-    results: list[Any] = [None] * n
-
-    def work(i: int) -> None:
-        results[i] = clients[i].generate(prompts[i % len(prompts)], num_draft_tokens=k,
-                                         max_new_tokens=max_new_tokens)
-
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - started
+    results, wall = at_once([
+        functools.partial(clients[i].generate, prompts[i % len(prompts)], num_draft_tokens=k,
+                          max_new_tokens=max_new_tokens) for i in range(n)])
     after = httpx.get(f"{url}/v1/metrics").json()
     latencies = [s for r in results for s in r.metrics.verify_latencies_s]
     batches = after["batches"] - before["batches"]

@@ -7,8 +7,9 @@ import contextlib
 import json
 import os
 import platform
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,23 @@ def load_prompts(name: str) -> tuple[list[str], bool]:
     """``benchmarks/prompts/<name>.json``: (prompts, whether they take the chat template)."""
     data = json.loads((PROMPT_DIR / f"{name.replace('-', '_')}.json").read_text())
     return list(data["prompts"]), bool(data["chat"])
+
+
+def at_once(calls: list[Callable[[], Any]]) -> tuple[list[Any], float]:
+    """Every call on its own thread, all started together: their results, in order, and the
+    wall seconds from the first start to the last return."""
+    results: list[Any] = [None] * len(calls)
+
+    def work(i: int) -> None:
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(calls))]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, time.perf_counter() - started
 
 
 def markdown_table(rows: list[dict[str, Any]], columns: list[tuple[str, str]]) -> str:

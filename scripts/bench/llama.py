@@ -23,12 +23,12 @@ Prints a table per workload and writes the JSON (every run, with its tokens) to 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
 import sys
 import tarfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ import httpx
 
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
-from scripts.bench.common import fetch_offline_models, markdown_table, write_json
+from scripts.bench.common import at_once, fetch_offline_models, markdown_table, write_json
 from scripts.bench.suite import workloads
 from scripts.fetch_models import fetch_gguf
 from scripts.harness.process import VerifierProcess, free_port
@@ -304,21 +304,10 @@ def concurrent_runs(args: argparse.Namespace, url: str, drafter: Path, tokenizer
     records: list[dict[str, Any]] = []
     for round_no in range(args.rounds):
         for workload, items in prompts.items():
-            outs: dict[int, dict[str, Any]] = {}
-
-            def work(j: int, ids: list[int], outs: dict[int, dict[str, Any]]) -> None:
-                outs[j] = specdec_run(clients[j], ids, args.max_new_tokens, "auto", False)
-
-            threads = [threading.Thread(target=work,
-                                        args=(j, ids_of(items[j % len(items)]), outs))
-                       for j in range(n)]
-            started = time.perf_counter()
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            wall = time.perf_counter() - started
-            for j, out in sorted(outs.items()):
+            outs, wall = at_once([
+                functools.partial(specdec_run, clients[j], ids_of(items[j % len(items)]),
+                                  args.max_new_tokens, "auto", False) for j in range(n)])
+            for j, out in enumerate(outs):
                 records.append({"round": round_no, "workload": workload,
                                 "prompt": items[j % len(items)].name,
                                 "system": CONCURRENT.format(n=n), "batch_wall_s": wall, **out})
