@@ -63,6 +63,9 @@ class Observation:
     # the share of drafting_s that fed tokens the drafter had not seen (DrafterCosts.catch_up_s),
     # not part of what drafting a token costs
     catch_up_s: float = 0.0
+    # what one drafted token cost the other sessions in the verifier's forward (the reply's
+    # StepLoad.draft_price_ms): 0 alone on a verifier, or where a row costs it nothing
+    draft_price_s: float = 0.0
 
 
 class DraftLength(Protocol):
@@ -173,6 +176,7 @@ class CostModelLength:
         self.plain_s = 0.0  # seconds spent in plain steps (round trips of blocks of k = 0)
         self.probe_s = 0.0  # what the probes were expected to cost (``probe_cost``)
         self.probe_waits = False  # a probe is due but not affordable yet (``affords_probe``)
+        self._price = [0.0, 0.0]  # decayed (weight, sum) of the verifier's price per draft
         for k, ms in verify_ms or []:
             if k <= max_k:
                 self._rtt_at[k] = [1.0, ms / 1e3]  # one block's weight at the verifier's cost
@@ -229,8 +233,18 @@ class CostModelLength:
         for c in self.acceptance()[:k]:
             survive *= c
             tokens += survive
-        seconds = k * (self.draft_s_per_token or 0.0) + self.rtt(k)
+        seconds = k * ((self.draft_s_per_token or 0.0) + self.draft_price()) + self.rtt(k)
         return tokens / seconds if seconds > 0 else tokens
+
+    def draft_price(self) -> float:
+        """Seconds one drafted token costs the other sessions in the verifier's forwards
+        (decayed mean of what its replies said): a block is judged by its tokens per second
+        of the whole batch's time, not of this client's alone, so a busy verifier whose
+        rows cost time gets short drafts and an idle one long drafts (load-aware
+        speculation; with every session deciding so, drafting pays only where it raises the
+        batch's goodput)."""
+        weight, total = self._price
+        return total / weight if weight > 1e-9 else 0.0
 
     def plain_rate(self) -> float:
         """Tokens per second of plain decode steps (k = 0)."""
@@ -260,7 +274,7 @@ class CostModelLength:
         for k in range(1, min(self.max_k, longest + 1) + 1):
             survive *= acceptance
             tokens += survive
-            seconds = self.rtt(k)
+            seconds = self.rtt(k) + k * self.draft_price()
             if seconds > 0 and tokens / seconds > best_rate:
                 best, best_rate = k, tokens / seconds
         return best, best_rate
@@ -279,7 +293,7 @@ class CostModelLength:
         plain = self.plain_rate()
         for k in range(1, self.max_k + 1):
             tokens = sum(acceptance ** i for i in range(k + 1))
-            seconds = k * (self.draft_s_per_token or 0.0) + self.rtt(k)
+            seconds = k * ((self.draft_s_per_token or 0.0) + self.draft_price()) + self.rtt(k)
             if seconds <= 0 or tokens / seconds > plain:
                 return True
         return False
@@ -321,7 +335,7 @@ class CostModelLength:
     def probe_cost(self, catch_up_s: float) -> float:
         """A probe's seconds beyond the plain step it replaces: the drafter's catch-up, its
         one draft and a 1-token verify's surplus over a plain step's."""
-        return (catch_up_s + (self.draft_s_per_token or 0.0)
+        return (catch_up_s + (self.draft_s_per_token or 0.0) + self.draft_price()
                 + max(self.rtt(1) - self.rtt(0), 0.0))
 
     def affords_probe(self, catch_up_s: float, room: int | None) -> bool:
@@ -369,6 +383,7 @@ class CostModelLength:
         forward_s, plain_tokens = block.forward_s, block.plain_tokens
         d = self.decay
         whole_rtt_s = rtt_s
+        self._price = [d * self._price[0] + 1.0, d * self._price[1] + block.draft_price_s]
         if forward_s is not None and self.blocks:
             self._overhead = [d * self._overhead[0] + 1.0,
                               d * self._overhead[1] + max(rtt_s - forward_s, 0.0)]

@@ -42,6 +42,7 @@ class BlockOutcome:
     parents: list[int] | None = None  # a tree's parents (see Draft.parents)
     accepted_path: list[int] | None = None  # a tree's accepted nodes
     drafted_ahead: bool = False  # the draft was made while the previous block was in flight
+    draft_price_s: float = 0.0  # what a drafted token cost the others in the verifier's forward
 
 
 class BlockPolicy:
@@ -73,4 +74,5 @@ class BlockPolicy:
             outcome.depth, outcome.num_accepted, outcome.drafting_s, outcome.round_trip_s,
             free=self.drafter.costs().free_draft and not outcome.drafted_ahead,
             plain_tokens=len(outcome.tokens) if not drafted else 1,
-            forward_s=outcome.verifier_s, catch_up_s=plan.catch_up_s if drafted else 0.0))
+            forward_s=outcome.verifier_s, catch_up_s=plan.catch_up_s if drafted else 0.0,
+            draft_price_s=outcome.draft_price_s))

@@ -235,7 +235,8 @@ def speculative_block(session: VerifierSession, drafter: Drafter, plan: BlockPla
                         verifier_s=reply.forward_ms / 1e3,
                         depth=draft.depth,
                         parents=draft.parents, accepted_path=reply.accepted_path,
-                        drafted_ahead=drafted is not None)
+                        drafted_ahead=drafted is not None,
+                        draft_price_s=reply.load.draft_price_ms / 1e3 if reply.load else 0.0)
 
 
 def speculative_generate(

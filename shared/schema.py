@@ -207,6 +207,21 @@ def decode_logprobs(values: list[float | None]) -> torch.Tensor:
     return torch.tensor([float("-inf") if v is None else v for v in values], dtype=torch.float64)
 
 
+class StepLoad(_Strict):
+    """The batched forward a verify call rode in, and what its drafts cost the others there
+    (load-aware speculation, after SmartSpec: Liu et al. 2024, "Optimizing Speculative
+    Decoding for Serving Large Language Models Using Goodput"). One more row in a forward
+    delays every other session in it by ``row_ms``; a block's k drafts therefore cost the
+    others ``k * draft_price_ms``, which a client's cost model adds to its own round trip."""
+
+    sessions: Count  # sessions whose tokens this forward wrote
+    rows: Count  # tokens it wrote (prompts included)
+    step_ms: float = Field(ge=0.0, allow_inf_nan=False)  # its wall time on the verifier
+    row_ms: float = Field(ge=0.0, allow_inf_nan=False)  # the verifier's estimate of one row's
+    # marginal cost in a forward (fitted over its recent forwards)
+    draft_price_ms: float = Field(ge=0.0, allow_inf_nan=False)  # (sessions - 1) * row_ms
+
+
 class VerifyResponse(_Strict):
     num_accepted: Count
     # [k] processed log p_i(x_i), null in greedy mode; an entry is null where p_i(x_i) = 0 (-inf)
@@ -222,11 +237,14 @@ class VerifyResponse(_Strict):
     accepted_path: list[Id] | None = None
     # A plain run: the tokens drawn after next_token, one per more_uniforms entry used.
     more_tokens: list[Id] | None = None
+    # The batched forward that decided this block (a plain run: its last step's).
+    load: StepLoad | None = None
 
     @classmethod
-    def of(cls, verdict: Verdict, position: int, forward_ms: float) -> VerifyResponse:
+    def of(cls, verdict: Verdict, position: int, forward_ms: float,
+           load: StepLoad | None = None) -> VerifyResponse:
         """The wire form of ``verdict``; ``position``: the session's once it is committed."""
-        return cls(
+        return cls(load=load,
             num_accepted=verdict.num_accepted,
             target_logprobs=(encode_logprobs(verdict.target_logprobs)
                              if verdict.target_logprobs is not None else None),

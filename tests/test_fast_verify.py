@@ -83,7 +83,10 @@ def test_lean_route_answers_as_fastapi(pair: tuple[httpx.Client, httpx.Client], 
     assert lean.status_code == full.status_code, (lean.text, full.text)
     if full.status_code == 200:
         a, b = lean.json(), full.json()
-        a.pop("forward_ms"), b.pop("forward_ms")
+        a.pop("forward_ms"), b.pop("forward_ms")  # timings: the same fields, other values
+        for load in (a.pop("load"), b.pop("load")):
+            assert set(load) == {"sessions", "rows", "step_ms", "row_ms", "draft_price_ms"}
+            assert load["sessions"] == 1 and load["draft_price_ms"] == 0.0
         assert a == b
         return
     a, b = lean.json()["error"], full.json()["error"]

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from shared.engines.target import Engine
 from verifier_service.scheduling.jobs import JobContext
+from verifier_service.scheduling.load import RowCosts
 from verifier_service.scheduling.scheduler import BatchObserver, Scheduler
 from verifier_service.scheduling.sessions import SessionStore
 from verifier_service.scheduling.validation import RequestValidator
@@ -60,6 +61,7 @@ def make_lifespan(settings: Settings, engine: Engine | None = None,
             max_batch_tokens=settings.max_batch_tokens,
             batch_wait_ms=settings.batch_wait_ms if settings.batching else 0.0,
             max_queue=settings.max_queue, observer=observer,
+            row_costs=RowCosts(target.info.verify_ms),
         )
         state = VerifierState(settings, target, build_jobs(target, settings), scheduler,
                               thread)

@@ -27,6 +27,7 @@ import torch
 from shared.acceptance.batched import decide
 from shared.acceptance.rule import Block, Verdict
 from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
+from shared.schema import StepLoad
 
 VERIFY_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # drafts per block timed at start (``verify_ms``)
 
@@ -124,10 +125,12 @@ class Step:
 @dataclass(frozen=True)
 class StepResult:
     """What the engine gives back for one step: the verdict of its block, or the rows it kept
-    (a step without a block: beam search reads whole rows), or neither (a prefill)."""
+    (a step without a block: beam search reads whole rows), or neither (a prefill); and the
+    scheduler adds the batched forward it rode in (``load``)."""
 
     verdict: Verdict | None = None
     rows: torch.Tensor | None = None  # [n, vocab] float32 on the host
+    load: StepLoad | None = None
 
     def decided(self) -> Verdict:
         """The verdict of a step that had a block."""

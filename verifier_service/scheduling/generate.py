@@ -110,6 +110,7 @@ async def verify_call(ctx: JobContext, scheduler: Scheduler, session_id: str,
         return first
     assert first.next_token is not None  # a step without drafts draws its token
     last, position, forward_ms = first.next_token, first.position, first.forward_ms
+    load = first.load
     tokens: list[int] = []
     for uniform in req.more_uniforms:
         if last in eos_token_ids or position > ctx.validator.max_context:
@@ -117,11 +118,11 @@ async def verify_call(ctx: JobContext, scheduler: Scheduler, session_id: str,
         reply = await scheduler.submit(VerifyJob(ctx, session_id, VerifyRequest(
             position=position, last_token=last, final_uniform=uniform), owner))
         assert reply.next_token is not None
-        last, position = reply.next_token, reply.position
+        last, position, load = reply.next_token, reply.position, reply.load
         forward_ms += reply.forward_ms
         tokens.append(last)
     whole = first.model_copy(update={"position": position, "more_tokens": tokens,
-                                     "forward_ms": forward_ms})
+                                     "forward_ms": forward_ms, "load": load})
     await scheduler.run(remember, ctx, session_id, owner, req, job.digest, whole)
     return whole
 

@@ -212,7 +212,7 @@ class VerifyJob:
         counters.drafted_tokens += len(req.draft_ids)
         counters.accepted_tokens += verdict.num_accepted
         reply = VerifyResponse.of(verdict, session.position,
-                                  1e3 * (time.perf_counter() - self.started))
+                                  1e3 * (time.perf_counter() - self.started), result.load)
         session.last_verify_position, session.last_verify_digest = req.position, self.digest
         session.last_reply = reply
         return reply

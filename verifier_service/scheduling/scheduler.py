@@ -16,11 +16,12 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from shared.engines.target import NOTHING, Engine, Step, StepResult
 from verifier_service.errors import VerifierError
+from verifier_service.scheduling.load import RowCosts
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +88,14 @@ class BatchObserver(Protocol):
 class Scheduler:
     def __init__(self, engine: Engine, run_on_model_thread: Any, max_batch_size: int,
                  max_batch_tokens: int, batch_wait_ms: float, max_queue: int,
-                 observer: BatchObserver | None = None) -> None:
+                 observer: BatchObserver | None = None,
+                 row_costs: RowCosts | None = None) -> None:
         self.engine, self.run, self.observer = engine, run_on_model_thread, observer
         self.max_batch_size, self.max_batch_tokens = max_batch_size, max_batch_tokens
         self.batch_wait_s = batch_wait_ms / 1e3
         self.queue: asyncio.Queue[_Pending] = asyncio.Queue(maxsize=max_queue)
         self.stats = SchedulerStats()
+        self.row_costs = row_costs
         self._task: asyncio.Task[None] | None = None
         self._held: _Pending | None = None  # taken from the queue but over the batch's limits
         # A second call for a session already in the batch (a client's retry while its first
@@ -162,7 +165,8 @@ class Scheduler:
             started = time.perf_counter()
             for pending in batch:
                 self.stats.queue_wait_s += started - pending.queued_at
-            outcomes = await self.run(run_jobs, self.engine, [p.job for p in batch])
+            outcomes = await self.run(run_jobs, self.engine, [p.job for p in batch],
+                                      self.row_costs)
             ended = time.perf_counter()
             self.stats.forward_s += ended - started
             if self.observer is not None:
@@ -182,10 +186,12 @@ class Scheduler:
                     pending.future.set_exception(value)
 
 
-def run_jobs(engine: Engine, jobs: list[Job]) -> list[tuple[bool | None, Any]]:
+def run_jobs(engine: Engine, jobs: list[Job], costs: RowCosts | None = None,
+             ) -> list[tuple[bool | None, Any]]:
     """Model thread: prepare every job, one engine run for all, then finish each. Outcomes in
     job order: (True, answer), (False, exception) for a job that failed alone, or (None, None)
-    for a second job of a session already in this batch (deferred to the next batch)."""
+    for a second job of a session already in this batch (deferred to the next batch).
+    ``costs``: learns from the forward and prices it in each result's ``load``."""
     outcomes: list[tuple[bool | None, Any] | None] = [None] * len(jobs)
     prepared: list[tuple[int, Step | None]] = []
     sessions: set[Any] = set()
@@ -203,7 +209,14 @@ def run_jobs(engine: Engine, jobs: list[Job]) -> list[tuple[bool | None, Any]]:
         prepared.append((i, step))
     steps = [step for _, step in prepared if step is not None]
     try:
-        results = iter(engine.run(steps) if steps else [])
+        started = time.perf_counter()
+        ran = engine.run(steps) if steps else []
+        if steps and costs is not None:  # each verdict says what its forward cost the batch
+            seconds = time.perf_counter() - started
+            costs.observe(steps, seconds)
+            load = costs.load(steps, seconds)
+            ran = [replace(result, load=load) for result in ran]
+        results = iter(ran)
         answered = [(i, next(results) if step is not None else NOTHING) for i, step in prepared]
     except Exception as exc:  # the forward failed: every prepared job fails with it
         log.exception("batched forward failed")
