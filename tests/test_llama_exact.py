@@ -128,6 +128,38 @@ def test_negative_control_without_the_row_cap(q4k: dict[str, Path],
     assert not same["k=4"] and not same["beside another session"], same
 
 
+def test_negative_control_prompt_cut_with_its_last_token(q4k: dict[str, Path],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """...and a prompt cut where its first row begins: decoded whole with its last token (as
+    ``/v1/generate`` sends it) in one whole-batch decode, the target alone's prompt cache is
+    not the one a session writes (its prompt less the last token, then that token with its
+    drafts), and every row after it differs."""
+    cut = runtime._prompt_length
+
+    def with_last_token(segment: Segment) -> int:
+        whole = segment.start == 0 and segment.rows_from == len(segment.token_ids) - 1
+        return len(segment.token_ids) if whole else cut(segment)
+
+    monkeypatch.setattr(runtime, "_prompt_length", with_last_token)
+    same = block_layouts(repacked(context(q4k["target"], "exact")))
+    assert not any(same.values()), same
+
+
+def test_prompts_go_in_aligned_whole_batches(q4k: dict[str, Path]) -> None:
+    """An exact prompt is decoded in whole batches of its own (not 3 rows a decode), cut at
+    multiples of PREFILL_CHUNK whether it comes whole or less its last token."""
+    model = context(q4k["target"], "exact")
+    prompt = [int(t) for t in np.random.default_rng(9).integers(2, 256, 150)]
+    before = model.decodes
+    model.decode([Segment(0, 0, prompt, len(prompt) - 1), Segment(1, 0, [7, 8], 0)])
+    # 149 prompt tokens cut at 64 and 128, then the last token and the other row together
+    assert model.decodes - before == 3 + 1
+    model.decode([Segment(2, 0, prompt[:-1])])
+    [alone] = model.decode([Segment(2, len(prompt) - 1, prompt[-1:], 0)])
+    [whole] = model.decode([Segment(3, 0, prompt, len(prompt) - 1)])
+    assert alone is not None and whole is not None and np.array_equal(alone, whole)
+
+
 def test_negative_control_in_one_unified_cache(q4k: dict[str, Path]) -> None:
     """...and a stream per sequence: in one shared cache a session's cells lie after or
     between other sessions', and attention's vector sums group them otherwise."""

@@ -257,6 +257,12 @@ def repacked_layouts_run(path: str, threads: int) -> bool:
 # each row alone, as for one (the repacked layouts' gemv below 4 rows; the tiled K-quant kernel
 # starts at 8); more rows take kernels that share work across rows and round otherwise.
 EXACT_ROWS = 3
+# A prompt (the tokens a segment writes before the first row it asks for) goes in decodes of its
+# own sequence alone, cut at positions that are multiples of this: whole-batch kernels, but what
+# they write depends on the prompt only - never on the load, on other sequences, or on whether
+# the prompt came whole (``/v1/generate``) or less its last token (a session) - so the target
+# alone and a speculative session hold the same prompt cache. At most the context's ubatch (512).
+PREFILL_CHUNK = 64
 
 
 @functools.cache
@@ -337,9 +343,11 @@ class LlamaModel:
     ``exact``: every row a decode returns is bit-equal to what one-token steps return, whatever
     the batch: one KV stream of ``seq_tokens`` cells per sequence (position p of a sequence
     always lies in its stream's cell p, whatever other sequences did, so attention sums the same
-    cells in the same order), and every token, prompts included, goes to llama.cpp at most
-    :data:`EXACT_ROWS` rows per ``llama_decode``. Not thread-safe: one caller at a time (the
-    verifier's model thread, or one drafter)."""
+    cells in the same order), every token whose row is asked for goes to llama.cpp at most
+    :data:`EXACT_ROWS` rows per ``llama_decode``, and a prompt (the tokens before a segment's
+    first row) in whole batches of its own sequence, cut at multiples of
+    :data:`PREFILL_CHUNK`, so the cache it leaves depends on the prompt alone. Not
+    thread-safe: one caller at a time (the verifier's model thread, or one drafter)."""
 
     def __init__(self, weights: str | GGUFWeights, n_seqs: int = 1, seq_tokens: int = 4096,
                  threads: int = 0, batch_tokens: int = 2048, cells: int = 0,
@@ -434,10 +442,11 @@ class LlamaModel:
 
     def _plan(self, segments: list[Segment]) -> tuple[list[int], list[list[Token]]]:
         """The segments in the order their tokens are written, and the ``llama_decode`` calls
-        that write them: chunks of the context's batch size, or under ``exact`` in sequence
-        order, :data:`EXACT_ROWS` tokens a call, prompts included (how a prompt's rows were
-        computed must not depend on how long a segment brought them: a session writes its
-        prompt less its last token, then that token with its first drafts)."""
+        that write them: chunks of the context's batch size, or under ``exact`` first each
+        segment's prompt alone in :func:`_aligned` runs (a session writes its prompt less its
+        last token, then that token with its first drafts; ``/v1/generate`` writes it whole
+        asking for the last row: both cut the same prompt in the same places), then every row
+        in sequence order, :data:`EXACT_ROWS` a call."""
         def tokens(j: int) -> list[Token]:
             s = segments[j]
             return [(s.seq, s.start + i, token, s.rows_from is not None and i >= s.rows_from)
@@ -452,7 +461,14 @@ class LlamaModel:
         # In sequence order: llama.cpp splits a multi-stream batch into ubatches of
         # consecutive sequences, so neighbours share one.
         order = sorted(range(len(segments)), key=lambda j: segments[j].seq)
-        return order, chunks([t for j in order for t in tokens(j)], EXACT_ROWS)
+        prompts: list[list[Token]] = []
+        rows: list[Token] = []
+        for j in order:
+            written = tokens(j)
+            head = _prompt_length(segments[j])
+            prompts += _aligned(written[:head], PREFILL_CHUNK)
+            rows += written[head:]
+        return order, prompts + chunks(rows, EXACT_ROWS)
 
     def remove(self, seq: int, start: int = 0, end: int = -1) -> None:
         """Drop sequence ``seq``'s cached positions [start, end) (end -1: to its end)."""
@@ -489,6 +505,23 @@ class LlamaModel:
     def __del__(self) -> None:  # pragma: no cover - interpreter shutdown order varies
         with contextlib.suppress(Exception):
             self.close()
+
+
+def _prompt_length(segment: Segment) -> int:
+    """The tokens at the front of ``segment`` that ask for no row: its prompt."""
+    return len(segment.token_ids) if segment.rows_from is None else min(
+        segment.rows_from, len(segment.token_ids))
+
+
+def _aligned(written: list[Token], size: int) -> list[list[Token]]:
+    """One sequence's tokens in runs that end where a position is a multiple of ``size``: the
+    same prompt is cut in the same places however it is written."""
+    runs: list[list[Token]] = []
+    for token in written:
+        if not runs or token[1] % size == 0:
+            runs.append([])
+        runs[-1].append(token)
+    return runs
 
 
 def default_threads() -> int:

@@ -7,8 +7,9 @@ from; a block's rejected drafts are dropped from the sequence when its next toke
 
 ``kernels="exact"`` (the default) computes every row of a decode as a one-token step computes
 it, so greedy speculation equals the target alone's token for token, at any k and under any
-load (``LlamaModel``'s ``exact``: one KV stream per slot, prompts decoded alone, every other
-token at most three rows per ``llama_decode``, in a llama.cpp built without llamafile).
+load (``LlamaModel``'s ``exact``: one KV stream per slot, prompts decoded alone in whole
+batches cut at fixed positions, every row at most three per ``llama_decode``, in a llama.cpp
+built without llamafile).
 ``kernels="fast"`` gives llama.cpp whole batches in one unified cache: cheaper blocks, but a
 block's rows round unlike one-token steps, and a session's by where its cells lie
 (docs/design.md, "Exact greedy on llama.cpp").
