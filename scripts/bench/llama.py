@@ -83,15 +83,17 @@ def llama_server_binary() -> Path:
 
 
 class LlamaServer:
-    """One ``llama-server`` process on a free port (one slot, greedy requests)."""
+    """One ``llama-server`` process on a free port (``parallel`` slots of 4096 tokens each,
+    continuously batched; greedy requests)."""
 
     def __init__(self, binary: Path, model: Path, threads: int, extra: list[str],
-                 pin: str | None = None) -> None:
+                 pin: str | None = None, parallel: int = 1) -> None:
         self.port = free_port()
         if not repacked_layouts_run(str(model), threads):
             extra = ["--no-repack", *extra]  # plain weights where AMX crashes, as specdec's
         self.cmd = [*(["taskset", "-c", pin] if pin else []), str(binary), "-m", str(model),
-                    "--port", str(self.port), "-t", str(threads), "-c", "4096", "-np", "1",
+                    "--port", str(self.port), "-t", str(threads), "-c", str(4096 * parallel),
+                    "-np", str(parallel),
                     "--no-webui", *extra]
         env = {**os.environ, "LD_LIBRARY_PATH": str(binary.parent)}  # its own ggml libraries
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL,
