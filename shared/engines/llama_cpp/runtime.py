@@ -1,8 +1,8 @@
 """A GGUF model on llama.cpp (through ``llama-cpp-python``'s low-level API), used by both sides:
 the verifier's llama.cpp engine and the client's llama.cpp drafter.
 
-One :class:`LlamaModel` is one loaded model with one context of ``n_seqs`` sequences in one
-unified KV cache. A :meth:`LlamaModel.decode` call writes the new tokens of many sequences in
+One :class:`LlamaModel` is one loaded model with one context of ``n_seqs`` sequences, in one
+unified KV cache or a KV stream each. A :meth:`LlamaModel.decode` call writes the new tokens of many sequences in
 ONE ``llama_decode`` (split only where the tokens exceed the context's batch size) and returns
 the logits rows asked for, as float32 numpy arrays. Positions are explicit, so a sequence's
 cached tokens beyond its committed prefix are dropped with :meth:`LlamaModel.remove` (rollback)
@@ -337,8 +337,9 @@ class GGUFWeights:
 
 class LlamaModel:
     """A context on GGUF weights (a path, or :class:`GGUFWeights` shared with other contexts)
-    holding ``n_seqs`` sequences of up to ``seq_tokens`` each in a unified cache of ``cells``
-    tokens (default ``n_seqs * seq_tokens``).
+    holding ``n_seqs`` sequences of up to ``seq_tokens`` each, in a unified cache of ``cells``
+    tokens (default ``n_seqs * seq_tokens``) or, with ``streams``, a KV stream each (llama.cpp's
+    server lays out ``-np N`` so: a sequence attends over its own cells only).
 
     ``exact``: every row a decode returns is bit-equal to what one-token steps return, whatever
     the batch: one KV stream of ``seq_tokens`` cells per sequence (position p of a sequence
@@ -351,7 +352,7 @@ class LlamaModel:
 
     def __init__(self, weights: str | GGUFWeights, n_seqs: int = 1, seq_tokens: int = 4096,
                  threads: int = 0, batch_tokens: int = 2048, cells: int = 0,
-                 exact: bool = False) -> None:
+                 exact: bool = False, streams: bool | None = None) -> None:
         self.weights = (weights if isinstance(weights, GGUFWeights)
                         else GGUFWeights(weights, threads))
         lib = self.lib = self.weights.lib
@@ -361,8 +362,11 @@ class LlamaModel:
         self.n_seqs = n_seqs
         self.threads = threads or default_threads()
         self.exact = exact
+        # a KV stream per sequence (exact needs them; whole batches may use them too)
+        self.streams = exact if streams is None else streams or exact
         params = lib.llama_context_default_params()
-        params.n_ctx = n_seqs * self.seq_tokens if exact else cells or n_seqs * self.seq_tokens
+        params.n_ctx = (n_seqs * self.seq_tokens if self.streams
+                        else cells or n_seqs * self.seq_tokens)
         params.n_seq_max = n_seqs
         params.n_batch = self.batch_tokens = max(1, min(batch_tokens, params.n_ctx))
         params.n_ubatch = min(512, self.batch_tokens)
@@ -373,7 +377,7 @@ class LlamaModel:
         if self.kv_f32:
             params.type_k = params.type_v = GGML_TYPE_F32
         # unified: one pool of cells that any sequence may use; exact: a stream per sequence
-        params.kv_unified = not exact
+        params.kv_unified = not self.streams
         params.no_perf = True
         # Off: its CPU kernel rounds by where a sequence's cells lie in the cache (a beam's
         # scores then depend on which slot it sits in), and it was not faster here

@@ -10,13 +10,13 @@ it, so greedy speculation equals the target alone's token for token, at any k an
 load (``LlamaModel``'s ``exact``: one KV stream per slot, prompts decoded alone in whole
 batches cut at fixed positions, every row at most three per ``llama_decode``, in a llama.cpp
 built without llamafile).
-``kernels="fast"`` gives llama.cpp whole batches in one unified cache: cheaper blocks, but a
-block's rows round unlike one-token steps, and a session's by where its cells lie
-(docs/design.md, "Exact greedy on llama.cpp").
+``kernels="fast"`` gives llama.cpp whole batches (a KV stream per slot, as ``llama-server -np
+N`` lays them out): cheaper blocks and batches of four rows and more, but their rows round
+unlike one-token steps (docs/design.md, "Exact greedy on llama.cpp").
 Acceptance is the same code as on the transformers engines (``BatchForward.run``), on the rows
 llama.cpp returns. Token trees are not verified here (``trees = False``: the validator answers
-422 ``tree_unsupported``); beam search reorders sequences by copying their cells (``seq_cp`` shares
-cells in the unified cache; with streams the sequences' states are saved and restored).
+422 ``tree_unsupported``); beam search reorders sequences by saving and restoring their states
+(a stream cannot share cells).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from shared.engines.target import BatchForward, ForwardItem, ModelInfo
 from shared.models import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
-MAX_SLOTS = 127  # llama.cpp holds at most 256 sequences; each slot keeps one spare for beams
+MAX_SLOTS = 256  # llama.cpp's LLAMA_MAX_SEQ: a context holds at most 256 sequences
 FILE_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 7: "q8_0", 8: "q5_0", 9: "q5_1",
               10: "q2_k", 12: "q3_k_m", 14: "q4_k_s", 15: "q4_k_m", 16: "q5_k_s", 17: "q5_k_m",
               18: "q6_k", 32: "bf16"}
@@ -109,21 +109,12 @@ class LlamaCppEngine(BatchForward):
     def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
         if parents == list(range(len(slots))):
             return
-        if self.model.exact:  # a stream copies whole: save each parent, restore children
-            states = {parent: self.model.save(slots[parent]) for parent in set(parents)}
-            for child, (slot, parent) in enumerate(zip(slots, parents, strict=True)):
-                if parent != child:
-                    self.model.restore(slot, states[parent])
-                    self.model.remove(slot, length)
-            return
-        spare = [self._num_slots + j for j in range(len(slots))]
-        for parent, scratch in zip(parents, spare, strict=True):
-            self.model.remove(scratch)
-            self.model.copy(slots[parent], scratch, 0, length)
-        for slot, scratch in zip(slots, spare, strict=True):
-            self.model.remove(slot)
-            self.model.copy(scratch, slot, 0, length)
-            self.model.remove(scratch)
+        # a stream copies whole: save each parent, restore its children
+        states = {parent: self.model.save(slots[parent]) for parent in set(parents)}
+        for child, (slot, parent) in enumerate(zip(slots, parents, strict=True)):
+            if parent != child:
+                self.model.restore(slot, states[parent])
+                self.model.remove(slot, length)
 
     def counters(self) -> dict[str, int]:
         return {"llama_forwards": self.model.forwards, "llama_decodes": self.model.decodes}
@@ -158,7 +149,7 @@ def load_llama_engine(spec: str, max_context: int = 0, kv_budget_tokens: int = 3
                       acceptance: str = "device", kernels: str = "exact") -> LlamaCppEngine:
     """A GGUF target on llama.cpp: slots of ``max_context`` tokens (0: the model's context),
     as many as ``kv_budget_tokens`` holds; ``kernels``: "exact" (one-row kernels, a KV stream
-    per slot) or "fast" (llama.cpp's defaults, one unified cache)."""
+    per slot) or "fast" (llama.cpp's whole-batch kernels, also a KV stream per slot)."""
     started = time.perf_counter()
     path, tokenizer_spec = resolve_gguf(spec)
     exact = kernels == "exact"
@@ -167,10 +158,8 @@ def load_llama_engine(spec: str, max_context: int = 0, kv_budget_tokens: int = 3
     limit = weights.model_limit
     context = min(max_context or limit, limit, kv_budget_tokens)
     num_slots = max(1, min(kv_budget_tokens // context, MAX_SLOTS))
-    model = LlamaModel(weights, n_seqs=num_slots if exact else 2 * num_slots,
-                       seq_tokens=context, threads=threads,
-                       batch_tokens=max(max_batch_tokens, 512), cells=num_slots * context,
-                       exact=exact)
+    model = LlamaModel(weights, n_seqs=num_slots, seq_tokens=context, threads=threads,
+                       batch_tokens=max(max_batch_tokens, 512), exact=exact, streams=True)
     described = kernels
     if exact:
         holds, why = exact_kernels()
