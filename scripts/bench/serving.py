@@ -17,6 +17,9 @@ Systems (``--systems``):
   default                 specdec's default client (model drafter + lookup, ``-k auto``) x N:
                           each drafter runs in this process, on the verifier's cores (what a
                           one-machine user gets; across hosts it costs the verifier nothing)
+  alone-fast, lookup-fast the same on a second verifier with ``--kernels fast`` (llama.cpp's
+                          whole-batch kernels, as llama-server's; not exact): what exactness
+                          costs under load
 
 Every specdec output is checked against specdec's target alone on the same prompt, and each
 ``llama-server`` mode against ``llama-server``'s target alone (greedy identity under load).
@@ -51,7 +54,9 @@ from scripts.bench.suite import workloads
 from scripts.harness.process import VerifierProcess
 from shared.models import OFFLINE_MODELS, load_tokenizer
 
-SYSTEMS = ("llama-server", "llama-server-ngram", "alone", "lookup", "default")
+SYSTEMS = ("llama-server", "llama-server-ngram", "alone", "lookup", "default", "alone-fast",
+           "lookup-fast")
+FAST = "-fast"  # on a second verifier with --kernels fast
 PEERS = {"llama-server": [], "llama-server-ngram": ["--spec-type", "ngram-simple"]}
 SEQ_TOKENS = 4096  # each session's (each llama-server slot's) context
 
@@ -147,7 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = [p for items in workloads(2).values() for p in items]
 
     def ids_of(prompt: Any) -> list[int]:
-        if prompt.chat:
+        if prompt.chat and tokenizer.chat_template:  # a base model takes the text as it is
             return list(tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt.text}], add_generation_prompt=True,
                 tokenize=True, return_dict=False))
@@ -162,29 +167,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print("llama-server skipped: no GGUF file of the target")
         peers = []
     ours = [s for s in args.systems if s not in PEERS]
-    verifier = VerifierProcess(
-        ["--model", str(target) if llama else args.target, "--engine", args.engine,
-         "--device", args.device, "--dtype", args.dtype, "--max-context", str(SEQ_TOKENS),
-         "--kv-budget-tokens", str(SEQ_TOKENS * most),
-         "--max-batch-size", str(max(16, most)), *args.verifier_arg], threads=args.threads)
+    common = ["--model", str(target) if llama else args.target, "--engine", args.engine,
+              "--device", args.device, "--dtype", args.dtype, "--max-context", str(SEQ_TOKENS),
+              "--kv-budget-tokens", str(SEQ_TOKENS * most),
+              "--max-batch-size", str(max(16, most)), *args.verifier_arg]
+    verifier = VerifierProcess(common, threads=args.threads)
+    fast = VerifierProcess([*common, "--kernels", "fast"], threads=args.threads)
     binary = llama_server_binary() if peers else None
     records: list[dict[str, Any]] = []
     steps: list[dict[str, Any]] = []
     try:
         verifier.start()
         info = SpecDecClient(verifier.url, None, tokenizer=tokenizer).info
+        if any(s.endswith(FAST) for s in ours):
+            fast.start()
+        url = {s: fast.url if s.endswith(FAST) else verifier.url for s in ours}
         for n in args.clients:
             servers = {name: LlamaServer(binary, target, args.threads, PEERS[name],
                                          parallel=n) for name in peers} if binary else {}
-            clients = {name: make_clients(name, n, verifier.url, tokenizer, drafter, args)
-                       for name in ours}
+            clients = {name: make_clients(name.removesuffix(FAST), n, url[name], tokenizer,
+                                          drafter, args) for name in ours}
             try:
                 order = [*peers, *ours]
                 for round_no in range(args.rounds):
                     shift = round_no % len(order)
                     for system in order[shift:] + order[:shift]:  # alternating order
                         picks = [(j + round_no) % len(prompts) for j in range(n)]
-                        before = verifier_counts(verifier.url) if system in ours else None
+                        before = verifier_counts(url[system]) if system in ours else None
                         if system in servers:
                             calls = [functools.partial(peer_request, servers[system].port,
                                                        prompt_ids[p], args.max_new_tokens)
@@ -192,14 +201,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         else:
                             calls = [functools.partial(specdec_request, clients[system][j],
                                                        prompt_ids[p], args.max_new_tokens,
-                                                       system == "alone")
+                                                       system.startswith("alone"))
                                      for j, p in enumerate(picks)]
                         outs, span = at_once(calls)
                         for j, (p, out) in enumerate(zip(picks, outs, strict=True)):
                             records.append({"clients": n, "round": round_no, "system": system,
                                             "client": j, "prompt": prompts[p].name, **out})
                         if before is not None:
-                            after = verifier_counts(verifier.url)
+                            after = verifier_counts(url[system])
                             steps.append({"clients": n, "round": round_no, "system": system,
                                           "wall_s": span, **{key: after[key] - before[key]
                                                              for key in after}})
@@ -211,6 +220,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     server.close()
     finally:
         verifier.stop()
+        fast.stop()
     return report(records, steps, args, info)
 
 
@@ -236,10 +246,11 @@ def _quantile(values: list[float], q: float) -> float:
 def report(records: list[dict[str, Any]], steps: list[dict[str, Any]],
            args: argparse.Namespace, info: Any) -> dict[str, Any]:
     alone = {"llama-server": "llama-server", "llama-server-ngram": "llama-server",
-             "alone": "alone", "lookup": "alone", "default": "alone"}
+             "alone": "alone", "lookup": "alone", "default": "alone",
+             "alone-fast": "alone-fast", "lookup-fast": "alone-fast"}
     reference: dict[tuple[str, str], list[int]] = {}
     for r in sorted(records, key=lambda r: r["clients"]):  # each prompt's target-alone output
-        if r["system"] in ("llama-server", "alone"):  # at the lightest load it ran at
+        if r["system"] in ("llama-server", "alone", "alone-fast"):  # at its lightest load
             reference.setdefault((r["system"], r["prompt"]), r["tokens"])
     for r in records:
         want = reference.get((alone[r["system"]], r["prompt"]))
