@@ -327,7 +327,7 @@ class SpecDecClient:
             num_draft_tokens = self.settings.num_draft_tokens
         try:
             draft_length = make_draft_length(str(num_draft_tokens), self.info.max_draft_tokens,
-                                             self.info.verify_ms)
+                                             self.info.verify_ms, self.settings.load_aware)
         except ValueError as exc:
             raise SpecDecError(str(exc)) from exc
         try:

@@ -149,8 +149,10 @@ class CostModelLength:
     def __init__(self, max_k: int = 16, start: int = 2, decay: float = 0.95,
                  prior_acceptance: float = 0.6, prior_weight: float = 2.0,
                  probe_every: int = 4, max_probe_gap: int = 32,
-                 verify_ms: list[tuple[int, float]] | None = None) -> None:
+                 verify_ms: list[tuple[int, float]] | None = None,
+                 load_aware: bool = True) -> None:
         self.max_k, self.k, self.decay = max_k, start, decay
+        self.load_aware = load_aware  # False: draft_price() is 0 whatever the replies said
         self.probe_every, self.max_probe_gap = probe_every, max_probe_gap
         self.probe_gap = probe_every  # plain steps before the next probe
         self.plain_steps = 0  # plain steps since the last drafted block
@@ -244,7 +246,7 @@ class CostModelLength:
         speculation; with every session deciding so, drafting pays only where it raises the
         batch's goodput)."""
         weight, total = self._price
-        return total / weight if weight > 1e-9 else 0.0
+        return total / weight if weight > 1e-9 and self.load_aware else 0.0
 
     def plain_rate(self) -> float:
         """Tokens per second of plain decode steps (k = 0)."""
@@ -433,13 +435,13 @@ def parse_k(spec: str) -> int | str:
     return k
 
 
-def make_draft_length(spec: str, max_k: int,
-                      verify_ms: list[tuple[int, float]] | None = None) -> DraftLength:
+def make_draft_length(spec: str, max_k: int, verify_ms: list[tuple[int, float]] | None = None,
+                      load_aware: bool = True) -> DraftLength:
     """``-k`` values: an integer, ``auto`` (cost model, seeded with the verifier's measured
-    ``verify_ms``) or ``heuristic``."""
+    ``verify_ms``; ``load_aware``: pricing drafts by the verifier's load) or ``heuristic``."""
     k = parse_k(spec)
     if k == "auto":
-        return CostModelLength(max_k=max_k, verify_ms=verify_ms)
+        return CostModelLength(max_k=max_k, verify_ms=verify_ms, load_aware=load_aware)
     if k == "heuristic":
         return HeuristicLength(max_k=max_k)
     assert isinstance(k, int)

@@ -115,9 +115,13 @@ class ClientSettings:
     ``dtype`` / ``device``: a model drafter's (``auto``: measured on this machine / CUDA when
     there is one). ``sampling``: what ``generate`` and ``baseline`` use where a call does not
     say. The connection: ``timeout_s`` per HTTP call, ``retry_budget_s`` to keep retrying a
-    verifier that is down or overloaded, ``simulated_rtt_ms`` added before every call."""
+    verifier that is down or overloaded, ``simulated_rtt_ms`` added before every call.
+    ``load_aware``: ``"auto"`` prices each draft by what it costs the other sessions in the
+    verifier's forward (its replies' ``load``); False judges blocks by this client's own round
+    trip alone (to measure what load-awareness does: ``scripts.bench serving``)."""
 
     num_draft_tokens: str = "auto"
+    load_aware: bool = True
     options: DrafterOptions = field(default_factory=DrafterOptions)
     sampling: Sampling = field(default_factory=Sampling)
     dtype: str = "auto"

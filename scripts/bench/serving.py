@@ -20,6 +20,8 @@ Systems (``--systems``):
   alone-fast, lookup-fast the same on a second verifier with ``--kernels fast`` (llama.cpp's
                           whole-batch kernels, as llama-server's; not exact): what exactness
                           costs under load
+  lookup-selfish          prompt lookup whose ``-k auto`` ignores the verifier's load
+                          (``ClientSettings(load_aware=False)``): what load-awareness does
 
 Every specdec output is checked against specdec's target alone on the same prompt, and each
 ``llama-server`` mode against ``llama-server``'s target alone (greedy identity under load).
@@ -48,6 +50,7 @@ import httpx
 
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
+from drafter_client.settings import ClientSettings
 from scripts.bench.common import at_once, fetch_offline_models, markdown_table, write_json
 from scripts.bench.llama import LlamaServer, first_difference, gguf_of, llama_server_binary
 from scripts.bench.suite import workloads
@@ -55,7 +58,7 @@ from scripts.harness.process import VerifierProcess
 from shared.models import OFFLINE_MODELS, load_tokenizer
 
 SYSTEMS = ("llama-server", "llama-server-ngram", "alone", "lookup", "default", "alone-fast",
-           "lookup-fast")
+           "lookup-fast", "lookup-selfish")
 FAST = "-fast"  # on a second verifier with --kernels fast
 PEERS = {"llama-server": [], "llama-server-ngram": ["--spec-type", "ngram-simple"]}
 SEQ_TOKENS = 4096  # each session's (each llama-server slot's) context
@@ -77,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS[:-1]))
     parser.add_argument("--verifier-arg", action="append", default=[],
                         help="one more flag for the verifier (repeat: --verifier-arg=--x ...)")
     parser.add_argument("--out", default="bench_results/serving.json")
@@ -228,8 +231,10 @@ def make_clients(system: str, n: int, url: str, tokenizer: Any, drafter: Path | 
                  args: argparse.Namespace) -> list[SpecDecClient]:
     if system == "alone":
         return [SpecDecClient(url, None, tokenizer=tokenizer) for _ in range(n)]
-    if system == "lookup":
-        return [SpecDecClient(url, "prompt-lookup", tokenizer=tokenizer) for _ in range(n)]
+    if system in ("lookup", "lookup-selfish"):
+        settings = ClientSettings(load_aware=system == "lookup")
+        return [SpecDecClient(url, "prompt-lookup", tokenizer=tokenizer, settings=settings)
+                for _ in range(n)]
     engine = "llama-cpp" if drafter is not None else "transformers"
     spec = str(drafter) if drafter is not None else args.drafter
     return [SpecDecClient(url, spec, tokenizer=tokenizer, device=args.device,
@@ -247,7 +252,8 @@ def report(records: list[dict[str, Any]], steps: list[dict[str, Any]],
            args: argparse.Namespace, info: Any) -> dict[str, Any]:
     alone = {"llama-server": "llama-server", "llama-server-ngram": "llama-server",
              "alone": "alone", "lookup": "alone", "default": "alone",
-             "alone-fast": "alone-fast", "lookup-fast": "alone-fast"}
+             "alone-fast": "alone-fast", "lookup-fast": "alone-fast",
+             "lookup-selfish": "alone"}
     reference: dict[tuple[str, str], list[int]] = {}
     for r in sorted(records, key=lambda r: r["clients"]):  # each prompt's target-alone output
         if r["system"] in ("llama-server", "alone", "alone-fast"):  # at its lightest load

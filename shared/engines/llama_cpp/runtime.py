@@ -2,11 +2,11 @@
 the verifier's llama.cpp engine and the client's llama.cpp drafter.
 
 One :class:`LlamaModel` is one loaded model with one context of ``n_seqs`` sequences, in one
-unified KV cache or a KV stream each. A :meth:`LlamaModel.decode` call writes the new tokens of many sequences in
-ONE ``llama_decode`` (split only where the tokens exceed the context's batch size) and returns
-the logits rows asked for, as float32 numpy arrays. Positions are explicit, so a sequence's
-cached tokens beyond its committed prefix are dropped with :meth:`LlamaModel.remove` (rollback)
-and shared with :meth:`LlamaModel.copy` (beam search).
+unified KV cache or a KV stream each. A :meth:`LlamaModel.decode` call writes the new tokens of
+many sequences in ONE ``llama_decode`` (split only where the tokens exceed the context's batch
+size; ``exact`` splits otherwise) and returns the logits rows asked for, as float32 numpy
+arrays. Positions are explicit, so a sequence's cached tokens beyond its committed prefix are
+dropped with :meth:`LlamaModel.remove` (rollback); beam search saves and restores sequences.
 
 ``llama-cpp-python`` is an optional dependency (the ``[llama]`` extra): it is imported when a
 model is loaded, never at module import.
