@@ -478,10 +478,6 @@ class LlamaModel:
         """Drop sequence ``seq``'s cached positions [start, end) (end -1: to its end)."""
         self.lib.llama_memory_seq_rm(self.memory, seq, start, end)
 
-    def copy(self, src: int, dst: int, start: int = 0, end: int = -1) -> None:
-        """Sequence ``dst`` also holds ``src``'s positions [start, end) (cells are shared)."""
-        self.lib.llama_memory_seq_cp(self.memory, src, dst, start, end)
-
     def save(self, seq: int) -> Any:
         """Sequence ``seq``'s cached keys and values, as llama.cpp serializes them."""
         size = int(self.lib.llama_state_seq_get_size(self.ctx, seq))
