@@ -50,11 +50,12 @@ class Settings(BaseSettings):
                          "llama.cpp's); 0: torch's default, or every core llama.cpp may use")
     kernels: Literal["exact", "fast"] = Field(
         "exact", description="the llama-cpp engine's kernels. exact: every row of a verify "
-        "block computed as a one-token step computes it (one-row dot products, the plain weight "
-        "layout, one KV stream per session), so greedy output equals the target alone's token "
-        "for token at any k and load. fast: llama.cpp's defaults (repacked weights, multi-row "
-        "kernels, one shared cache): cheaper blocks, but greedy output may differ from the "
-        "target alone's, from run to run and with load")
+        "block computed as a one-token step computes it (at most 3 rows per llama_decode, "
+        "one-row kernels; prompts alone in whole batches cut at fixed positions; one KV stream "
+        "per session), so greedy output equals the target alone's token for token at any k and "
+        "load. fast: llama.cpp's whole batches (multi-row kernels, a KV stream per session, as "
+        "llama-server -np N lays them out): cheaper blocks and batches of 4 rows and more, but "
+        "greedy output may differ from the target alone's, from run to run and with load")
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")
 
