@@ -59,6 +59,15 @@ def test_row_costs_leave_prompts_out_and_start_from_the_verify_costs() -> None:
     assert costs.row_s() < 0.002
 
 
+def test_a_seed_timed_on_a_busy_machine_does_not_overprice_rows() -> None:
+    """Verify costs timed while something else ran (300 ms a row) and then steady forwards of
+    4 rows at 40 ms a row: the slope leans on the seed (4 rows only), the cap does not."""
+    costs = RowCosts(verify_ms=[(0, 110.0), (2, 540.0), (4, 900.0), (8, 1780.0), (16, 4660.0)])
+    for _ in range(200):
+        costs.observe(decode_steps(1, 1, 1, 1), 0.160)
+    assert costs.row_s() == pytest.approx(0.040, rel=0.05)
+
+
 def blocks(price_s: float) -> CostModelLength:
     """A cost model that saw the same blocks - 90% acceptance, 2 ms a draft, a round trip of
     40 ms a row over 120 ms of other sessions' rows - under a price per drafted token."""

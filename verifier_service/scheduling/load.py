@@ -21,12 +21,15 @@ class RowCosts:
                  decay: float = 0.98) -> None:
         self.decay = decay
         self._sums = [0.0] * 5  # decayed n, sum x, sum x^2, sum y, sum x y
+        self._per_row = [0.0, 0.0]  # decayed (weight, sum of seconds / rows)
         for k, ms in verify_ms or []:  # a verify of k drafts: k + 1 rows
             self._add(k + 1.0, ms / 1e3, weight=0.5)
 
     def _add(self, rows: float, seconds: float, weight: float = 1.0) -> None:
         for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):
             self._sums[i] += weight * v
+        self._per_row[0] += weight
+        self._per_row[1] += weight * seconds / rows
 
     def observe(self, steps: list[Step], seconds: float) -> None:
         """A forward ran ``steps`` in ``seconds``. Forwards that wrote a prompt are left out:
@@ -34,16 +37,21 @@ class RowCosts:
         if not steps or any(not _decode_only(step) for step in steps):
             return
         self._sums = [self.decay * v for v in self._sums]
+        self._per_row = [self.decay * v for v in self._per_row]
         self._add(float(sum(len(step.item.token_ids) for step in steps)), seconds)
 
     def row_s(self) -> float:
-        """Seconds one more row adds to a forward (0 where it is not known yet)."""
-        n, sx, sxx, _, sxy = self._sums
-        sy = self._sums[3]
+        """Seconds one more row adds to a forward (0 where it is not known yet): the line's
+        slope, at most the mean seconds per row of the same forwards (a forward's fixed cost
+        is not negative). Under steady load the forwards' row counts barely vary and the slope
+        leans on the seed; the cap keeps a seed timed on a busy machine from pricing a row
+        above what rows cost now."""
+        n, sx, sxx, sy, sxy = self._sums
         spread = n * sxx - sx * sx
         if spread <= 1e-9:
             return 0.0
-        return max((n * sxy - sx * sy) / spread, 0.0)
+        weight, per_row = self._per_row
+        return min(max((n * sxy - sx * sy) / spread, 0.0), per_row / weight)
 
     def load(self, steps: list[Step], seconds: float) -> StepLoad:
         """What a forward of ``steps`` that took ``seconds`` tells each of its sessions."""
