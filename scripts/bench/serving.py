@@ -137,9 +137,10 @@ def peer_request(port: int, ids: list[int], max_new: int) -> dict[str, Any]:
 def verifier_counts(url: str) -> dict[str, float]:
     """The verifier's scheduler and engine counters (``/v1/metrics``)."""
     m = httpx.get(f"{url}/v1/metrics", timeout=30).json()
+    llama = {"llama_decodes": m["llama_decodes"]} if "llama_decodes" in m else {}
     return {"steps": m["batches"], "jobs": m["jobs"],
-            "forward_s": m["batches"] * m["mean_forward_ms"] / 1e3,
-            "llama_decodes": m.get("llama_decodes", 0), "prefill_tokens": m["prefill_tokens"],
+            "forward_s": m["batches"] * m["mean_forward_ms"] / 1e3, **llama,
+            "prefill_tokens": m["prefill_tokens"],
             "scored_tokens": m["scored_tokens"], "drafted_tokens": m["drafted_tokens"],
             "accepted_tokens": m["accepted_tokens"]}
 
@@ -308,12 +309,13 @@ def report(records: list[dict[str, Any]], steps: list[dict[str, Any]],
                                  f"{sum(r['checked'] for r in mine)}",
             }
             if counts:
-                total = {key: sum(c[key] for c in counts) for key in (
+                total = {key: sum(c.get(key, 0) for c in counts) for key in (
                     "steps", "jobs", "forward_s", "wall_s", "llama_decodes")}
                 row.update({
                     "forward_share": total["forward_s"] / total["wall_s"],
                     "jobs_per_step": total["jobs"] / max(total["steps"], 1),
-                    "decodes_per_step": total["llama_decodes"] / max(total["steps"], 1)})
+                    "decodes_per_step": total["llama_decodes"] / max(total["steps"], 1)
+                    if all("llama_decodes" in c for c in counts) else None})
             rows.append(row)
     table = markdown_table(rows, [
         ("clients", "N"), ("system", "system"), ("tok_s", "aggregate tok/s (median)"),
