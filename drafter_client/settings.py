@@ -116,7 +116,7 @@ class ClientSettings:
     there is one). ``sampling``: what ``generate`` and ``baseline`` use where a call does not
     say. The connection: ``timeout_s`` per HTTP call, ``retry_budget_s`` to keep retrying a
     verifier that is down or overloaded, ``simulated_rtt_ms`` added before every call.
-    ``load_aware``: ``"auto"`` prices each draft by what it costs the other sessions in the
+    ``load_aware``: ``-k auto`` prices each draft by what it costs the other sessions in the
     verifier's forward (its replies' ``load``); False judges blocks by this client's own round
     trip alone (to measure what load-awareness does: ``scripts.bench serving``)."""
 

@@ -200,6 +200,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench_results/llama.json")
 
 
+def prompt_ids(tokenizer: Any, prompt: Any) -> list[int]:
+    """A workload prompt's token ids: through the chat template where the prompt is a chat
+    turn and the tokenizer has one (a base model takes the text as it is)."""
+    if prompt.chat and tokenizer.chat_template:
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt.text}], add_generation_prompt=True,
+            tokenize=True, return_dict=False))
+    return list(tokenizer(prompt.text)["input_ids"])
+
+
 def gguf_of(spec: str) -> Path:
     return fetch_gguf(spec) if spec in OFFLINE_MODELS else Path(spec)
 
@@ -209,13 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer(args.target if args.target in OFFLINE_MODELS else str(target))
     prompts = {name: items for name, items in workloads(args.prompts).items()
                if name in args.workloads}
-
-    def ids_of(prompt: Any) -> list[int]:
-        if prompt.chat:
-            return list(tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt.text}], add_generation_prompt=True,
-                tokenize=True, return_dict=False))
-        return list(tokenizer(prompt.text)["input_ids"])
+    ids_of = functools.partial(prompt_ids, tokenizer)
 
     binary = llama_server_binary()
     peers = {

@@ -41,7 +41,6 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -50,11 +49,19 @@ import httpx
 
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
+from drafter_client.metrics import quantile
 from drafter_client.settings import ClientSettings
 from scripts.bench.common import at_once, fetch_offline_models, markdown_table, write_json
-from scripts.bench.llama import LlamaServer, first_difference, gguf_of, llama_server_binary
+from scripts.bench.llama import (
+    LlamaServer,
+    first_difference,
+    gguf_of,
+    llama_server_binary,
+    prompt_ids,
+)
 from scripts.bench.suite import workloads
 from scripts.harness.process import VerifierProcess
+from shared.machine_cache import cpu_name
 from shared.models import OFFLINE_MODELS, load_tokenizer
 
 SYSTEMS = ("llama-server", "llama-server-ngram", "alone", "lookup", "default", "alone-fast",
@@ -154,15 +161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fetch_offline_models(args.target, args.drafter)
     tokenizer = load_tokenizer(args.target if args.target in OFFLINE_MODELS else str(target))
     prompts = [p for items in workloads(2).values() for p in items]
-
-    def ids_of(prompt: Any) -> list[int]:
-        if prompt.chat and tokenizer.chat_template:  # a base model takes the text as it is
-            return list(tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt.text}], add_generation_prompt=True,
-                tokenize=True, return_dict=False))
-        return list(tokenizer(prompt.text)["input_ids"])
-
-    prompt_ids = [ids_of(p) for p in prompts]
+    ids = [prompt_ids(tokenizer, p) for p in prompts]
     most = max(args.clients)
     peers = [s for s in args.systems if s in PEERS]
     if peers and target is None:
@@ -200,11 +199,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         before = verifier_counts(url[system]) if system in ours else None
                         if system in servers:
                             calls = [functools.partial(peer_request, servers[system].port,
-                                                       prompt_ids[p], args.max_new_tokens)
+                                                       ids[p], args.max_new_tokens)
                                      for p in picks]
                         else:
                             calls = [functools.partial(specdec_request, clients[system][j],
-                                                       prompt_ids[p], args.max_new_tokens,
+                                                       ids[p], args.max_new_tokens,
                                                        system.startswith("alone"))
                                      for j, p in enumerate(picks)]
                         outs, span = at_once(calls)
@@ -244,10 +243,6 @@ def make_clients(system: str, n: int, url: str, tokenizer: Any, drafter: Path | 
 
 
 # -- the report ---------------------------------------------------------------------------------
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(int(q * len(ordered)), len(ordered) - 1)]
-
 
 def report(records: list[dict[str, Any]], steps: list[dict[str, Any]],
            args: argparse.Namespace, info: Any) -> dict[str, Any]:
@@ -298,7 +293,7 @@ def report(records: list[dict[str, Any]], steps: list[dict[str, Any]],
                 "tok_s_spread": [round(min(b["tok_s"] for b in rounds), 3),
                                  round(max(b["tok_s"] for b in rounds), 3)],
                 "vs_llama_server": statistics.median(ratios) if ratios and peer else None,
-                "latency_p50_s": statistics.median(walls), "latency_p95_s": _quantile(walls, 0.95),
+                "latency_p50_s": statistics.median(walls), "latency_p95_s": quantile(walls, 0.95),
                 "ttft_p50_s": statistics.median(ttfts) if ttfts else None,
                 "decode_tok_s_p50": statistics.median(decodes) if decodes else None,
                 "fairness": statistics.median(b["fairness"] for b in rounds),
@@ -327,7 +322,7 @@ def report(records: list[dict[str, Any]], steps: list[dict[str, Any]],
         ("decodes_per_step", "llama_decode per step"), ("same_as_alone", "output = alone's")])
     print(table)
     payload = {"command": args.command_line if hasattr(args, "command_line") else None,
-               "machine": {"cpus": os.cpu_count(), "cpu": _cpu(), "threads": args.threads,
+               "machine": {"cpus": os.cpu_count(), "cpu": cpu_name(), "threads": args.threads,
                            "engine": args.engine, "device": args.device,
                            "target": args.target, "drafter": args.drafter,
                            "kernels": getattr(info, "kernels", None),
@@ -337,15 +332,6 @@ def report(records: list[dict[str, Any]], steps: list[dict[str, Any]],
     write_json(args.out, payload)
     plot(rows, args, Path(args.out).with_suffix(".png"))
     return payload
-
-
-def _cpu() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        return next((line.split(":", 1)[1].strip() for line in out.splitlines()
-                     if line.startswith("Model name")), "")
-    except OSError:
-        return ""
 
 
 def plot(rows: list[dict[str, Any]], args: argparse.Namespace, path: Path) -> None:

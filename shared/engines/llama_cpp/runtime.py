@@ -363,7 +363,7 @@ class LlamaModel:
         self.threads = threads or default_threads()
         self.exact = exact
         # a KV stream per sequence (exact needs them; whole batches may use them too)
-        self.streams = exact if streams is None else streams or exact
+        self.streams = exact or bool(streams)
         params = lib.llama_context_default_params()
         params.n_ctx = (n_seqs * self.seq_tokens if self.streams
                         else cells or n_seqs * self.seq_tokens)
