@@ -44,6 +44,14 @@ class BlockOutcome:
     drafted_ahead: bool = False  # the draft was made while the previous block was in flight
     draft_price_s: float = 0.0  # what a drafted token cost the others in the verifier's forward
 
+    def kinds(self) -> list[str]:
+        """How each of ``tokens`` came: "accepted" (a draft the target accepted), "recovered"
+        (drawn from the residual after a rejection), "bonus" (drawn from the target after all
+        drafts passed) or "target" (a plain step: no drafts in the block)."""
+        k, accepted = len(self.draft_ids), self.num_accepted
+        last = "target" if k == 0 else "bonus" if accepted == k else "recovered"
+        return ["accepted" if i < accepted else last for i in range(len(self.tokens))]
+
 
 class BlockPolicy:
     """Proposes each block of one generation and observes what it did."""

@@ -59,10 +59,7 @@ class TextStream:
 
     def block(self, outcome: BlockOutcome) -> None:
         """A verified block (``on_block``), token by token, each with its kind."""
-        k, accepted = len(outcome.draft_ids), outcome.num_accepted
-        for i, token in enumerate(outcome.tokens):
-            self.kind = ("accepted" if i < accepted else "target" if k == 0
-                         else "bonus" if accepted == k else "recovered")
+        for token, self.kind in zip(outcome.tokens, outcome.kinds(), strict=True):
             self.tracker.add([token])
             self._emit()
 

@@ -37,6 +37,7 @@ from drafter_client.gateway.engine import (
     GatewaySettings,
     Job,
 )
+from drafter_client.gateway.playground import add_playground
 from drafter_client.gateway.schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -53,6 +54,13 @@ __all__ = ["Gateway", "GatewaySettings", "create_gateway", "server_options"]
 def _usage(prompt_tokens: int, done: Finished) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": done.completion_tokens,
             "total_tokens": prompt_tokens + done.completion_tokens}
+
+
+def _with_blocks(payload: dict[str, Any], done: Finished) -> dict[str, Any]:
+    """A plain answer with its blocks' events when the request asked (``specdec.blocks``)."""
+    if done.blocks is not None:
+        payload["specdec_blocks"] = done.blocks
+    return payload
 
 
 def _json(payload: dict[str, Any], status: int = 200,
@@ -113,7 +121,7 @@ async def completions(request: Request) -> Response:
     payload = chunk(done.text, done.finish_reason)
     payload.update(usage=_usage(len(job.prompt_ids), done),
                    specdec=done.result.metrics.to_dict())
-    return _json(payload)
+    return _json(_with_blocks(payload, done))
 
 
 async def chat_completions(request: Request) -> Response:
@@ -133,13 +141,13 @@ async def chat_completions(request: Request) -> Response:
         first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
         return await _stream(request, gateway, job, body, chunk, first)
     done = await gateway.run(job, gone=_hang_up(request))
-    return _json({
+    return _json(_with_blocks({
         "id": rid, "object": "chat.completion", "created": created, "model": name,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
                      "logprobs": None, "finish_reason": done.finish_reason}],
         "usage": _usage(len(job.prompt_ids), done),
         "specdec": done.result.metrics.to_dict(),
-    })
+    }, done))
 
 
 def _model_card(gateway: Gateway) -> dict[str, Any]:
@@ -155,6 +163,22 @@ async def get_model(request: Request) -> Response:
     gateway = _gateway(request)
     gateway.check_model(request.path_params["model"])
     return _json(_model_card(gateway))
+
+
+async def specdec_settings(request: Request) -> Response:
+    """What this gateway runs and the defaults a request gets (the playground's form)."""
+    gateway = _gateway(request)
+    client, info = gateway.client, gateway.client.info
+    sampling = client.settings.sampling
+    return _json({
+        "model": gateway.settings.served_model_name, "verifier_model": info.model,
+        "drafter": client.settings.describe(client.drafter_name),
+        "k": client.settings.num_draft_tokens, "max_draft_tokens": info.max_draft_tokens,
+        "max_context": info.max_context, "kernels": info.kernels,
+        "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                     "top_k": sampling.top_k, "max_tokens": sampling.max_new_tokens,
+                     "seed": sampling.seed},
+    })
 
 
 async def health(request: Request) -> Response:
@@ -259,7 +283,9 @@ def create_gateway(client: SpecDecClient, settings: GatewaySettings | None = Non
                       openapi_extra=_body_schema(ChatCompletionRequest))
     app.add_api_route("/v1/models", list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model:path}", get_model, methods=["GET"])
+    app.add_api_route("/v1/specdec/settings", specdec_settings, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
+    add_playground(app)
     if keyed:
         app.add_api_route("/openapi.json", openapi_document, methods=["GET"],
                           include_in_schema=False)

@@ -46,6 +46,9 @@ class Job:
     # A seed the request chose: the output is the same whatever the cost model's k (which
     # follows timings) - coupled sampling, as ``SpecDecClient.generate(reproducible=True)``.
     reproducible: bool = False
+    k: int | str | None = None  # the k policy; None: the client's
+    target_alone: bool = False  # the verifier's /v1/generate, no drafter (a race's reference)
+    blocks: bool = False  # describe every verified block (``block_event``)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -55,6 +58,26 @@ class Finished:
     finish_reason: str  # "stop" (EOS or a stop string) or "length" (max_tokens or the context)
     completion_tokens: int
     result: GenerationResult
+    blocks: list[dict[str, Any]] | None = None  # every block's event, when the job asked
+
+
+# What a worker hands the answer as it goes: a piece of text that can no longer change, and the
+# verified block it completed (``Job.blocks``; else None).
+Emit = Callable[[str, dict[str, Any] | None], None]
+
+
+def block_event(index: int, outcome: BlockOutcome, pieces: list[str]) -> dict[str, Any]:
+    """One verified block as the stream's ``specdec_block``: its k, how many drafts passed, its
+    times, and every token it kept as ``[text, kind]`` (``BlockOutcome.kinds``). A token's text
+    is what became final when it arrived, so it may be "" (the start of a character, a possible
+    stop string) and a later token's text may hold some of it; together they are the answer's
+    text, and text sent after the last block belongs to the last token."""
+    return {"index": index, "k": len(outcome.draft_ids), "accepted": outcome.num_accepted,
+            "round_trip_ms": round(outcome.round_trip_s * 1e3, 3),
+            "verifier_ms": round(outcome.verifier_s * 1e3, 3),
+            "drafting_ms": round(outcome.drafting_s * 1e3, 3),
+            "tokens": [[piece, kind] for piece, kind
+                       in zip(pieces, outcome.kinds()[:len(pieces)], strict=True)]}
 
 
 def _text_chars(body: CompletionRequest | ChatCompletionRequest) -> int:
@@ -181,8 +204,13 @@ class Gateway:
         # No max_tokens on a chat: up to the context limit (the loop stops there).
         max_tokens = body.max_tokens or default_max_tokens or info.max_context
         seed = secrets.randbits(62) if body.seed is None else body.seed % 2**63
+        options = body.specdec
+        if isinstance(options.k, int) and options.k > info.max_draft_tokens:
+            raise OpenAIError(400, f"specdec.k must be in [0, {info.max_draft_tokens}] (the "
+                              f"verifier's max_draft_tokens); got {options.k}", "specdec.k")
         return Job(prompt_ids, max_tokens, sampling, seed, body.stop_list(),
-                   reproducible=body.seed is not None)
+                   reproducible=body.seed is not None, k=options.k,
+                   target_alone=options.target_alone, blocks=options.blocks)
 
     def check_text_length(self, texts: list[str], param: str) -> None:
         """A 400 for text that surely exceeds the context, decided without tokenizing it."""
@@ -235,48 +263,70 @@ class Gateway:
             self.metrics.running.set(self._running)
             self.metrics.waiting.set(self._admitted - self._running)
 
-    def generate(self, job: Job, emit: Callable[[str], None] | None) -> Finished:
+    def generate(self, job: Job, emit: Emit | None) -> Finished:
         """Worker thread: one generation. ``emit`` gets every piece of text as soon as it can
-        no longer change ("" once, after the first block, so a stream can start)."""
+        no longer change ("" once, after the first block, so a stream can start), with the
+        block it completed when the job asked for blocks."""
         self._started(+1)
         try:
             return self._generate(job, emit)
         finally:
             self._started(-1)
 
-    def _generate(self, job: Job, emit: Callable[[str], None] | None) -> Finished:
+    def _generate(self, job: Job, emit: Emit | None) -> Finished:
         if job.cancelled.is_set():
             raise Abandoned
         admitted = time.perf_counter()
         client = self.client.fork()
         tracker = TextTracker(client.decode, job.stops)
-        first = True
+        blocks: list[dict[str, Any]] = []
+        verified = 0
 
         def on_block(outcome: BlockOutcome) -> bool:
-            nonlocal first
-            tracker.add(outcome.tokens)
-            piece = tracker.delta()
+            nonlocal verified
+            first, verified = verified == 0, verified + 1
             if first:
                 self.metrics.first_token.observe(time.perf_counter() - admitted)
-            if emit is not None and (piece or first):
-                emit(piece)
-            first = False
+            if job.blocks:  # token by token: each token's own piece of the text
+                pieces = []
+                for token in outcome.tokens:
+                    if tracker.stopped:
+                        break
+                    tracker.add([token])
+                    pieces.append(tracker.delta())
+                piece, block = "".join(pieces), block_event(len(blocks), outcome, pieces)
+                blocks.append(block)
+            else:
+                tracker.add(outcome.tokens)
+                piece, block = tracker.delta(), None
+            if emit is not None and (piece or first or block is not None):
+                emit(piece, block)
             return tracker.stopped or job.cancelled.is_set()
 
         try:
-            result = client.generate(
-                job.prompt_ids,  # k: the client's settings.num_draft_tokens
-                max_new_tokens=job.max_tokens, temperature=job.sampling.temperature,
-                top_k=job.sampling.top_k, top_p=job.sampling.top_p, seed=job.seed,
-                reproducible=job.reproducible, on_block=on_block)
+            if job.target_alone:
+                result = client.baseline(
+                    job.prompt_ids, max_new_tokens=job.max_tokens,
+                    temperature=job.sampling.temperature, top_k=job.sampling.top_k,
+                    top_p=job.sampling.top_p, seed=job.seed, reproducible=job.reproducible)
+                m = result.metrics
+                on_block(BlockOutcome([], 0, result.token_ids, result.finish_reason == "stop",
+                                      0.0, m.wall_s, m.verify_forward_s))
+            else:
+                result = client.generate(
+                    job.prompt_ids, num_draft_tokens=job.k,  # None: the client's settings
+                    max_new_tokens=job.max_tokens, temperature=job.sampling.temperature,
+                    top_k=job.sampling.top_k, top_p=job.sampling.top_p, seed=job.seed,
+                    reproducible=job.reproducible, on_block=on_block)
         finally:
             client.close()
         tail = tracker.delta(final=True)  # what was held back: an incomplete character at the end
         if emit is not None and tail:
-            emit(tail)
+            emit(tail, None)
         self.metrics.finished(len(job.prompt_ids), result)
         finish = "stop" if tracker.stopped or result.finish_reason == "stop" else "length"
-        return Finished(tracker.text, finish, len(tracker.ids), result)
+        return Finished(tracker.text, finish, len(tracker.ids), result,
+                        blocks if job.blocks else None)
 
     async def run(self, job: Job, gone: Gone = None) -> Finished:
         self.admit()
@@ -299,8 +349,8 @@ class Gateway:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
-        def emit(piece: str) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, ("text", piece))
+        def emit(piece: str, block: dict[str, Any] | None) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, ("text", (piece, block)))
 
         future: Future[Finished] = self.executor.submit(self.generate, job, emit)
         future.add_done_callback(
@@ -327,8 +377,12 @@ class Gateway:
             while True:
                 kind, value = item
                 if kind == "text":
-                    if value:
-                        yield _sse(chunk(value, None))
+                    piece, block = value
+                    if piece or block is not None:
+                        event = chunk(piece, None)
+                        if block is not None:
+                            event["specdec_block"] = block
+                        yield _sse(event)
                 else:
                     exc = value.exception()
                     if exc is not None:

@@ -14,7 +14,7 @@ and within the ranges below (``max_tokens`` and ``top_k`` 31-bit, ``seed`` in [0
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -49,6 +49,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class SpecdecOptions(BaseModel):
+    """The request's ``specdec`` extension (the official client sends it in ``extra_body``);
+    the playground uses it. Absent: the gateway's own settings, no per-block events."""
+
+    model_config = STRICT
+    # The k policy for this request: drafts per block (0: plain steps through a session) or
+    # "auto" / "heuristic"; None: the gateway's --num-draft-tokens.
+    k: Annotated[int, Field(ge=0, le=MAX_INT32)] | Literal["auto", "heuristic"] | None = None
+    # The target alone (the verifier's /v1/generate, one call, no drafter): a race's reference.
+    target_alone: bool = False
+    # Each stream chunk carries the verified block it came from (``specdec_block``: k, accepted,
+    # times, every token's text and kind); a plain answer carries them all (``specdec_blocks``).
+    blocks: bool = False
+
+
 class _Common(BaseModel):
     model_config = STRICT
 
@@ -67,6 +82,7 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     logprobs: bool | int | None = None  # completions: an int; chat: a bool
     user: str | None = None
+    specdec: SpecdecOptions = Field(default_factory=SpecdecOptions)  # extension
 
     def stop_list(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -171,7 +187,8 @@ Request = TypeVar("Request", CompletionRequest, ChatCompletionRequest)
 # Field names of every request model: anything else in an error's location is a union member's
 # tag ("str", "list[int]"), which names no field.
 _FIELDS = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage,
-                                        TextPart, StreamOptions) for name in model.model_fields)
+                                        TextPart, StreamOptions, SpecdecOptions)
+                    for name in model.model_fields)
 # What a field of several accepted shapes must be, said once instead of once per shape.
 _SHAPES = {
     "prompt": "must be a string, a list of strings, a list of token ids (JSON integers) or a "
@@ -179,6 +196,7 @@ _SHAPES = {
     "content": "must be a string or a list of text parts ({\"type\": \"text\", \"text\": ...})",
     "stop": "must be a string or a list of strings",
     "logprobs": "must be a boolean or an integer",
+    "k": "must be an integer >= 0, \"auto\" or \"heuristic\"",
 }
 
 
