@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test test-fast test-real test-reliability test-compose lint demo bench \
 	bench-drafters bench-suite bench-batching bench-network bench-profile fetch-models clean \
-	ensure-nginx ensure-nettools ensure-containers
+	ensure-nginx ensure-nettools ensure-chromium ensure-containers
 
 install: $(STAMP)
 
@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml Makefile scripts/llama_build.py shared/machine_cache.py
 PYTEST := env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(abspath $(VENV))/pycache \
 	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
-test: install ensure-nginx ensure-nettools
+test: install ensure-nginx ensure-nettools ensure-chromium
 	$(PYTEST)
 
 # The load-balancer test runs the real nginx from Debian's packages; installed here when missing
@@ -56,6 +56,17 @@ ensure-nettools:
 	      iproute2 nftables >/dev/null \
 	      || echo "iproute2/nftables could not be installed: the network tests will be skipped"; \
 	  else echo "ip/nft missing and not root: the network tests will be skipped"; fi; }
+
+# The playground page's tests drive Debian's chromium with Playwright (its own browser download
+# cannot be reached from every machine); installed here when missing and we are root.
+ensure-chromium:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing chromium (Debian package) for the playground page's browser tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      chromium >/dev/null \
+	      || echo "chromium could not be installed: the browser tests will be skipped"; \
+	  else echo "chromium missing and not root: the browser tests will be skipped"; fi; }
 
 test-fast: install
 	$(PYTEST) -m "not slow and not real and not faults and not fuzz and not netns and not compose"

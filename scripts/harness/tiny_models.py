@@ -33,9 +33,10 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {%
                  "{% if add_generation_prompt %}assistant : {% endif %}")
 
 
-def build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer with exactly ``vocab_size`` ids, built offline."""
-    names = ["<unk>", "<eos>", *WORDS]
+def build_tokenizer(vocab_size: int, extra: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with exactly ``vocab_size`` ids, built offline; ``extra``: more
+    words (no whitespace in them) after ``WORDS``."""
+    names = ["<unk>", "<eos>", *WORDS, *extra]
     names += [f"w{i}" for i in range(vocab_size - len(names))]
     vocab = {name: i for i, name in enumerate(names[:vocab_size])}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
@@ -92,6 +93,23 @@ def save_byte_level(folder: Path, seed: int) -> Path:
     """A vocab-64 GPT-2 with ``build_byte_tokenizer``'s byte-level vocabulary."""
     build_model("gpt2", 64, seed, init_range=0.3).save_pretrained(folder)
     build_byte_tokenizer(64).save_pretrained(folder)
+    return folder
+
+
+def save_parrot(folder: Path, word: str, vocab_size: int = 64) -> Path:
+    """A GPT-2 whose greedy answer is ``word`` (one token of its word-level vocabulary) again
+    and again, whatever the prompt: its final layer norm ignores the hidden state (weight 0)
+    and outputs, as its bias, ``word``'s embedding, which is scaled up so that its logit (the
+    embedding's square: the head is tied) beats every other token's."""
+    tokenizer = build_tokenizer(vocab_size, extra=(word,))
+    model = build_model("gpt2", vocab_size, seed=23)
+    token = tokenizer.convert_tokens_to_ids(word)
+    with torch.no_grad():
+        model.transformer.wte.weight[token] *= 10.0
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.copy_(model.transformer.wte.weight[token])
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
     return folder
 
 

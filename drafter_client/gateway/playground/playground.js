@@ -55,8 +55,8 @@ async function loadSettings() {
   const s = await response.json();
   const first = state.settings === null;
   state.settings = s;
-  $("about").textContent = `${s.model} (verifier: ${s.verifier_model}, ${s.kernels || "?"} ` +
-    `kernels, context ${s.max_context}) - drafter: ${s.drafter}`;
+  $("about").textContent = `${s.model}: verifier ${s.verifier_model}, context ` +
+    `${s.max_context}, kernels ${s.kernels || "unknown"}\nclient: ${s.drafter}`;
   if (first) {  // the client's defaults, once; what the user typed afterwards stays
     $("k").value = String(s.k);
     $("temperature").value = s.sampling.temperature;
@@ -300,13 +300,17 @@ async function raceTarget(body, spec) {
   const comparable = body.temperature === 0 || body.seed !== undefined;
   if (!comparable) {
     $("race-identical").textContent = "sampled without a seed: not comparable";
-  } else if (target.text === spec.text) {
-    $("race-identical").textContent = "identical";
   } else {
-    let at = 0;
-    while (at < spec.text.length && spec.text[at] === target.text[at]) at += 1;
-    $("race-identical").textContent = `differ from character ${at}`;
+    $("race-identical").textContent = identity(spec.text, target.text);
   }
+}
+
+// "identical", or where two answers part.
+function identity(a, b) {
+  if (a === b) return "identical";
+  let at = 0;
+  while (at < a.length && a[at] === b[at]) at += 1;
+  return `differ from character ${at}`;
 }
 
 function stop() {
