@@ -330,7 +330,8 @@ def _serve(args: argparse.Namespace) -> int:
                                    chat_template=template).serving(client.info.model)
     print(f"specdec serve: {settings.served_model_name!r} on "
           f"http://{settings.host}:{settings.port}/v1 "
-          f"(verifier {args.verifier_url}, drafter {args.drafter})", file=sys.stderr)
+          f"(verifier {args.verifier_url}, drafter {args.drafter}); the playground page: "
+          f"http://{settings.host}:{settings.port}/", file=sys.stderr)
     uvicorn.run(create_gateway(client, settings), host=settings.host, port=settings.port,
                 log_level="warning", **server_options(settings))
     return 0

@@ -177,7 +177,10 @@ class Answer {
       this.text += text;
       this.tokens += 1;
     }
+    const box = $("transcript");
+    const following = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
     this.element.appendChild(span);
+    if (following && this.element.isConnected) box.scrollTop = box.scrollHeight;
     this.blocks += 1;
     if (b.k > 0) {
       this.drafted += b.k;
