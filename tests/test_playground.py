@@ -114,6 +114,23 @@ def test_the_page_answers_as_the_api_does(browser: Any, gateway: ThreadedServer)
     assert page.errors == []
 
 
+def test_completion_mode_answers_as_the_api_does(browser: Any, gateway: ThreadedServer) -> None:
+    """Plain completion: the prompt as it is, continued; sampled with the page's seed, as the
+    API samples the same request."""
+    page = open_page(browser, gateway.url)
+    page.select_option("#mode", "completion")
+    page.fill("#temperature", "0.8")
+    page.fill("#seed", "7")
+    page.fill("#max-tokens", "16")
+    answer = ask(page, "def f ( x ) :")
+    oai = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    api = oai.completions.create(model=MODEL, prompt="def f ( x ) :", temperature=0.8,
+                                 max_tokens=16, seed=7)
+    assert text_of(answer) == api.choices[0].text
+    assert answer.locator(".tok").count() == api.usage.completion_tokens  # type: ignore[union-attr]
+    assert page.errors == []
+
+
 def test_the_race(browser: Any, gateway: ThreadedServer) -> None:
     """The race runs the request again with the target alone and shows both times, the
     speedup and that the greedy outputs are identical; the page's comparison finds where
