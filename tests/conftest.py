@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from drafter_client.api import SpecDecClient
+from drafter_client.gateway import GatewaySettings, create_gateway
+from scripts.harness.servers import ThreadedServer
 from scripts.harness.tiny_models import build_tiny_set
 from tests.support.live_server import LiveServer, fp32_settings
 
@@ -64,4 +67,13 @@ def gpt2_server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
 def llama_server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
     with LiveServer(fp32_settings(tiny_models["llama-target"], max_draft_tokens=8,
                                   max_context=64)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def gateway(gpt2_server: LiveServer, tiny_models: dict[str, Path]) -> Iterator[ThreadedServer]:
+    """``specdec serve`` as 'tiny-gpt2' over the GPT-2 pair, one per test module (a module may
+    define its own)."""
+    client = SpecDecClient(gpt2_server.url, str(tiny_models["gpt2-drafter"]))
+    with ThreadedServer(create_gateway(client, GatewaySettings("tiny-gpt2"))) as server:
         yield server

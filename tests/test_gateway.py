@@ -7,8 +7,6 @@ import contextlib
 import io
 import re
 import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +20,10 @@ from drafter_client.apps.cli import run
 from drafter_client.gateway import GatewaySettings, create_gateway
 from scripts.harness.servers import ThreadedServer
 from tests.support.live_server import LiveServer, fp32_settings
-from tests.support.prometheus import scrape
+from tests.support.prometheus import scrape, wait_for_idle
 
 MODEL = "tiny-gpt2"
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def gateway(gpt2_server: LiveServer, tiny_models: dict[str, Path]) -> Iterator[ThreadedServer]:
-    client = SpecDecClient(gpt2_server.url, str(tiny_models["gpt2-drafter"]))
-    with ThreadedServer(create_gateway(client, GatewaySettings(MODEL))) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -319,14 +310,7 @@ def test_a_client_that_hangs_up_stops_its_generation(gateway: ThreadedServer,
             "POST", gateway.url + "/v1/completions", json=body) as response:
         assert response.status_code == 200
         next(response.iter_lines())
-    deadline = time.monotonic() + 30
-    while True:
-        running = scrape(gateway.url)["specdec_gateway_requests_running"][()]
-        sessions = httpx.get(gpt2_server.url + "/v1/metrics").json()["sessions"]
-        if running == 0 and sessions == 0:
-            break
-        assert time.monotonic() < deadline, (running, sessions)
-        time.sleep(0.1)
+    wait_for_idle(gateway.url, gpt2_server.url)
     generated = scrape(gateway.url)["specdec_gateway_generated_tokens_total"][()]
     assert generated > 0
 

@@ -4,28 +4,17 @@ and ``/v1/specdec/settings``. Real gateway, real verifier, tiny pair."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
-from drafter_client.api import SpecDecClient
-from drafter_client.gateway import GatewaySettings, create_gateway
 from scripts.harness.servers import ThreadedServer
 from tests.support.live_server import LiveServer
 
 MODEL = "tiny-gpt2"
 KINDS = {"accepted", "recovered", "bonus", "target"}
-
-
-@pytest.fixture(scope="module")
-def gateway(gpt2_server: LiveServer, tiny_models: dict[str, Path]) -> Iterator[ThreadedServer]:
-    client = SpecDecClient(gpt2_server.url, str(tiny_models["gpt2-drafter"]))
-    with ThreadedServer(create_gateway(client, GatewaySettings(MODEL))) as server:
-        yield server
 
 
 def events(url: str, body: dict[str, Any]) -> list[dict[str, Any]]:

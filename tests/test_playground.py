@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import re
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
@@ -20,7 +18,7 @@ from drafter_client.gateway import GatewaySettings, create_gateway
 from scripts.harness.servers import ThreadedServer
 from scripts.harness.tiny_models import save_parrot
 from tests.support.live_server import LiveServer, fp32_settings
-from tests.support.prometheus import scrape
+from tests.support.prometheus import scrape, wait_for_idle
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed")
 expect = sync_api.expect
@@ -35,13 +33,6 @@ SCRIPT = "<script>alert(1)</script>"
 
 
 # -- servers and the browser ----------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def gateway(gpt2_server: LiveServer, tiny_models: dict[str, Path]) -> Iterator[ThreadedServer]:
-    client = SpecDecClient(gpt2_server.url, str(tiny_models["gpt2-drafter"]))
-    with ThreadedServer(create_gateway(client, GatewaySettings(MODEL))) as server:
-        yield server
-
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
@@ -180,14 +171,7 @@ def test_stop_cancels_the_generation_on_the_gateway(browser: Any, gpt2_server: L
         page.click("#stop")
         page.wait_for_selector(".answer[data-done='stopped']")
         assert page.is_enabled("#send") and page.locator("#error").is_hidden()
-        deadline = time.monotonic() + 30
-        while True:
-            running = scrape(slow.url)["specdec_gateway_requests_running"][()]
-            sessions = httpx.get(gpt2_server.url + "/v1/metrics").json()["sessions"]
-            if running == 0 and sessions == 0:
-                break
-            assert time.monotonic() < deadline, (running, sessions)
-            time.sleep(0.1)
+        wait_for_idle(slow.url, gpt2_server.url)
         generated = scrape(slow.url)["specdec_gateway_generated_tokens_total"][()]
         assert 0 < generated < 200  # it stopped: uncancelled, it would have made all 200
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -21,3 +22,16 @@ def scrape(url: str, key: str | None = None) -> Samples:
             values.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = \
                 sample.value
     return values
+
+
+def wait_for_idle(gateway_url: str, verifier_url: str, within_s: float = 30.0) -> None:
+    """Until the gateway runs no generation and the verifier holds no session (a generation
+    whose client left has stopped and closed its session); AssertionError after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while True:
+        running = scrape(gateway_url)["specdec_gateway_requests_running"][()]
+        sessions = httpx.get(verifier_url + "/v1/metrics").json()["sessions"]
+        if running == 0 and sessions == 0:
+            return
+        assert time.monotonic() < deadline, (running, sessions)
+        time.sleep(0.1)
