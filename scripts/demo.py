@@ -95,7 +95,12 @@ def main() -> None:
         sampling=dataclasses.replace(DEFAULTS.sampling, max_new_tokens=args.max_new_tokens),
         options=dataclasses.replace(DEFAULTS.options, threads=args.threads))
 
-    fetch_offline_models(args.target, args.drafter)
+    # The GGUF files and tokenizers; bf16 weights only where an engine other than llama.cpp
+    # runs a side (transformers loads the converted folder).
+    fetch_offline_models(args.target, args.drafter, convert=False)
+    if (resolve("auto", args.target).name != "llama-cpp"
+            or resolve(settings.options.engine, args.drafter).name != "llama-cpp"):
+        fetch_offline_models(args.target, args.drafter)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # the drafter's load: one line of ours says what it chose

@@ -20,6 +20,12 @@ needs (docs/design.md, "Exact greedy on llama.cpp"); on a Q4_K_M file they ran o
 attention products. ``SPECDEC_LLAMA_BUILD_AMX=1`` keeps AMX (a machine where its kernels
 work); ``CMAKE_ARGS`` set by the user is passed on (e.g. ``-DGGML_CUDA=on``).
 
+The wheel is lean: the engine loads libllama and the ggml libraries, never llama.cpp's common
+library (argument parsing, chat parsers; the largest library in the wheel) nor its multimodal one
+(mtmd), which llama-cpp-python builds and ships by default. The build switches both off
+(``-DLLAVA_BUILD=OFF``, and the sdist's forced ``LLAMA_BUILD_COMMON`` turned off in its
+CMakeLists.txt), the same kernels in less time; the wheel's folder name is unchanged.
+
     python -m scripts.llama_build wheel PYTHON   # builds if missing, prints the wheel's path
     python -m scripts.llama_build cmake-args     # the CMake arguments, one per line
 
@@ -36,6 +42,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 
@@ -75,6 +82,29 @@ def build_tag() -> str:
     return tag
 
 
+# llama-cpp-python's CMakeLists.txt forces the common library on; nothing it installs that the
+# engine loads needs it once mtmd is off.
+COMMON_FORCED = 'set(LLAMA_BUILD_COMMON ON CACHE BOOL "Build llama.cpp common library" FORCE)'
+LEAN = ("-DLLAVA_BUILD=OFF",)
+
+
+def lean_source(python: str, scratch: Path) -> Path:
+    """The pinned sdist, unpacked in ``scratch``, with the common library off."""
+    subprocess.run([python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                    f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(scratch)],
+                   check=True, stdout=sys.stderr)
+    with tarfile.open(scratch / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz") as archive:
+        archive.extractall(scratch, filter="data")
+    source = scratch / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
+    cmake = source / "CMakeLists.txt"
+    text = cmake.read_text()
+    if text.count(COMMON_FORCED) != 1:
+        raise SystemExit(f"{cmake} no longer forces the common library as expected: update "
+                         "scripts/llama_build.py for this llama-cpp-python")
+    cmake.write_text(text.replace(COMMON_FORCED, COMMON_FORCED.replace(" ON ", " OFF ")))
+    return source
+
+
 def wheel_dir() -> Path:
     return specdec_home() / "llama-wheels" / f"{LLAMA_CPP_PYTHON}-{build_tag()}"
 
@@ -87,14 +117,14 @@ def build_wheel(python: str) -> Path:
     if found:
         return found[-1]
     folder.mkdir(parents=True, exist_ok=True)
-    print(f"building llama-cpp-python {LLAMA_CPP_PYTHON} from source "
-          f"({' '.join(compiler_flags()) or 'native flags'}; about 8 minutes on 2 cores)",
+    print(f"building llama-cpp-python {LLAMA_CPP_PYTHON} from source, lean "
+          f"({' '.join(compiler_flags()) or 'native flags'}; minutes on 2 cores)",
           file=sys.stderr, flush=True)
-    env = {**os.environ, "CMAKE_ARGS": shlex.join(cmake_args())}
+    env = {**os.environ, "CMAKE_ARGS": shlex.join([*LEAN, *cmake_args()])}
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        source = lean_source(python, Path(scratch))
         subprocess.run([python, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir",
-                        "--no-binary", "llama-cpp-python", f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
-                        "-w", scratch], check=True, env=env, stdout=sys.stderr)
+                        str(source), "-w", scratch], check=True, env=env, stdout=sys.stderr)
         built = sorted(Path(scratch).glob("llama_cpp_python-*.whl"))
         if not built:
             raise SystemExit(f"pip built no llama-cpp-python wheel in {scratch}")

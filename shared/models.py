@@ -77,10 +77,28 @@ def offline_gguf_path(short_name: str) -> Path:
     return specdec_home() / "gguf" / OFFLINE_MODELS[short_name].gguf_name
 
 
+def tokenizer_only(spec: str) -> Path | None:
+    """The folder of a short name of the offline pair that holds its tokenizer and no weights
+    (``scripts/fetch_models.py --no-convert``: what the llama.cpp engine needs beside the GGUF
+    file), or None."""
+    if spec not in OFFLINE_MODELS:
+        return None
+    folder = offline_model_dir(spec)
+    if (folder / "tokenizer.json").is_file() and not (folder / "config.json").exists():
+        return folder
+    return None
+
+
 def resolve_model_spec(spec: str) -> tuple[str, str | None]:
     """Return ``(path_or_hub_id, gguf_file)`` for ``from_pretrained``."""
     if spec in OFFLINE_MODELS:
         folder = offline_model_dir(spec)
+        if tokenizer_only(spec) is not None:
+            raise ModelSpecError(
+                f"model {spec!r} was fetched for the llama.cpp engine only (its GGUF file and "
+                f"tokenizer): run `python scripts/fetch_models.py` to convert its weights for "
+                f"transformers (into {folder})"
+            )
         if not (folder / "config.json").exists():
             raise ModelSpecError(
                 f"model {spec!r} is not fetched yet: run `python scripts/fetch_models.py` "
@@ -123,7 +141,8 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def load_tokenizer(spec: str) -> Any:
     from transformers import AutoTokenizer
 
-    path, gguf_file = resolve_model_spec(spec)
+    folder = tokenizer_only(spec)
+    path, gguf_file = (str(folder), None) if folder is not None else resolve_model_spec(spec)
     kwargs: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
     if gguf_file and (Path(path) / "tokenizer.json").is_file():
         kwargs = {}  # a tokenizer saved beside the GGUF file wins over its embedded vocabulary

@@ -54,3 +54,32 @@ def test_keep_and_drop_together_are_refused(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(SystemExit) as exc:
         fetch_models.main()
     assert exc.value.code == 2
+
+
+def test_no_convert_keeps_the_gguf_and_only_its_tokenizer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_models: dict[str, Path]) -> None:
+    """``convert=False`` (the demo on llama.cpp): the folder holds the GGUF's tokenizer and no
+    weights; the llama.cpp engine's tokenizer loads from it, transformers is told to fetch
+    fully, and the full fetch later converts over it."""
+    from scripts.harness.tiny_gguf import write_llama_gguf
+    from shared.engines.llama_cpp.runtime import resolve_gguf
+    from shared.models import ModelSpecError, load_tokenizer, offline_gguf_path, \
+        resolve_model_spec
+
+    monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
+    gguf = offline_gguf_path(NAME)
+    gguf.parent.mkdir(parents=True)
+    write_llama_gguf(tiny_models["llama-target"], gguf)
+    monkeypatch.setattr(fetch_models, "fetch_gguf", lambda name: gguf)
+    converted: list[str] = []
+    monkeypatch.setattr(fetch_models, "convert_to_safetensors",
+                        lambda model, path, out: converted.append(model.short_name))
+    folder = fetch_models.fetch(NAME, keep_gguf=True, convert=False)
+    assert (folder / "tokenizer.json").is_file() and not (folder / "config.json").exists()
+    assert converted == []
+    assert resolve_gguf(NAME) == (str(gguf), NAME)
+    assert load_tokenizer(NAME).get_vocab() == load_tokenizer(str(gguf)).get_vocab()
+    with pytest.raises(ModelSpecError, match="fetched for the llama.cpp engine only"):
+        resolve_model_spec(NAME)
+    fetch_models.fetch(NAME, keep_gguf=True)  # the full fetch converts
+    assert converted == [NAME]

