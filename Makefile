@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 
 .PHONY: install test test-fast test-real test-reliability test-compose lint demo bench \
 	bench-drafters bench-suite bench-batching bench-network bench-profile fetch-models clean \
@@ -10,24 +11,20 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
+# Two steps: what running needs (RUN_STAMP: `make demo`), then what testing adds (STAMP).
 # torch==2.13.0 is the CPU wheel; installing it first keeps pip from pulling a CUDA build.
 # [llama]: llama-cpp-python, built from source once per machine kind (minutes on 2 cores: the
 # longest step of a fresh install) without llama.cpp's AMX kernels, which crash on AMX cloud VMs,
 # and without the libraries the engine never loads (scripts/llama_build.py). It builds in the
-# background (log: .venv/llama-build.log) while pip installs everything else, which is mostly
+# background (log: .venv/llama-build.log) while pip installs the rest, which is mostly
 # unpacking; `make demo` also fetches its two models meanwhile (FETCH_WHILE_BUILDING).
-# The oldest supported transformers (the GPU machine's) goes beside the venv for
-# tests/test_min_transformers.py, with huggingface-hub < 2, which it needs.
-$(STAMP): pyproject.toml Makefile scripts/llama_build.py shared/machine_cache.py
+$(RUN_STAMP): pyproject.toml Makefile scripts/llama_build.py shared/machine_cache.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	@echo "building llama-cpp-python in the background: $(VENV)/llama-build.log"
 	@$(BIN)/python -m scripts.llama_build wheel $(BIN)/python \
 	  > $(VENV)/llama-wheel.path 2> $(VENV)/llama-build.log & build=$$!; \
-	$(BIN)/pip install "torch==2.13.0" \
-	  && $(BIN)/pip install -e ".[dev]" \
-	  && $(BIN)/pip install --no-deps --upgrade --target $(VENV)/transformers-min \
-	    "transformers==5.17.0" "huggingface-hub==1.33.0" \
+	$(BIN)/pip install "torch==2.13.0" && $(BIN)/pip install -e . \
 	  && { [ -z "$(FETCH_WHILE_BUILDING)" ] \
 	       || $(BIN)/python scripts/fetch_models.py --keep-gguf --no-convert; }; \
 	status=$$?; \
@@ -35,7 +32,15 @@ $(STAMP): pyproject.toml Makefile scripts/llama_build.py shared/machine_cache.py
 	  echo "building llama-cpp-python failed: $(VENV)/llama-build.log"; exit 1; fi; \
 	exit $$status
 	$(BIN)/pip install --no-deps --force-reinstall "$$(cat $(VENV)/llama-wheel.path)"
+	$(BIN)/pip install -e ".[llama]"
+	touch $(RUN_STAMP)
+
+# The test tools; and the oldest supported transformers (the GPU machine's) beside the venv for
+# tests/test_min_transformers.py, with huggingface-hub < 2, which it needs.
+$(STAMP): $(RUN_STAMP)
 	$(BIN)/pip install -e ".[dev,llama]"
+	$(BIN)/pip install --no-deps --upgrade --target $(VENV)/transformers-min \
+	  "transformers==5.17.0" "huggingface-hub==1.33.0"
 	touch $(STAMP)
 
 # Every core: pytest-xdist workers, each test handed to whichever worker is free. Bytecode is
@@ -119,7 +124,7 @@ fetch-models: install
 # scripts/demo.py fetches the two models it runs (once; then "ready"): on llama.cpp their GGUF
 # files and tokenizers only. A fresh install fetches them while llama.cpp builds.
 demo: FETCH_WHILE_BUILDING = 1
-demo: install
+demo: $(RUN_STAMP)
 	$(BIN)/python scripts/demo.py
 
 # Every benchmark is a subcommand of one tool: python -m scripts.bench --help
