@@ -24,7 +24,7 @@ $(RUN_STAMP): pyproject.toml Makefile scripts/llama_build.py shared/machine_cach
 	@echo "building llama-cpp-python in the background: $(VENV)/llama-build.log"
 	@$(BIN)/python -m scripts.llama_build wheel $(BIN)/python \
 	  > $(VENV)/llama-wheel.path 2> $(VENV)/llama-build.log & build=$$!; \
-	$(BIN)/pip install "torch==2.13.0" && $(BIN)/pip install -e . \
+	$(BIN)/pip install "torch==2.13.0" && $(BIN)/pip install -e ".$(RUN_EXTRAS)" \
 	  && { [ -z "$(FETCH_WHILE_BUILDING)" ] \
 	       || $(BIN)/python scripts/fetch_models.py --keep-gguf --no-convert; }; \
 	status=$$?; \
@@ -35,8 +35,10 @@ $(RUN_STAMP): pyproject.toml Makefile scripts/llama_build.py shared/machine_cach
 	$(BIN)/pip install -e ".[llama]"
 	touch $(RUN_STAMP)
 
-# The test tools; and the oldest supported transformers (the GPU machine's) beside the venv for
+# The test tools (installed while llama.cpp builds, where the run step is still to do); and the
+# oldest supported transformers (the GPU machine's) beside the venv for
 # tests/test_min_transformers.py, with huggingface-hub < 2, which it needs.
+$(STAMP): RUN_EXTRAS = [dev]
 $(STAMP): $(RUN_STAMP)
 	$(BIN)/pip install -e ".[dev,llama]"
 	$(BIN)/pip install --no-deps --upgrade --target $(VENV)/transformers-min \
