@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 
@@ -158,3 +159,20 @@ def test_the_page_and_its_files(gateway: ThreadedServer) -> None:
         assert asset.status_code == 200 and asset.headers["content-type"].startswith(kind)
     for name in ("__init__.py", "..%2F..%2Fapp.py", "nothing.js"):
         assert httpx.get(gateway.url + "/playground/" + name).status_code == 404, name
+
+
+def test_the_official_client_reads_a_stream_with_blocks(gateway: ThreadedServer) -> None:
+    """``specdec_block`` rides beside OpenAI's fields: the official client, sending the extension
+    in ``extra_body``, reads the same text and keeps each block in ``model_extra``."""
+    oai = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "the cat sat on"}]
+    plain = oai.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                        temperature=0, max_tokens=20)
+    chunks = list(oai.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=20,  # type: ignore[arg-type]
+        stream=True, extra_body={"specdec": {"blocks": True, "k": 3}}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    blocks = [c.model_extra["specdec_block"] for c in chunks
+              if c.model_extra and "specdec_block" in c.model_extra]
+    assert text == plain.choices[0].message.content
+    assert sum(len(b["tokens"]) for b in blocks) == plain.usage.completion_tokens  # type: ignore[union-attr]
