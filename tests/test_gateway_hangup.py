@@ -117,3 +117,29 @@ def test_a_request_whose_client_left_while_waiting_never_starts(
     ok = httpx.post(server.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 3},
                     timeout=30)
     assert ok.status_code == 200, ok.text
+
+
+def test_the_verifier_stops_a_generate_whose_caller_hung_up(gpt2_server: LiveServer) -> None:
+    """``/v1/generate`` (the target alone: `specdec baseline`, the playground's race) stops at
+    its next step when its caller hangs up, and frees its session. The negative control: the
+    same call read to its end runs every step (about 0.7 s of them here)."""
+    body = {"prompt_ids": [2, 3, 4], "max_new_tokens": 250, "stop_at_eos": False}
+    url = gpt2_server.url
+
+    def jobs() -> int:
+        return int(httpx.get(url + "/v1/metrics").json()["jobs"])
+
+    before = jobs()
+    assert len(httpx.post(url + "/v1/generate", json=body, timeout=120).json()["token_ids"]) == 250
+    full = jobs() - before  # one prefill with the first token, then one job per step
+    assert full >= 249
+    before = jobs()
+    with pytest.raises(httpx.ReadTimeout):  # hangs up after 0.15 s
+        httpx.post(url + "/v1/generate", json=body, timeout=httpx.Timeout(30, read=0.15))
+    deadline = time.monotonic() + 30
+    while httpx.get(url + "/v1/metrics").json()["sessions"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    stopped = jobs() - before
+    time.sleep(0.5)  # a generation still running would go on adding jobs
+    assert jobs() - before == stopped < full

@@ -3,6 +3,7 @@ the scheduler (jobs) or the model thread; none holds state of its own."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -100,7 +101,23 @@ async def delete_session(session_id: str, state: StateDep, owner: OwnerDep) -> R
 
 
 @router.post("/v1/generate", response_model=GenerateResponse, responses=ERRORS)
-async def generate(body: GenerateRequest, state: StateDep, owner: OwnerDep) -> GenerateResponse:
-    """Target-only decoding with the same sampling math: the baseline of every speedup."""
-    return await target_alone.generate(state.jobs, state.scheduler, body,
-                                       state.engine.info.eos_token_ids, owner)
+async def generate(body: GenerateRequest, state: StateDep, owner: OwnerDep,
+                   request: Request) -> GenerateResponse | Response:
+    """Target-only decoding with the same sampling math: the baseline of every speedup. A
+    caller that hangs up stops it at its next step (499, read by nobody)."""
+    gone = asyncio.Event()
+    watch = asyncio.ensure_future(_hang_up(request, gone))
+    try:
+        reply = await target_alone.generate(state.jobs, state.scheduler, body,
+                                            state.engine.info.eos_token_ids, owner, gone)
+    finally:
+        watch.cancel()
+    return Response(status_code=499) if gone.is_set() else reply
+
+
+async def _hang_up(request: Request, gone: asyncio.Event) -> None:
+    """Sets ``gone`` when the client disconnects (the body is read by then: what arrives next
+    on the connection is its end)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    gone.set()

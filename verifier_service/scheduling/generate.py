@@ -5,6 +5,7 @@ search (``num_beams`` > 1, :mod:`verifier_service.scheduling.beam`) - and a veri
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import torch
@@ -48,7 +49,11 @@ class FirstTokenJob(CreateSessionJob):
 
 
 async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
-                   eos_token_ids: list[int], owner: str | None = None) -> GenerateResponse:
+                   eos_token_ids: list[int], owner: str | None = None,
+                   gone: asyncio.Event | None = None) -> GenerateResponse:
+    """``gone`` set (the caller hung up): stop before the next step; the session is freed and
+    the tokens so far are answered to nobody. Never in the middle of a job, whose session would
+    then outlive the call."""
     ctx.validator.check_create(req.protocol_version, req.prompt_ids, req.encoder_ids)
     ctx.validator.check_new_tokens(req.max_new_tokens)
     check_beam_request(req)
@@ -76,6 +81,8 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
             if req.stop_at_eos and last in eos_token_ids:
                 steps = 0
         for _ in range(steps):
+            if gone is not None and gone.is_set():
+                break
             try:
                 reply = await scheduler.submit(VerifyJob(ctx, session_id, VerifyRequest(
                     position=position, last_token=last,
