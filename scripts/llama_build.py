@@ -88,14 +88,22 @@ COMMON_FORCED = 'set(LLAMA_BUILD_COMMON ON CACHE BOOL "Build llama.cpp common li
 LEAN = ("-DLLAVA_BUILD=OFF",)
 
 
+def unpack_sdist(python: str, folder: Path) -> Path:
+    """The pinned sdist (downloaded into ``folder`` unless it is there), unpacked in ``folder``:
+    the source folder. The wheel and the benchmark's ``llama-server`` are built from it."""
+    sdist = folder / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not sdist.exists():
+        subprocess.run([python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(folder)],
+                       check=True, stdout=sys.stderr)
+    with tarfile.open(sdist) as archive:
+        archive.extractall(folder, filter="data")
+    return folder / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
+
+
 def lean_source(python: str, scratch: Path) -> Path:
     """The pinned sdist, unpacked in ``scratch``, with the common library off."""
-    subprocess.run([python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                    f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(scratch)],
-                   check=True, stdout=sys.stderr)
-    with tarfile.open(scratch / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz") as archive:
-        archive.extractall(scratch, filter="data")
-    source = scratch / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
+    source = unpack_sdist(python, scratch)
     cmake = source / "CMakeLists.txt"
     text = cmake.read_text()
     if text.count(COMMON_FORCED) != 1:

@@ -165,3 +165,10 @@ def guarded_protocol(parser: str, header_timeout_s: float, max_connections: int,
     if parser == "httptools":
         raise RuntimeError("--http-parser httptools: httptools is not installed")
     return GuardedH11Protocol.configured(*options)
+
+
+async def disconnected(request: Any) -> None:
+    """Returns when the HTTP client hangs up: call it once the request's body is read, when what
+    arrives next on the connection is its end (a Starlette ``Request``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

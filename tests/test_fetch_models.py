@@ -63,8 +63,7 @@ def test_no_convert_keeps_the_gguf_and_only_its_tokenizer(
     fully, and the full fetch later converts over it."""
     from scripts.harness.tiny_gguf import write_llama_gguf
     from shared.engines.llama_cpp.runtime import resolve_gguf
-    from shared.models import ModelSpecError, load_tokenizer, offline_gguf_path, \
-        resolve_model_spec
+    from shared.models import ModelSpecError, load_tokenizer, offline_gguf_path, resolve_model_spec
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     gguf = offline_gguf_path(NAME)

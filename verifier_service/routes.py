@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
+from shared.connections import disconnected
 from shared.schema import (
     CreateSessionRequest,
     CreateSessionResponse,
@@ -116,8 +117,6 @@ async def generate(body: GenerateRequest, state: StateDep, owner: OwnerDep,
 
 
 async def _hang_up(request: Request, gone: asyncio.Event) -> None:
-    """Sets ``gone`` when the client disconnects (the body is read by then: what arrives next
-    on the connection is its end)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    """Sets ``gone`` when the client disconnects."""
+    await disconnected(request)
     gone.set()

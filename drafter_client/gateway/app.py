@@ -45,7 +45,7 @@ from drafter_client.gateway.schema import (
     parse_request,
 )
 from shared.body_limit import BodyLimit
-from shared.connections import guarded_protocol
+from shared.connections import disconnected, guarded_protocol
 from shared.http_metrics import RequestMetrics
 
 __all__ = ["Gateway", "GatewaySettings", "create_gateway", "server_options"]
@@ -81,11 +81,7 @@ def _hang_up(request: Request) -> Callable[[], Awaitable[None]]:
     """Waits until the client hangs up (the body is read by then: what arrives next on the
     connection is its end)."""
 
-    async def gone() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    return gone
+    return lambda: disconnected(request)
 
 
 async def _stream(request: Request, gateway: Gateway, job: Job,

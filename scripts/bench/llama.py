@@ -28,7 +28,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from scripts.bench.common import at_once, fetch_offline_models, markdown_table, 
 from scripts.bench.suite import workloads
 from scripts.fetch_models import fetch_gguf
 from scripts.harness.process import VerifierProcess, free_port
-from scripts.llama_build import LLAMA_CPP_PYTHON, build_tag, cmake_args
+from scripts.llama_build import LLAMA_CPP_PYTHON, build_tag, cmake_args, unpack_sdist
 from shared.engines.llama_cpp.runtime import amx_works, extra_buffer_types, repacked_layouts_run
 from shared.machine_cache import specdec_home
 from shared.models import OFFLINE_MODELS, load_tokenizer
@@ -60,15 +59,8 @@ def llama_server_binary() -> Path:
     if binary.exists():
         return binary
     home.mkdir(parents=True, exist_ok=True)
-    sdist = home / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
-    if not sdist.exists():
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
-                        ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(home)],
-                       check=True)
     if not (home / "src").exists():
-        with tarfile.open(sdist) as archive:
-            archive.extractall(home, filter="data")
-        (home / f"llama_cpp_python-{LLAMA_CPP_PYTHON}").rename(home / "src")
+        unpack_sdist(sys.executable, home).rename(home / "src")
     source = home / "src" / "vendor" / "llama.cpp"
     log = home / f"{build}.log"
     print(f"building llama-server in {source / build} (minutes; output in {log})", flush=True)
