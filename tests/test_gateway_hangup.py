@@ -88,12 +88,10 @@ def test_a_hang_up_stops_the_generation_within_a_block(
     settle(gateway)
     before = generated(gateway)
     hang_up(server.url, {**CHAT, "stream": stream}, after_s=0.5)
-    hung_up = time.perf_counter()
     settle(gateway)
-    # One round trip (25 ms of simulated latency plus the tiny model's steps) ends the block
-    # under way when the client left.
-    assert time.perf_counter() - hung_up < 1.5
-    # About 0.5 s of generation (a few tokens per block), far from the context's end.
+    # About 0.5 s of generation (a few tokens per block) and the block under way when the
+    # client left: far from the context's end, which the control above reaches (counted, not
+    # timed, so that a slow machine cannot fail it).
     assert generated(gateway) - before < 60
 
 

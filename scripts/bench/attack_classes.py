@@ -7,9 +7,13 @@ drafter on llama.cpp and ``--overlap``, under an API key; verifier B on the tran
 with two API keys, 2 sessions a key and 4 KV slots. Then, one class at a time:
 
 - ``hang-up``: non-streaming chats without max_tokens whose clients hang up after 0.3 s; the
-  verifier's verify calls in the 2 s after must be none;
-- ``tokenize flood``: 20 concurrent prompts of about 512 KB (under the body limit, over the
-  context) while ``/health`` is timed; all must be 400 and /health stay under 0.5 s;
+  verifier may then make at most 2 verify calls a client (the block under way and the one
+  drafted ahead) before it goes quiet;
+- ``tokenize flood``: 20 senders post prompts of about 512 KB (under the body limit, over the
+  context) back to back for 2 s (10 s without --quick) while ``/health`` is probed; all must be
+  400 or 429 and the median probe answer within 0.25 s. (Measured on the 2-core machine:
+  about 25 ms; 970 ms with the gateway tokenizing on its event loop, without the length
+  check.)
 - ``idle heads``: idle and slowloris connections to the gateway, past its head timeout; none
   may stay open;
 - ``context edge``: completions (greedy and sampled, streamed and not) and a CLI run that run
@@ -36,6 +40,7 @@ tests/test_streaming_text.py, not attacked here.
 from __future__ import annotations
 
 import argparse
+import statistics
 import subprocess
 import tempfile
 import threading
@@ -160,7 +165,7 @@ def hang_up(s: Servers) -> Outcome:
         thread.join()
     connected = s.verify_calls() - start  # the generations were running when the clients left
     # Each generation could run to the context's end (about 240 tokens); a hang-up must end
-    # it within a block, so the verifier goes quiet (no verify call for 0.5 s) soon after.
+    # it within a block. Wait until the verifier goes quiet (no verify call for 0.5 s).
     hung_up, before = time.perf_counter(), s.verify_calls()
     last, last_change = before, hung_up
     while time.perf_counter() - last_change < 0.5 and time.perf_counter() - hung_up < 10:
@@ -168,9 +173,12 @@ def hang_up(s: Servers) -> Outcome:
         if (now := s.verify_calls()) != last:
             last, last_change = now, time.perf_counter()
     quiet_after = last_change - hung_up
-    return statuses, {"verifier quiet within 1 s of the hang-ups": quiet_after < 1.0,
+    # Counted, not timed: each client may finish the block under way and the one --overlap
+    # drafted ahead; a generation left running would make a verify call a block to the end.
+    after = last - before
+    return statuses, {"at most 2 verify calls a client after the hang-ups": after <= 2 * 12,
                       "generating when they left": connected > 0}, {
-        "verify_calls_while_connected": connected, "verify_calls_after": last - before,
+        "verify_calls_while_connected": connected, "verify_calls_after": after,
         "quiet_after_s": round(quiet_after, 2)}
 
 
@@ -180,26 +188,42 @@ def tokenize_flood(s: Servers) -> Outcome:
     # work in this process does not slow the /health timer
     body = orjson.dumps({"model": s.model, "prompt": words(128 * 1024), "max_tokens": 4})
     headers = {**AUTH, "content-type": "application/json"}
+    # Every client is made before the clock starts: making one builds an SSL context, tens of
+    # ms with this process's GIL held, which would be timed as the gateway's.
+    senders = [httpx.Client(timeout=120) for _ in range(20)]
+    probe = httpx.Client(timeout=60)
+    stop = threading.Event()
 
-    def send() -> None:
-        answer = httpx.post(s.gateway_url + "/v1/completions", headers=headers, timeout=120,
-                            content=body)
-        statuses[str(answer.status_code)] += 1
+    def send(client: httpx.Client) -> None:
+        while not stop.is_set():
+            answer = client.post(s.gateway_url + "/v1/completions", headers=headers,
+                                 content=body)
+            statuses[str(answer.status_code)] += 1
 
-    threads = [threading.Thread(target=send) for _ in range(20)]
+    threads = [threading.Thread(target=send, args=(client,)) for client in senders]
     for thread in threads:
         thread.start()
-    worst = 0.0
-    while any(thread.is_alive() for thread in threads):
+    waits: list[float] = []
+    ends = time.perf_counter() + (2.0 if s.quick else 10.0)
+    while time.perf_counter() < ends:
         started = time.perf_counter()
-        httpx.get(s.gateway_url + "/health", timeout=60)
-        worst = max(worst, time.perf_counter() - started)
-        time.sleep(0.05)
+        probe.get(s.gateway_url + "/health")
+        waits.append(time.perf_counter() - started)
+        time.sleep(0.02)
+    stop.set()
     for thread in threads:
         thread.join()
+    for client in (*senders, probe):
+        client.close()
+    # A loop that tokenizes (or counts) the flood's prompts itself keeps most probes waiting
+    # behind a prompt; one that only parses the bodies delays a few behind a burst of parsing,
+    # and a busy machine can delay any one probe: so the median probe decides.
+    median = statistics.median(waits)
     refused = statuses["400"] + statuses["429"]
-    return statuses, {"all refused (400 / 429)": refused == 20,
-                      "/health under 0.5 s": worst < 0.5}, {"health_max_ms": round(1e3 * worst)}
+    return statuses, {"all refused (400 / 429)": refused == sum(statuses.values()),
+                      "/health median under 0.25 s": median < 0.25}, {
+        "health_median_ms": round(1e3 * median, 1), "health_max_ms": round(1e3 * max(waits)),
+        "health_probes": len(waits)}
 
 
 def idle_heads(s: Servers) -> Outcome:
