@@ -96,7 +96,7 @@ test-fast: install
 # healthy -> client output equal to a local run, the OpenAI gateway), then the scale profile
 # with 2 replicas behind nginx, then tears it all down. See docs/deploy.md.
 test-compose: install ensure-containers
-	$(BIN)/python -m pytest -q -m compose -p no:xdist tests/test_compose_e2e.py
+	$(BIN)/python -m pytest -q -s -m compose -p no:xdist tests/test_compose_e2e.py
 
 # Debian's podman (+ runc), docker-compose 1.29 and debootstrap; installed when root.
 ensure-containers:

@@ -66,15 +66,41 @@ def test_services_keep_their_promises(compose: dict[str, Any]) -> None:
     assert verifier["depends_on"]["models"]["condition"] == "service_completed_successfully"
     assert "models:/models" in verifier["volumes"] and "models" in compose["volumes"]
     assert verifier["restart"] == "unless-stopped"
-    for name in ("MODEL", "DTYPE", "DEVICE", "PORT", "MAX_SESSIONS", "MAX_DRAFT_TOKENS"):
+    # what a deployer sets: engine, threads, context, KV budget, API keys, quotas
+    for name in ("MODEL", "ENGINE", "KERNELS", "DTYPE", "DEVICE", "THREADS", "PORT",
+                 "MAX_SESSIONS", "MAX_DRAFT_TOKENS", "MAX_CONTEXT", "KV_BUDGET_TOKENS",
+                 "API_KEYS", "MAX_SESSIONS_PER_KEY"):
         assert f"SPECDEC_{name}" in verifier["environment"]
+    assert verifier["environment"]["SPECDEC_ENGINE"] == "auto"
+    # the llama.cpp engine's files: GGUF kept, no conversion for transformers
+    assert services["models"]["command"][-2:] == ["--keep-gguf", "--no-convert"]
     assert services["client"]["depends_on"]["verifier"]["condition"] == "service_healthy"
     assert "http://verifier:8000" in services["client"]["command"]
     gpu = services["verifier-gpu"]
     assert gpu["profiles"] == ["gpu"]
     assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+    assert gpu["environment"]["SPECDEC_DEVICE"] == "cuda"
+    # a CUDA image of its own: CUDA torch wheels, llama.cpp's CUDA backend, on CUDA's devel image
+    cuda = gpu["build"]["args"]
+    assert cuda["TORCH_VARIANT"].startswith("cu") and "-DGGML_CUDA=on" in cuda["LLAMA_CMAKE_ARGS"]
+    assert "devel" in cuda["BASE_IMAGE"] and gpu["image"] != verifier["image"]
+    assert services["models-gpu"]["build"] == gpu["build"]
+    assert gpu["depends_on"] == {"models-gpu": {"condition": "service_completed_successfully"}}
+    assert "--no-convert" not in services["models-gpu"]["command"]  # transformers loads them
     lb = services["lb"]
     assert lb["profiles"] == ["scale"] and "healthcheck" in lb
     assert lb["depends_on"]["verifier"]["condition"] == "service_healthy"
     template = lb["volumes"][0].split(":")[0]
     assert (ROOT / template).exists()
+
+
+def test_build_arguments_are_the_dockerfiles(compose: dict[str, Any]) -> None:
+    """Every build argument compose passes is one the Dockerfile declares (an undeclared one
+    is dropped with a warning), and the llama.cpp stage takes LLAMA_CMAKE_ARGS."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    declared = set(re.findall(r"^ARG ([A-Z_]+)", dockerfile, re.MULTILINE))
+    for name, service in compose["services"].items():
+        if isinstance(service.get("build"), dict):
+            assert set(service["build"]["args"]) <= declared, name
+    llama = dockerfile.split("AS llama", 1)[1].split("\nFROM ", 1)[0]
+    assert 'CMAKE_ARGS="${LLAMA_CMAKE_ARGS}"' in llama and "scripts.llama_build wheel" in llama

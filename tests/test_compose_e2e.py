@@ -1,10 +1,15 @@
 """`make test-compose`: the real docker-compose.yml, run end to end with Podman + docker-compose.
 
 Builds the image (on a debootstrapped Debian base, torch from a local wheel when the machine has
-one), then ``docker compose up`` with the tiny pair in place of the downloaded models: models ->
-verifier healthy -> the client's output equals a local run; the gateway answers the ``openai``
-package the same; then the ``scale`` profile with 2 replicas behind nginx serves sessions from
-both replicas with the same outputs; then everything is torn down. Minutes, not part of
+one, llama.cpp built in its own stage), then ``docker compose up`` with a tiny Q4_K_M pair (the
+kernels of a real GGUF file, logits near uniform so a rounding difference changes a greedy token)
+in place of the downloaded models, on the image's default engine (llama.cpp, exact kernels):
+models -> verifier healthy -> the client's greedy output equals the same request on a verifier on
+this host; the gateway answers the official ``openai`` package the same; then the ``scale``
+profile with 2 replicas behind nginx keeps each session on its replica, and a replica stopped
+while a client generates: the generation finishes on the other one (its session reopened) with
+the same output. Then everything is torn down. Also: the gpu profile's LLAMA_CMAKE_ARGS reach
+llama.cpp's CMake. Cold start and first-generation times are printed. Minutes, not part of
 `make test` (marker ``compose``); skipped where the tools are missing.
 """
 
@@ -13,6 +18,7 @@ from __future__ import annotations
 import glob
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,15 +29,21 @@ import pytest
 import yaml
 
 from drafter_client.api import SpecDecClient
+from drafter_client.settings import ClientSettings
+from drafter_client.speculative import GenerationResult
 from scripts.harness.process import free_port
-from scripts.harness.tiny_models import build_tiny_set
+from scripts.harness.tiny_gguf import save_quantized_gguf
 from tests.support.containers import HealthTrigger, Podman, missing_tools
-from tests.support.live_server import LiveServer, fp32_settings
+from tests.support.live_server import LiveServer
+from verifier_service.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 PROJECT = "specdec-compose-test"
 PROMPT = "the cat sat"
 NEW_TOKENS = 24
+LONG = 120  # the generation a replica is stopped under
+CONTEXT = 256
+TARGET, DRAFTER = "target/model-q4_k_m.gguf", "drafter/model-q4_k_m.gguf"
 
 pytestmark = [pytest.mark.compose,
               pytest.mark.skipif(bool(missing_tools()),
@@ -45,13 +57,14 @@ def podman(tmp_path_factory: pytest.TempPathFactory) -> Podman:
 
 @pytest.fixture(scope="module")
 def models() -> Iterator[Path]:
-    """The tiny pair where the containers' user (uid 10001) can read it."""
+    """The tiny Q4_K_M pair, with tokenizers, where the containers' user (uid 10001) can read
+    it."""
     root = Path("/var/tmp/specdec-compose-models")
     shutil.rmtree(root, ignore_errors=True)
-    paths = build_tiny_set(root)
+    save_quantized_gguf(root / "target", seed=0)
+    save_quantized_gguf(root / "drafter", seed=1)
     subprocess.run(["chmod", "-R", "a+rX", str(root)], check=True)
     yield root
-    assert paths  # built
 
 
 @pytest.fixture(scope="module")
@@ -74,13 +87,20 @@ def images(podman: Podman) -> dict[str, str]:
     return {"app": "localhost/specdec:compose-test", "lb": "localhost/specdec-lb:compose-test"}
 
 
+def host_settings(models: Path) -> Settings:
+    """The compose verifier's settings, on this host."""
+    return Settings(model=str(models / TARGET), engine="llama-cpp", threads=1,
+                    max_context=CONTEXT)  # type: ignore[arg-type]
+
+
 @pytest.fixture(scope="module")
-def reference(models: Path) -> dict[str, str]:
-    """The local run: the same tiny pair, a verifier in this process."""
-    with LiveServer(fp32_settings(models / "gpt2-target")) as server:
-        client = SpecDecClient(server.url, str(models / "gpt2-drafter"))
-        return {p: client.generate(p, chat=True, max_new_tokens=NEW_TOKENS).text
-                for p in (PROMPT, "a dog ran", "def f ( x ) :")}
+def reference(models: Path) -> dict[tuple[str, int], str]:
+    """The same requests on this host: the pair on a llama.cpp verifier in this process."""
+    with LiveServer(host_settings(models)) as server:
+        client = SpecDecClient(server.url, str(models / DRAFTER))
+        return {(p, n): client.generate(p, chat=True, max_new_tokens=n).text
+                for p, n in ((PROMPT, NEW_TOKENS), ("a dog ran", NEW_TOKENS),
+                             ("def f ( x ) :", NEW_TOKENS), ("the cat sat", LONG))}
 
 
 class Compose:
@@ -112,22 +132,29 @@ def wait_exit(podman: Podman, name: str, timeout_s: float = 300) -> int:
     raise TimeoutError(f"{name} still running after {timeout_s} s")
 
 
+def replica_port(podman: Podman, name: str) -> int:
+    """The host port a replica's 8000 is published on (an ephemeral one with replicas)."""
+    out = podman.run("port", name, "8000").stdout.strip().splitlines()[0]
+    return int(out.rsplit(":", 1)[1])
+
+
 def test_compose_end_to_end(podman: Podman, images: dict[str, str], models: Path,
-                            reference: dict[str, str], tmp_path: Path) -> None:
+                            reference: dict[tuple[str, int], str], tmp_path: Path) -> None:
     mount = [f"{models}:/models:ro"]
     override = tmp_path / "override.yml"
     override.write_text(yaml.safe_dump({"services": {
-        "models": {"command": ["ls", "/models/gpt2-target/config.json",
-                               "/models/gpt2-drafter/config.json"], "volumes": mount},
+        "models": {"command": ["ls", f"/models/{TARGET}", f"/models/{DRAFTER}"],
+                   "volumes": mount},
         "verifier": {"volumes": mount},
         "client": {"volumes": mount},
         "gateway": {"volumes": mount},
     }}))
     ports = [free_port() for _ in range(3)]
     env = {
+        # the engine is left to the image's default (auto)
         "SPECDEC_IMAGE_TAG": "compose-test", "SPECDEC_LB_IMAGE": images["lb"],
-        "SPECDEC_MODEL": "/models/gpt2-target", "SPECDEC_DTYPE": "float32",
-        "SPECDEC_DRAFTER": "/models/gpt2-drafter", "SPECDEC_PROMPT": PROMPT,
+        "SPECDEC_MODEL": f"/models/{TARGET}", "SPECDEC_MAX_CONTEXT": str(CONTEXT),
+        "SPECDEC_DRAFTER": f"/models/{DRAFTER}", "SPECDEC_PROMPT": PROMPT,
         "SPECDEC_MAX_NEW_TOKENS_CLIENT": str(NEW_TOKENS), "SPECDEC_THREADS": "1",
         "SPECDEC_VERIFIER_PUBLISH": f"{ports[0]}:8000", "SPECDEC_GATEWAY_HOST_PORT": str(ports[1]),
         "SPECDEC_LB_HOST_PORT": str(ports[2]),
@@ -138,13 +165,21 @@ def test_compose_end_to_end(podman: Podman, images: dict[str, str], models: Path
         try:
             with HealthTrigger(podman, PROJECT):
                 # models -> verifier (healthy) -> client, and the OpenAI gateway
+                started = time.perf_counter()
                 compose("--profile", "openai", "up", "-d")
+                verifier = f"http://127.0.0.1:{ports[0]}"
+                wait_healthy(verifier + "/readyz")
+                ready_s = time.perf_counter() - started
+                info = httpx.get(verifier + "/v1/info").json()
+                # llama.cpp ran the file (transformers would say float32), on exact kernels
+                assert (info["dtype"], info["kernels"]) == ("q4_k_m", "exact"), info
                 client = f"{PROJECT}_client_1"
                 assert wait_exit(podman, client) == 0
+                generated_s = time.perf_counter() - started
                 logs = podman.run("logs", client).stdout
-                assert logs.split("\n--- generate:")[0] == reference[PROMPT], logs
-                verifier = f"http://127.0.0.1:{ports[0]}"
-                assert httpx.get(verifier + "/readyz").json()["status"] == "ready"
+                assert logs.split("\n--- generate:")[0] == reference[PROMPT, NEW_TOKENS], logs
+                print(f"\ncold start: compose up -> verifier /readyz {ready_s:.1f} s, -> the "
+                      f"client's first generation done {generated_s:.1f} s")
                 assert "specdec_verifier_verify_calls_total" in httpx.get(
                     verifier + "/metrics").text
                 gateway = f"http://127.0.0.1:{ports[1]}"
@@ -154,7 +189,7 @@ def test_compose_end_to_end(podman: Podman, images: dict[str, str], models: Path
                 reply = oai.chat.completions.create(
                     model=name, messages=[{"role": "user", "content": "a dog ran"}],
                     temperature=0, max_tokens=NEW_TOKENS)
-                assert reply.choices[0].message.content == reference["a dog ran"]
+                assert reply.choices[0].message.content == reference["a dog ran", NEW_TOKENS]
 
                 # the scale profile: 2 replicas behind nginx, from a clean start (nginx resolves
                 # the replicas once, when it starts)
@@ -164,48 +199,87 @@ def test_compose_end_to_end(podman: Podman, images: dict[str, str], models: Path
                 lb = f"http://127.0.0.1:{ports[2]}"
                 wait_healthy(lb + "/lb-healthz")
                 wait_healthy(lb + "/readyz")
-                # new sessions spread over both replicas (nginx takes a replica out for 10 s
-                # after a failed call, e.g. one still loading when the balancer started)
-                replicas: set[str] = set()
-                failures: list[str] = []
-                deadline = time.monotonic() + 90
-                with httpx.Client(base_url=lb, timeout=30) as http:
-                    i = 0
-                    while len(replicas) < 2 and time.monotonic() < deadline:
-                        sid = f"compose-{i}"
-                        i += 1
-                        r = http.post("/v1/sessions", json={"prompt_ids": [2, 3, 4],
-                                                            "session_id": sid},
-                                      headers={"x-session-id": sid})
-                        if r.status_code != 200:
-                            failures.append(f"{r.status_code} {r.text[:120]}")
-                            time.sleep(1)
-                            continue
-                        replica = r.headers["x-verifier-replica"]
-                        replicas.add(replica)
-                        # affinity: the session's next call reaches the replica that holds it
-                        gone = http.delete(f"/v1/sessions/{sid}", headers={"x-session-id": sid})
-                        assert (gone.status_code, gone.headers["x-verifier-replica"]) == (
-                            204, replica)
-                if len(replicas) < 2:  # what went wrong, for the failure message
-                    status = podman.run("ps", "-a", "--format", "{{.Names}} {{.Status}}",
-                                        check=False).stdout
-                    lb_logs = podman.run("logs", "--tail", "20", f"{PROJECT}_lb_1",
-                                         check=False)
-                    conf = podman.run("exec", f"{PROJECT}_lb_1", "cat",
-                                      "/etc/nginx/conf.d/specdec.conf", check=False).stdout
-                    pytest.fail(f"one replica answered: {replicas}; failed calls: "
-                                f"{failures[:3]} ({len(failures)})\n{status}\n"
-                                f"{lb_logs.stdout[-2000:]}{lb_logs.stderr[-2000:]}\n{conf}")
-                balanced = SpecDecClient(lb, str(models / "gpt2-drafter"))
+                check_affinity(podman, lb)
+                balanced = SpecDecClient(lb, str(models / DRAFTER))
                 for prompt in ("def f ( x ) :", PROMPT):
                     result = balanced.generate(prompt, chat=True, max_new_tokens=NEW_TOKENS)
-                    assert result.text == reference[prompt]
+                    assert result.text == reference[prompt, NEW_TOKENS]
                     assert result.metrics.session_reopens == 0  # no call missed its replica
+                stop_a_replica_mid_run(podman, lb, models, reference["the cat sat", LONG])
         finally:
             compose("--profile", "scale", "--profile", "openai", "down", "-v",
                     "--remove-orphans", timeout=300)
         assert podman.containers(PROJECT) == []
+
+
+def check_affinity(podman: Podman, lb: str) -> None:
+    """New sessions spread over both replicas, and each session's next call reaches the
+    replica that holds it (nginx takes a replica out for 10 s after a failed call, e.g. one
+    still loading when the balancer started)."""
+    replicas: set[str] = set()
+    failures: list[str] = []
+    deadline = time.monotonic() + 90
+    with httpx.Client(base_url=lb, timeout=30) as http:
+        i = 0
+        while len(replicas) < 2 and time.monotonic() < deadline:
+            sid = f"compose-{i}"
+            i += 1
+            r = http.post("/v1/sessions", json={"prompt_ids": [2, 3, 4], "session_id": sid},
+                          headers={"x-session-id": sid})
+            if r.status_code != 200:
+                failures.append(f"{r.status_code} {r.text[:120]}")
+                time.sleep(1)
+                continue
+            replica = r.headers["x-verifier-replica"]
+            replicas.add(replica)
+            gone = http.delete(f"/v1/sessions/{sid}", headers={"x-session-id": sid})
+            assert (gone.status_code, gone.headers["x-verifier-replica"]) == (204, replica)
+    if len(replicas) < 2:  # what went wrong, for the failure message
+        status = podman.run("ps", "-a", "--format", "{{.Names}} {{.Status}}",
+                            check=False).stdout
+        lb_logs = podman.run("logs", "--tail", "20", f"{PROJECT}_lb_1", check=False)
+        conf = podman.run("exec", f"{PROJECT}_lb_1", "cat", "/etc/nginx/conf.d/specdec.conf",
+                          check=False).stdout
+        pytest.fail(f"one replica answered: {replicas}; failed calls: {failures[:3]} "
+                    f"({len(failures)})\n{status}\n{lb_logs.stdout[-2000:]}"
+                    f"{lb_logs.stderr[-2000:]}\n{conf}")
+
+
+def stop_a_replica_mid_run(podman: Podman, lb: str, models: Path, want: str) -> None:
+    """A client generates through the balancer (each call 100 ms slower, so the run lasts
+    seconds); the replica holding its session is stopped under it. The generation must finish
+    on the other replica, its session reopened there, with the output of an undisturbed run."""
+    names = [f"{PROJECT}_verifier_{i}" for i in (1, 2)]
+    urls = {name: f"http://127.0.0.1:{replica_port(podman, name)}" for name in names}
+    client = SpecDecClient(lb, str(models / DRAFTER),
+                           settings=ClientSettings(simulated_rtt_ms=100.0))
+    results: list[GenerationResult | BaseException] = []
+
+    def generate() -> None:
+        try:
+            results.append(client.generate("the cat sat", chat=True, max_new_tokens=LONG))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            results.append(exc)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    holder, deadline = None, time.monotonic() + 60
+    while holder is None and thread.is_alive() and time.monotonic() < deadline:
+        for name, url in urls.items():
+            if httpx.get(url + "/v1/metrics", timeout=5).json()["sessions"] > 0:
+                holder = name
+        time.sleep(0.05)
+    assert holder is not None, f"no replica held the session: {results}"
+    time.sleep(0.5)  # a few blocks in
+    assert thread.is_alive(), "the generation ended before the replica was stopped"
+    podman.run("stop", "-t", "2", holder)
+    thread.join(120)
+    [result] = results
+    assert not isinstance(result, BaseException), repr(result)
+    assert result.metrics.session_reopens >= 1  # it did move
+    assert result.text == want
+    print(f"stopped {holder} mid-run: the generation finished on the other replica "
+          f"({result.metrics.session_reopens} reopen)")
 
 
 def wait_healthy(url: str, timeout_s: float = 180) -> None:
@@ -220,3 +294,31 @@ def wait_healthy(url: str, timeout_s: float = 180) -> None:
             raise TimeoutError(f"{url} not healthy after {timeout_s} s")
         time.sleep(1)
 
+
+
+def test_gpu_profile_build_arguments_reach_llama_cpp(podman: Podman, tmp_path: Path) -> None:
+    """The gpu profile's build as far as a machine without CUDA goes: compose renders its build
+    arguments, and its LLAMA_CMAKE_ARGS reach llama.cpp's CMake, which then asks for the CUDA
+    toolkit (this base image has none). The negative control: the same stage without the
+    argument gets past that point."""
+    rendered = yaml.safe_load(subprocess.run(
+        ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), "--profile", "gpu",
+         "config"], capture_output=True, text=True, check=True, timeout=60,
+        env={k: v for k, v in podman.env.items() if not k.startswith("SPECDEC_")}).stdout)
+    args = rendered["services"]["verifier-gpu"]["build"]["args"]
+    assert args["LLAMA_CMAKE_ARGS"] == "-DGGML_CUDA=on" and args["TORCH_VARIANT"] == "cu126"
+    assert rendered["services"]["models-gpu"]["build"]["args"] == args
+    base = podman.base_image()
+    built = podman.run("build", "--target", "llama", f"--build-arg=BASE_IMAGE={base}",
+                       f"--build-arg=LLAMA_CMAKE_ARGS={args['LLAMA_CMAKE_ARGS']}",
+                       "-t", "localhost/specdec-llama-cuda:compose-test", str(ROOT),
+                       check=False, timeout=1800)
+    output = built.stdout + built.stderr
+    assert built.returncode != 0, output[-3000:]
+    assert "-DGGML_CUDA=on" in output and "CUDA" in output.split("-DGGML_CUDA=on", 1)[1], \
+        output[-3000:]
+    # the CPU stage, built by the images fixture or here (cached): the argument made the failure
+    plain = podman.run("build", "--target", "llama", f"--build-arg=BASE_IMAGE={base}", "-t",
+                       "localhost/specdec-llama:compose-test", str(ROOT), check=False,
+                       timeout=1800)
+    assert plain.returncode == 0, plain.stderr[-3000:]
