@@ -41,7 +41,7 @@ RUN if ls /tmp/build-extra/ca/*.crt >/dev/null 2>&1; then \
       cp /tmp/build-extra/ca/*.crt /usr/local/share/ca-certificates/ && update-ca-certificates; \
     fi
 RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      cmake g++ make && rm -rf /var/lib/apt/lists/*
+      cmake g++ make ninja-build && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/llama-venv
 WORKDIR /src
 COPY shared/machine_cache.py ./shared/machine_cache.py

@@ -93,11 +93,17 @@ def unpack_sdist(python: str, folder: Path) -> Path:
     the source folder. The wheel and the benchmark's ``llama-server`` are built from it."""
     sdist = folder / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
     if not sdist.exists():
-        subprocess.run([python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                        f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(folder)],
+        # --no-binary for this package alone: ":all:" would also build its build backend's
+        # own requirements from source (ninja's among them: minutes) just to read its metadata.
+        subprocess.run([python, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        "llama-cpp-python", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d",
+                        str(folder)],
                        check=True, stdout=sys.stderr)
     with tarfile.open(sdist) as archive:
-        archive.extractall(folder, filter="data")
+        if hasattr(tarfile, "data_filter"):  # Python 3.11.4+ (Debian 12's 3.11.2 lacks it)
+            archive.extractall(folder, filter="data")
+        else:
+            archive.extractall(folder)  # noqa: S202 - the pinned sdist from the index
     return folder / f"llama_cpp_python-{LLAMA_CPP_PYTHON}"
 
 
@@ -125,10 +131,9 @@ def build_wheel(python: str) -> Path:
     if found:
         return found[-1]
     folder.mkdir(parents=True, exist_ok=True)
-    print(f"building llama-cpp-python {LLAMA_CPP_PYTHON} from source, lean "
-          f"({' '.join(compiler_flags()) or 'native flags'}; minutes on 2 cores)",
-          file=sys.stderr, flush=True)
     env = {**os.environ, "CMAKE_ARGS": shlex.join([*LEAN, *cmake_args()])}
+    print(f"building llama-cpp-python {LLAMA_CPP_PYTHON} from source, lean (minutes on 2 "
+          f"cores): CMAKE_ARGS={env['CMAKE_ARGS']}", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=folder) as scratch:
         source = lean_source(python, Path(scratch))
         subprocess.run([python, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir",

@@ -315,8 +315,7 @@ def test_gpu_profile_build_arguments_reach_llama_cpp(podman: Podman, tmp_path: P
                        check=False, timeout=1800)
     output = built.stdout + built.stderr
     assert built.returncode != 0, output[-3000:]
-    assert "-DGGML_CUDA=on" in output and "CUDA" in output.split("-DGGML_CUDA=on", 1)[1], \
-        output[-3000:]
+    assert "-DGGML_CUDA=on" in output and "CUDA Toolkit not found" in output, output[-3000:]
     # the CPU stage, built by the images fixture or here (cached): the argument made the failure
     plain = podman.run("build", "--target", "llama", f"--build-arg=BASE_IMAGE={base}", "-t",
                        "localhost/specdec-llama:compose-test", str(ROOT), check=False,
