@@ -92,9 +92,11 @@ test-fast: install
 	$(PYTEST) -m "not slow and not real and not faults and not fuzz and not netns and not compose"
 
 # The real docker-compose.yml end to end with Podman + docker-compose 1.29 (minutes; not in
-# `make test`): builds the image on a debootstrapped Debian base, compose up (models -> verifier
-# healthy -> client output equal to a local run, the OpenAI gateway), then the scale profile
-# with 2 replicas behind nginx, then tears it all down. See docs/deploy.md.
+# `make test`): builds the image (llama.cpp in a cached stage) on a debootstrapped Debian base,
+# compose up on a tiny Q4_K_M pair on the image's llama.cpp engine (models -> verifier healthy ->
+# client output equal to this host's verifier, the OpenAI gateway), then the scale profile with
+# 2 replicas behind nginx (session affinity, a replica stopped mid-generation), the gpu
+# profile's build arguments, then tears it all down. See docs/deploy.md.
 test-compose: install ensure-containers
 	$(BIN)/python -m pytest -q -s -m compose -p no:xdist tests/test_compose_e2e.py
 
