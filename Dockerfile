@@ -76,10 +76,14 @@ COPY --from=llama /wheels /wheels
 RUN pip install /wheels/llama_cpp_python-*.whl && pip install ".[llama]"
 
 FROM base AS runtime
+# The build's CA bundle (with deploy/build-extra/ca/*.crt where given): the models service's pip
+# downloads through the same proxy as the build.
+COPY --from=build /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
 RUN useradd --create-home --uid 10001 specdec && mkdir /models && chown specdec /models
 COPY --from=build /opt/venv /opt/venv
 COPY scripts /app/scripts
 ENV PATH=/opt/venv/bin:$PATH \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
     PYTHONUNBUFFERED=1 \
     SPECDEC_HOME=/models \
     SPECDEC_HOST=0.0.0.0 \
