@@ -29,39 +29,36 @@ RUN if ! python3 -c "import venv, ensurepip" 2>/dev/null || ! ldconfig -p | grep
         python3 python3-venv ca-certificates libgomp1 && rm -rf /var/lib/apt/lists/*; \
     fi
 
-# llama-cpp-python's wheel, in a stage of its own: it depends only on the base image, the build
-# tools and scripts/llama_build.py, so a change of the project's code does not rebuild it (the
-# longest step: minutes on 2 cores).
-FROM base AS llama
-ARG LLAMA_CMAKE_ARGS=""
+# pip's settings and the certificates a TLS-inspecting proxy needs (deploy/build-extra/ca/*.crt,
+# trusted by pip too), for the stages that download.
+FROM base AS trusted
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 COPY deploy/build-extra /tmp/build-extra
 RUN if ls /tmp/build-extra/ca/*.crt >/dev/null 2>&1; then \
       cp /tmp/build-extra/ca/*.crt /usr/local/share/ca-certificates/ && update-ca-certificates; \
     fi
+
+# llama-cpp-python's wheel, in a stage of its own: it depends only on the base image, the build
+# tools and scripts/llama_build.py, so a change of the project's code does not rebuild it (the
+# longest step: minutes on 2 cores).
+FROM trusted AS llama
 RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       cmake g++ make ninja-build && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/llama-venv
 WORKDIR /src
 COPY shared/machine_cache.py ./shared/machine_cache.py
 COPY scripts/llama_build.py ./scripts/llama_build.py
+ARG LLAMA_CMAKE_ARGS=""
 RUN touch shared/__init__.py scripts/__init__.py \
     && CMAKE_ARGS="${LLAMA_CMAKE_ARGS}" SPECDEC_HOME=/opt/llama \
        python3 -m scripts.llama_build wheel /opt/llama-venv/bin/python \
     && mkdir /wheels && cp /opt/llama/llama-wheels/*/llama_cpp_python-*.whl /wheels/
 
-FROM base AS build
+FROM trusted AS build
 ARG TORCH_VARIANT=cpu
 # empty: the PyTorch index of TORCH_VARIANT (compose passes an empty value when unset)
 ARG TORCH_PIP_ARGS=""
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_CERT=/etc/ssl/certs/ca-certificates.crt
-COPY deploy/build-extra /tmp/build-extra
-# Certificates a TLS-inspecting proxy needs (deploy/build-extra/ca/*.crt), trusted by pip too.
-RUN if ls /tmp/build-extra/ca/*.crt >/dev/null 2>&1; then \
-      cp /tmp/build-extra/ca/*.crt /usr/local/share/ca-certificates/ && update-ca-certificates; \
-    fi
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # torch first, from TORCH_PIP_ARGS, so no other build of it is pulled.
@@ -76,9 +73,9 @@ COPY --from=llama /wheels /wheels
 RUN pip install /wheels/llama_cpp_python-*.whl && pip install ".[llama]"
 
 FROM base AS runtime
-# The build's CA bundle (with deploy/build-extra/ca/*.crt where given): the models service's pip
+# The builds' CA bundle (with deploy/build-extra/ca/*.crt where given): the models service's pip
 # downloads through the same proxy as the build.
-COPY --from=build /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
+COPY --from=trusted /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
 RUN useradd --create-home --uid 10001 specdec && mkdir /models && chown specdec /models
 COPY --from=build /opt/venv /opt/venv
 COPY scripts /app/scripts
