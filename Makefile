@@ -32,7 +32,7 @@ $(RUN_STAMP): pyproject.toml Makefile scripts/llama_build.py shared/machine_cach
 	  echo "building llama-cpp-python failed: $(VENV)/llama-build.log"; exit 1; fi; \
 	exit $$status
 	$(BIN)/pip install --no-deps --force-reinstall "$$(cat $(VENV)/llama-wheel.path)"
-	$(BIN)/pip install -e ".[llama]"
+	$(BIN)/pip install "$$(cat $(VENV)/llama-wheel.path)"  # its dependencies: the [llama] extra
 	touch $(RUN_STAMP)
 
 # The test tools (installed while llama.cpp builds, where the run step is still to do); and the

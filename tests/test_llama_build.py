@@ -106,3 +106,12 @@ def test_installed_llama_cpp_has_no_amx_layout() -> None:
     if not llama_build.compiler_flags():
         pytest.skip("AMX is kept on this machine or it is not x86")
     assert "AMX" not in extra_buffer_types()
+
+
+def test_the_wheel_is_the_llama_extras_pin() -> None:
+    """`make demo` installs the built wheel as the [llama] extra: the two versions are one."""
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]
+    assert extras["llama"] == [f"llama-cpp-python=={llama_build.LLAMA_CPP_PYTHON}"]
