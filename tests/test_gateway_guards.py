@@ -71,18 +71,25 @@ def test_long_prompts_do_not_stall_a_normal_request(gateway: ThreadedServer) -> 
         floods = [pool.submit(httpx.post, gateway.url + "/v1/completions", timeout=60,
                               json={"model": MODEL, "prompt": long_prompt(i), "max_tokens": 2})
                   for i in range(20)]
+        # made before the clock: a new client builds an SSL context, holding this process's
+        # GIL (the gateway's too: it runs in this process) while it is timed
+        http = httpx.Client(base_url=gateway.url, timeout=30)
         time.sleep(0.3)  # the flood has arrived
         latencies = []
         for _ in range(3):
             start = time.perf_counter()
-            health = httpx.get(gateway.url + "/health", timeout=30)
-            normal = httpx.post(gateway.url + "/v1/completions", timeout=30, json={
+            health = http.get("/health")
+            normal = http.post("/v1/completions", json={
                 "model": MODEL, "prompt": "the cat", "max_tokens": 2, "temperature": 0})
             latencies.append(time.perf_counter() - start)
             assert health.status_code == 200 and normal.status_code == 200, normal.text
+        http.close()
         answers = [f.result() for f in floods]
-    # On the event loop, 20 long prompts at 0.5 s each held every other request for seconds.
-    assert max(latencies) < 0.5, latencies
+    # Tokenized on the event loop, the 20 long prompts at 0.5 s each hold every other request
+    # for seconds (the first probe waited 9.5 s when run so by hand); here, on a busy CI
+    # machine, the slowest probe took up to 0.53 s. The bound lies between, with room on both
+    # sides.
+    assert max(latencies) < 2.0, latencies
     statuses = sorted(a.status_code for a in answers)
     # Each either was tokenized (then over the context: 400) or found the tokenizer at its
     # bound (429 with Retry-After); none is a 5xx.
