@@ -157,7 +157,8 @@ def hang_up(s: Servers) -> Outcome:
         except httpx.TimeoutException:
             statuses["hung up"] += 1
 
-    threads = [threading.Thread(target=chat) for _ in range(12)]
+    clients = 12
+    threads = [threading.Thread(target=chat) for _ in range(clients)]
     start = s.verify_calls()
     for thread in threads:
         thread.start()
@@ -176,7 +177,7 @@ def hang_up(s: Servers) -> Outcome:
     # Counted, not timed: each client may finish the block under way and the one --overlap
     # drafted ahead; a generation left running would make a verify call a block to the end.
     after = last - before
-    return statuses, {"at most 2 verify calls a client after the hang-ups": after <= 2 * 12,
+    return statuses, {"at most 2 verify calls a client after the hang-ups": after <= 2 * clients,
                       "generating when they left": connected > 0}, {
         "verify_calls_while_connected": connected, "verify_calls_after": after,
         "quiet_after_s": round(quiet_after, 2)}
@@ -192,13 +193,14 @@ def tokenize_flood(s: Servers) -> Outcome:
     # ms with this process's GIL held, which would be timed as the gateway's.
     senders = [httpx.Client(timeout=120) for _ in range(20)]
     probe = httpx.Client(timeout=60)
-    stop = threading.Event()
+    stop, counting = threading.Event(), threading.Lock()
 
     def send(client: httpx.Client) -> None:
         while not stop.is_set():
             answer = client.post(s.gateway_url + "/v1/completions", headers=headers,
                                  content=body)
-            statuses[str(answer.status_code)] += 1
+            with counting:  # hundreds of increments from 20 threads: none may be lost
+                statuses[str(answer.status_code)] += 1
 
     threads = [threading.Thread(target=send, args=(client,)) for client in senders]
     for thread in threads:
