@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -56,7 +55,7 @@ def podman(tmp_path_factory: pytest.TempPathFactory) -> Podman:
 
 
 @pytest.fixture(scope="module")
-def models() -> Iterator[Path]:
+def models() -> Path:
     """The tiny Q4_K_M pair, with tokenizers, where the containers' user (uid 10001) can read
     it."""
     root = Path("/var/tmp/specdec-compose-models")
@@ -64,7 +63,7 @@ def models() -> Iterator[Path]:
     save_quantized_gguf(root / "target", seed=0)
     save_quantized_gguf(root / "drafter", seed=1)
     subprocess.run(["chmod", "-R", "a+rX", str(root)], check=True)
-    yield root
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +99,7 @@ def reference(models: Path) -> dict[tuple[str, int], str]:
         client = SpecDecClient(server.url, str(models / DRAFTER))
         return {(p, n): client.generate(p, chat=True, max_new_tokens=n).text
                 for p, n in ((PROMPT, NEW_TOKENS), ("a dog ran", NEW_TOKENS),
-                             ("def f ( x ) :", NEW_TOKENS), ("the cat sat", LONG))}
+                             ("def f ( x ) :", NEW_TOKENS), (PROMPT, LONG))}
 
 
 class Compose:
@@ -205,7 +204,7 @@ def test_compose_end_to_end(podman: Podman, images: dict[str, str], models: Path
                     result = balanced.generate(prompt, chat=True, max_new_tokens=NEW_TOKENS)
                     assert result.text == reference[prompt, NEW_TOKENS]
                     assert result.metrics.session_reopens == 0  # no call missed its replica
-                stop_a_replica_mid_run(podman, lb, models, reference["the cat sat", LONG])
+                stop_a_replica_mid_run(podman, lb, models, reference[PROMPT, LONG])
         finally:
             compose("--profile", "scale", "--profile", "openai", "down", "-v",
                     "--remove-orphans", timeout=300)
@@ -257,7 +256,7 @@ def stop_a_replica_mid_run(podman: Podman, lb: str, models: Path, want: str) -> 
 
     def generate() -> None:
         try:
-            results.append(client.generate("the cat sat", chat=True, max_new_tokens=LONG))
+            results.append(client.generate(PROMPT, chat=True, max_new_tokens=LONG))
         except BaseException as exc:  # noqa: BLE001 - reported below
             results.append(exc)
 
