@@ -156,10 +156,12 @@ def test_enter_sends_and_shift_enter_breaks_the_line(browser: Any,
 
 def test_stop_cancels_the_generation_on_the_gateway(browser: Any, gpt2_server: LiveServer,
                                                     tiny_models: dict[str, Path]) -> None:
-    """Stop (a 40 ms round trip makes the 200-token answer take seconds) ends the stream; the
-    gateway stops generating at its next block and closes the verifier session."""
+    """Stop ends the stream; the gateway stops generating at its next block and closes the
+    verifier session. A 150 ms round trip makes the 200-token answer take 10 s at least (67
+    blocks of at most 3 tokens), so it cannot end by itself before Stop on a loaded machine (CI
+    once saw a 40 ms one finish first)."""
     client = SpecDecClient(gpt2_server.url, str(tiny_models["gpt2-drafter"]),
-                           simulated_rtt_ms=40)
+                           simulated_rtt_ms=150)
     with ThreadedServer(create_gateway(client, GatewaySettings(MODEL))) as slow:
         page = open_page(browser, slow.url)
         page.fill("#max-tokens", "200")
@@ -169,7 +171,8 @@ def test_stop_cancels_the_generation_on_the_gateway(browser: Any, gpt2_server: L
         page.wait_for_selector(".answer .tok")
         assert page.is_enabled("#stop") and not page.is_enabled("#send")
         page.click("#stop")
-        page.wait_for_selector(".answer[data-done='stopped']")
+        page.wait_for_selector(".answer[data-done]")
+        assert page.get_attribute(".answer", "data-done") == "stopped"
         assert page.is_enabled("#send") and page.locator("#error").is_hidden()
         wait_for_idle(slow.url, gpt2_server.url)
         generated = scrape(slow.url)["specdec_gateway_generated_tokens_total"][()]
