@@ -26,9 +26,11 @@ class Settings(BaseSettings):
 
     model: str = Field("qwen2.5-coder-1.5b", description="the target: short name of the "
                        "offline pair, local folder, .gguf file or hub id")
-    engine: Literal["auto", "transformers", "llama-cpp"] = Field(
+    engine: Literal["auto", "transformers", "llama-cpp", "int8"] = Field(
         "auto", description="what runs the target: transformers (any device), or llama.cpp "
-        "for a .gguf file or a short name whose GGUF is kept (CPU; needs the [llama] extra); "
+        "for a .gguf file or a short name whose GGUF is kept (CPU; needs the [llama] extra), "
+        "or int8: a Llama / Qwen2-family model transformers loads, its weights in int8 on the "
+        "CPU, verify blocks much cheaper than their tokens one by one, every row exact; "
         "auto: llama.cpp on a CPU where it is installed, for a .gguf file or a short name "
         "whose GGUF is kept, else transformers")
     dtype: Literal["auto", "fastest", "float32", "bfloat16", "float16"] = Field(
@@ -148,17 +150,17 @@ class Settings(BaseSettings):
             raise ValueError(f"max_prompt_tokens {self.max_prompt_tokens} must be below "
                              f"max_context {self.max_context} (the prompt and at least one "
                              "new token share one KV slot)")
-        if self.engine == "llama-cpp":
+        if self.engine in ("llama-cpp", "int8"):
             for name in ("device_map", "tp_plan"):
                 if getattr(self, name):
-                    raise ValueError(f"{name} places a transformers target; the llama-cpp "
-                                     "engine runs the GGUF file on the CPU")
+                    raise ValueError(f"{name} places a transformers target; the "
+                                     f"{self.engine} engine runs on the CPU")
             if self.cuda_graphs:
                 raise ValueError("cuda_graphs is for the transformers engine on CUDA; the "
-                                 "llama-cpp engine runs on the CPU")
+                                 f"{self.engine} engine runs on the CPU")
             if self.device not in ("auto", "cpu"):
-                raise ValueError(f"device {self.device!r}: the llama-cpp engine runs on the "
-                                 "CPU")
+                raise ValueError(f"device {self.device!r}: the {self.engine} engine runs on "
+                                 "the CPU")
         if self.tp_plan and self.device_map:
             raise ValueError("tp_plan and device_map are two ways to place one model: choose "
                              "one")

@@ -18,6 +18,8 @@ from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     T5Config,
     T5ForConditionalGeneration,
 )
@@ -137,6 +139,25 @@ def build_seq2seq(arch: str, vocab_size: int, seed: int, init_std: float = 0.5):
 def save_seq2seq(folder: Path, arch: str, vocab_size: int, seed: int,
                  init_std: float = 0.5) -> Path:
     build_seq2seq(arch, vocab_size, seed, init_std).save_pretrained(folder)
+    build_tokenizer(vocab_size).save_pretrained(folder)
+    return folder
+
+
+def save_tiny_qwen2(folder: Path, vocab_size: int = 256, seed: int = 29,
+                    init_range: float = 0.1) -> Path:
+    """A 3-layer Qwen2 (query / key / value biases, grouped-query attention, rotary
+    embeddings) of 64 dimensions: the int8 engine's test target."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, initializer_range=init_range,
+                         tie_word_embeddings=False, eos_token_id=1, bos_token_id=1)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # biases are zeros at initialisation: give them values to test
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, init_range)
+    model.save_pretrained(folder)
     build_tokenizer(vocab_size).save_pretrained(folder)
     return folder
 

@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 # The built-in engines, in the order ``auto`` asks them (the first that claims a model wins;
 # transformers claims everything, so it is last), and the package that registers each.
-BUILT_IN = {"llama-cpp": "shared.engines.llama_cpp", "transformers": "shared.engines.transformers"}
+BUILT_IN = {"llama-cpp": "shared.engines.llama_cpp", "int8": "shared.engines.int8",
+            "transformers": "shared.engines.transformers"}
 ENGINES = ("auto", *BUILT_IN)
 
 

@@ -1,0 +1,85 @@
+"""Row-invariant int8 products on a CPU: a row's result does not depend on the rows beside it.
+
+fbgemm's dynamic int8 linear (``torch.ops.quantized.linear_dynamic``) multiplies in integers,
+which sum exactly in any order, so only its activation quantization ties rows together: one
+scale and zero point for the whole input, from the input's min and max. A block of 8 rows
+therefore quantizes each row differently from a one-token step, and greedy output drifts.
+
+:class:`Int8Linear` takes that choice away from the batch. Each row is divided by its own
+largest magnitude (``|x / amax| <= 1`` exactly: division rounds monotonically and
+``amax / amax == 1``), and two pad columns hold +1 and -1 (their weights are zero, so they add
+exactly nothing). Every input then has min -1 and max +1 whatever its rows, so fbgemm picks
+the same quantization for every batch, and the row is scaled back by its ``amax`` afterwards.
+The dequantization is elementwise; a row's output is bit-equal at any row count
+(``tests/test_int8_engine.py``, with the shared-range negative control).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+PAD = 16  # sentinel columns (+1, -1, then zeros): the inner dimension stays a multiple of 16
+
+
+def quantized_engine() -> str:
+    """fbgemm through PyTorch's "x86" quantized engine (the one int8 path measured here)."""
+    if "x86" in torch.backends.quantized.supported_engines:
+        torch.backends.quantized.engine = "x86"
+    elif "fbgemm" in torch.backends.quantized.supported_engines:
+        torch.backends.quantized.engine = "fbgemm"
+    else:
+        raise RuntimeError("this PyTorch has no x86 / fbgemm quantized engine: the int8 "
+                           f"engine needs one (has {torch.backends.quantized.supported_engines})")
+    return str(torch.backends.quantized.engine)
+
+
+class Int8Linear:
+    """``x @ weight.T + bias`` with ``weight`` in int8 (symmetric, a scale per output channel)
+    and each row of ``x`` quantized alone; ``reduce_range``: 7-bit activations, so fbgemm's
+    16-bit pair sums on AVX2 cannot saturate (measured: better greedy agreement, the same
+    speed)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 reduce_range: bool = True) -> None:
+        out_features, in_features = weight.shape
+        w = torch.cat([weight.float(), torch.zeros(out_features, PAD)], dim=1)
+        scales = (weight.float().abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        with warnings.catch_warnings():  # quantized tensors are deprecated, fbgemm is not
+            warnings.simplefilter("ignore")
+            qweight = torch.quantize_per_channel(
+                w, scales.double(), torch.zeros(out_features, dtype=torch.long), 0, torch.qint8)
+            self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.reduce_range = reduce_range
+        self.nbytes = out_features * (in_features + PAD) + 4 * out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, in_features] float32 -> [n, out_features] float32, row by row invariant."""
+        amax = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)  # [n, 1]
+        padded = torch.zeros(x.shape[0], self.in_features + PAD)
+        padded[:, :self.in_features] = x / amax
+        padded[:, self.in_features] = 1.0
+        padded[:, self.in_features + 1] = -1.0
+        y = torch.ops.quantized.linear_dynamic(padded, self.packed, self.reduce_range) * amax
+        return y if self.bias is None else y + self.bias
+
+
+class SharedRangeLinear(Int8Linear):
+    """The negative control: the same weights with fbgemm's own per-batch activation range
+    (what ``torch.ao.quantization.quantize_dynamic`` does), so a row's quantization depends on
+    the other rows in the batch."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        padded = torch.zeros(x.shape[0], self.in_features + PAD)
+        padded[:, :self.in_features] = x
+        y = torch.ops.quantized.linear_dynamic(padded, self.packed, self.reduce_range)
+        return y if self.bias is None else y + self.bias
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row ([n, d]), a reduction along the row only."""
+    return x * torch.rsqrt((x * x).mean(dim=1, keepdim=True) + eps) * weight

@@ -1,0 +1,166 @@
+"""The int8 engine's target: :class:`~shared.engines.int8.model.Int8Decoder` behind the
+verifier's engine interface, a session per KV slot.
+
+A batch of steps is one forward over every step's new tokens; only the rows a verify block
+decides from become logits. Rejected drafts need no cleanup: a slot's positions past its
+accepted prefix are overwritten by the next block, and attention reads a row's prefix only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from shared.engines.int8.kernels import quantized_engine
+from shared.engines.int8.model import Int8Decoder, Rows
+from shared.engines.target import (
+    DEFAULT_KV_BUDGET,
+    BatchForward,
+    ForwardItem,
+    ModelInfo,
+    TargetOptions,
+    device_name,
+)
+from shared.engines.transformers.models import eos_ids_of
+from shared.models import ModelSpecError, load_causal_lm, load_tokenizer, tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
+
+
+class Int8Engine(BatchForward):
+    """A decoder-only target in int8 on the CPU, every row computed as a one-token step."""
+
+    trees = False
+
+    def __init__(self, decoder: Int8Decoder, tokenizer: Any, eos_token_ids: list[int],
+                 name: str, num_slots: int, acceptance: str = "device") -> None:
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+        self.acceptance = acceptance
+        self._num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.forwards = 0
+        shape = decoder.shape
+        self.info = ModelInfo(
+            name=name, vocab_size=shape.vocab, eos_token_ids=eos_token_ids,
+            fingerprint=tokenizer_fingerprint(tokenizer), max_context=decoder.slot_tokens,
+            model_limit=shape.limit or decoder.slot_tokens, dtype="int8", device="cpu",
+            kernels="exact")
+
+    # -- slots
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def slot_tokens(self) -> int:
+        return self.decoder.slot_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.decoder.nbytes
+
+    def allocate(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def reserve(self, slot: int, tokens: int) -> bool:
+        return tokens <= self.slot_tokens
+
+    def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
+        if parents == list(range(len(slots))):
+            return
+        sources = {parent: self._stash(slots[parent], length) for parent in set(parents)}
+        for slot, parent in zip(slots, parents, strict=True):
+            keys, values = sources[parent]
+            self.decoder.keys[:, slot, :, :length] = keys
+            self.decoder.values[:, slot, :, :length] = values
+
+    def _stash(self, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.decoder.keys[:, slot, :, :length].clone(),
+                self.decoder.values[:, slot, :, :length].clone())
+
+    def counters(self) -> dict[str, int]:
+        return {"int8_forwards": self.forwards}
+
+    # -- model operations
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
+        if any(item.encoder_ids is not None or item.tree_parents for item in items):
+            raise ValueError("the int8 engine runs causal chains only")
+        ids: list[int] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        keep: list[int] = []
+        spans: list[tuple[int, int] | None] = []
+        for item in items:
+            n = len(item.token_ids)
+            if item.start + n > self.slot_tokens:
+                raise ValueError(f"slot {item.slot} holds {self.slot_tokens} tokens; "
+                                 f"{item.start + n} asked")
+            first = len(ids)
+            ids += item.token_ids
+            slots += [item.slot] * n
+            positions += range(item.start, item.start + n)
+            if item.keep_logits and n > item.keep_from:
+                spans.append((len(keep), n - item.keep_from))
+                keep += range(first + item.keep_from, first + n)
+            else:
+                spans.append(None)
+        self.forwards += 1
+        with torch.inference_mode():
+            logits = self.decoder.forward(Rows(torch.tensor(ids), slots, positions),
+                                          torch.tensor(keep, dtype=torch.long))
+        return [None if span is None else logits[span[0]:span[0] + span[1]] for span in spans]
+
+    def keep_path(self, slot: int, root: int, path: list[int]) -> None:
+        raise ValueError("the int8 engine does not verify trees")
+
+    def warm_up(self, key: str) -> None:
+        """One small forward, then the verify costs that ``/v1/info`` reports."""
+        slot = self.allocate()
+        if slot is None:
+            return
+        ids = [i % self.info.vocab_size for i in range(16)]
+        self.forward([ForwardItem(slot, 0, ids, False)])
+        self.info = replace(self.info, verify_ms=self.measured_verify_ms(slot, ids, key))
+        self.release(slot)
+
+
+def load_int8_engine(o: TargetOptions) -> Int8Engine:
+    """The target of ``o`` in int8: loaded through transformers (a folder, a short name of the
+    offline pair once converted, a hub id), its linear layers quantized; slots of
+    ``max_context`` tokens (0: the model's limit), as many as ``kv_budget_tokens`` holds."""
+    if o.device not in ("auto", "cpu"):
+        raise ModelSpecError(f"device {o.device!r}: the int8 engine runs on the CPU")
+    started = time.perf_counter()
+    quantized = quantized_engine()
+    if o.threads:
+        torch.set_num_threads(o.threads)
+    model = load_causal_lm(o.model, torch.bfloat16, torch.device("cpu"))
+    limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 32768
+    budget = o.kv_budget_tokens or DEFAULT_KV_BUDGET
+    context = min(o.max_context or limit, limit, budget)
+    num_slots = max(1, budget // context)
+    decoder = Int8Decoder(model, num_slots, context)
+    tokenizer = load_tokenizer(o.model)
+    engine = Int8Engine(decoder, tokenizer, eos_ids_of(model, tokenizer), o.model, num_slots,
+                        o.acceptance)
+    del model
+    key = (f"int8|{o.model}|{quantized}|{device_name('cpu')}|threads={torch.get_num_threads()}"
+           f"|torch={torch.__version__}|context={context}")
+    engine.warm_up(key)
+    log.info("loaded target %s in int8 (%s, %d threads): %d slots x %d tokens (%.0f MiB of "
+             "weights, %.0f MiB of KV) in %.1f s", o.model, quantized, torch.get_num_threads(),
+             num_slots, context, decoder.weight_bytes / 2**20, decoder.nbytes / 2**20,
+             time.perf_counter() - started)
+    return engine

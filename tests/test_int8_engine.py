@@ -1,0 +1,210 @@
+"""The int8 engine computes every row as a one-token step computes it.
+
+Its linear layers quantize each row alone (``Int8Linear``), attention runs each row over its
+own prefix, and everything else is row-wise: a verify block's logits rows are bit-equal to
+one-token steps', at any block length, after and beside other sessions, so greedy speculation
+equals the target alone's. The negative control is ``SharedRangeLinear``: the same int8
+weights with fbgemm's own activation range for the whole batch (what PyTorch's
+``quantize_dynamic`` does), which must fail the same checks.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from drafter_client import SpecDecClient
+from scripts.harness.tiny_models import save_perturbed, save_tiny_qwen2
+from shared.engines.int8.kernels import Int8Linear, SharedRangeLinear, quantized_engine
+from shared.engines.int8.model import Int8Decoder, Rows
+from shared.engines.int8.target import Int8Engine
+from shared.engines.transformers.models import eos_ids_of
+from shared.models import load_causal_lm, load_tokenizer
+from tests.support.live_server import LiveServer
+from verifier_service.settings import Settings, load_engine
+
+VOCAB = 256
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("int8")
+    target = save_tiny_qwen2(root / "target", VOCAB)
+    return {"target": target, "drafter": save_perturbed(target, root / "drafter", 0.02, seed=3)}
+
+
+@pytest.mark.parametrize("linear, invariant", [(Int8Linear, True), (SharedRangeLinear, False)])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(linear: type[Int8Linear],
+                                                              invariant: bool) -> None:
+    quantized_engine()
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(96, 160, generator=generator) * 0.05
+    product = linear(weight, torch.randn(96, generator=generator))
+    x = torch.randn(17, 160, generator=generator) * torch.rand(17, 1, generator=generator) * 4
+    alone = [product(x[r:r + 1]) for r in range(17)]
+    same = [torch.equal(product(x[:n])[r:r + 1], alone[r]) for n in (2, 5, 8, 17)
+            for r in range(n)]
+    # shared: only rows that hold the batch's own extremes quantize as they do alone
+    assert all(same) if invariant else sum(same) < len(same) // 2, same
+    reference = x @ weight.T + product.bias  # int8 stays close to float32
+    assert (product(x) - reference).abs().max() < 0.05 * reference.abs().max()
+
+
+def decoder(path: Path, linear: type[Int8Linear] = Int8Linear) -> Int8Decoder:
+    quantized_engine()
+    return Int8Decoder(load_causal_lm(str(path), torch.float32, torch.device("cpu")),
+                       num_slots=6, slot_tokens=256, linear=linear)
+
+
+PROMPT = [5, 17, 33, 2, 90, 41, 7, 250, 12, 64, 3, 128]
+OTHER = [int(t) for t in np.random.default_rng(3).integers(2, VOCAB, 37)]
+
+
+def rows_of(model: Int8Decoder, segments: list[tuple[int, int, list[int]]],
+            keep: list[int]) -> torch.Tensor:
+    """One forward over ``(slot, start, tokens)`` segments; the logits of rows ``keep``."""
+    ids, slots, positions = [], [], []
+    for slot, start, tokens in segments:
+        ids += tokens
+        slots += [slot] * len(tokens)
+        positions += range(start, start + len(tokens))
+    return model.forward(Rows(torch.tensor(ids), slots, positions), torch.tensor(keep))
+
+
+def one_token_steps(model: Int8Decoder, slot: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy decoding a token per forward (the prompt too): the tokens and every row."""
+    kept = [rows_of(model, [(slot, i, [t])], [0])[0] for i, t in enumerate(PROMPT)][-1:]
+    out: list[int] = []
+    for i in range(NEW):
+        out.append(int(kept[-1].argmax()))
+        kept.append(rows_of(model, [(slot, len(PROMPT) + i, out[-1:])], [0])[0])
+    return out, torch.stack(kept)
+
+
+def in_blocks(model: Int8Decoder, slot: int, tokens: list[int], k: int,
+              beside: int | None = None) -> torch.Tensor:
+    """The prompt whole, then ``tokens`` ``k`` at a time; ``beside``: another slot writes 3
+    tokens in each of the same forwards, first."""
+    kept = [rows_of(model, [(slot, 0, PROMPT)], [len(PROMPT) - 1])[0]]
+    other_at = len(OTHER)
+    for at in range(0, NEW, k):
+        block = tokens[at:at + k]
+        segments = [(slot, len(PROMPT) + at, block)]
+        shift = 0
+        if beside is not None:
+            segments.insert(0, (beside, other_at, [3, 4, 5]))
+            other_at, shift = other_at + 3, 3
+        kept.extend(rows_of(model, segments, list(range(shift, shift + len(block)))))
+    return torch.stack(kept[:NEW + 1])
+
+
+def block_layouts(model: Int8Decoder) -> dict[str, bool]:
+    tokens, reference = one_token_steps(model, 0)
+    same = {f"k={k}": torch.equal(in_blocks(model, 1, tokens, k), reference)
+            for k in (2, 4, 8, 16)}
+    rows_of(model, [(2, 0, OTHER)], [0])  # another session's history
+    same["beside another session"] = torch.equal(in_blocks(model, 3, tokens, 5, beside=2),
+                                                 reference)
+    return same
+
+
+def test_block_rows_equal_one_token_steps(qwen2: dict[str, Path]) -> None:
+    assert block_layouts(decoder(qwen2["target"])) == {
+        "k=2": True, "k=4": True, "k=8": True, "k=16": True, "beside another session": True}
+
+
+def test_negative_control_a_shared_activation_range(qwen2: dict[str, Path]) -> None:
+    same = block_layouts(decoder(qwen2["target"], SharedRangeLinear))
+    assert not any(same.values()), same
+
+
+def test_int8_follows_the_float_model(qwen2: dict[str, Path]) -> None:
+    """Quantization moves the logits a little, not the model: most greedy tokens agree with
+    float32 transformers on the same weights (a wrong layout, rotary or bias agrees on few)."""
+    model = load_causal_lm(str(qwen2["target"]), torch.float32, torch.device("cpu"))
+    ids = [int(t) for t in np.random.default_rng(7).integers(2, VOCAB, 64)]
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0]
+    ours = rows_of(decoder(qwen2["target"]), [(0, 0, ids)], list(range(len(ids))))
+    agree = (ours.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    assert agree >= 0.85, agree
+    assert (ours - reference).abs().max() < 0.1 * reference.abs().max()
+
+
+def int8_settings(path: Path) -> Settings:
+    return Settings(model=str(path), engine="int8", threads=1, max_draft_tokens=8,
+                    max_context=256)  # type: ignore[arg-type]
+
+
+PROMPTS = [[int(t) for t in ids] for ids in np.random.default_rng(5).integers(2, VOCAB, (6, 6))]
+LONG = 48
+
+
+def speculative_vs_alone(url: str, drafter: Path, concurrent: int,
+                         ks: tuple[int | str, ...] = (1, 3, 8, "auto")) -> list[str]:
+    """Greedy generations that differ from the target alone's (one session at a time on the
+    same verifier): every prompt alone at each k, then ``concurrent`` sessions at once."""
+    want = [SpecDecClient(url, None, tokenizer=str(drafter)).baseline(
+        ids, max_new_tokens=LONG).token_ids for ids in PROMPTS]
+    client = SpecDecClient(url, str(drafter))
+    differ = [f"prompt {i} alone k={k}" for k in ks for i, ids in enumerate(PROMPTS)
+              if client.generate(ids, num_draft_tokens=k, max_new_tokens=LONG).token_ids
+              != want[i]]
+    if concurrent > 1:
+        clients = [SpecDecClient(url, str(drafter)) for _ in range(concurrent)]
+        results: dict[int, list[int]] = {}
+
+        def work(j: int) -> None:
+            results[j] = clients[j].generate(PROMPTS[j % len(PROMPTS)],
+                                             num_draft_tokens=ks[j % len(ks)],
+                                             max_new_tokens=LONG).token_ids
+
+        threads = [threading.Thread(target=work, args=(j,)) for j in range(concurrent)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        differ += [f"prompt {j % len(PROMPTS)} among {concurrent}"
+                   for j in range(concurrent) if results.get(j) != want[j % len(PROMPTS)]]
+    return differ
+
+
+@pytest.fixture(scope="module")
+def int8_server(qwen2: dict[str, Path]) -> LiveServer:
+    with LiveServer(int8_settings(qwen2["target"])) as live:
+        yield live  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("concurrent", [1, 5])
+def test_greedy_speculation_equals_the_target_alone(concurrent: int, int8_server: LiveServer,
+                                                    qwen2: dict[str, Path]) -> None:
+    """At k = 1, 3, 8 and auto, alone and among 5 concurrent sessions, after the earlier
+    sessions on the same verifier."""
+    info = SpecDecClient(int8_server.url, None, tokenizer=str(qwen2["target"])).info
+    assert (info.kernels, info.dtype) == ("exact", "int8")
+    assert speculative_vs_alone(int8_server.url, qwen2["drafter"], concurrent) == []
+
+
+def test_negative_control_a_shared_range_changes_greedy_output(qwen2: dict[str, Path]) -> None:
+    settings = int8_settings(qwen2["target"])
+    model = load_causal_lm(str(qwen2["target"]), torch.float32, torch.device("cpu"))
+    tokenizer = load_tokenizer(str(qwen2["target"]))
+    engine = Int8Engine(Int8Decoder(model, 8, 256, SharedRangeLinear), tokenizer,
+                        eos_ids_of(model, tokenizer), str(qwen2["target"]), 8)
+    with LiveServer(settings, engine) as live:
+        assert speculative_vs_alone(live.url, qwen2["drafter"], 5) != []
+
+
+def test_the_engine_refuses_what_it_cannot_run(tmp_path: Path,
+                                               tiny_models: dict[str, Path]) -> None:
+    from shared.models import ModelSpecError
+
+    with pytest.raises(ModelSpecError, match="int8 engine runs"):
+        load_engine(int8_settings(tiny_models["gpt2-target"]))
+    with pytest.raises(ValueError, match="int8 engine runs on the CPU"):
+        Settings(model="x", engine="int8", device="cuda")  # type: ignore[arg-type]
