@@ -134,14 +134,22 @@ FAST = {  # on a second verifier with --kernels fast
     "specdec llama.cpp fast kernels: default (model + lookup, -k auto)": (
         "model", DrafterOptions(), "auto"),
 }
+INT8 = {  # on a verifier with --engine int8 (the converted folder of the same short name)
+    "specdec int8: target alone": (None, None, None),
+    "specdec int8: default (model + lookup, -k auto)": ("model", DrafterOptions(), "auto"),
+    "specdec int8: prompt lookup, -k auto": ("prompt-lookup", DrafterOptions(), "auto"),
+}
 CONCURRENT = "specdec llama.cpp: default, {n} concurrent sessions"
+# the targets alone whose greedy outputs the quality table compares, and the references
+QUALITY = {"specdec int8: target alone": "int8", "llama-server: target alone": "Q4_K_M",
+           "specdec transformers: target alone": "bf16"}
 
 
 def own_alone(system: str) -> str:
     """The target-alone system a system's greedy output must equal."""
     if system.startswith("llama-server"):
         return "llama-server: target alone"
-    for prefix in ("specdec llama.cpp fast kernels", "specdec transformers"):
+    for prefix in ("specdec llama.cpp fast kernels", "specdec transformers", "specdec int8"):
         if system.startswith(prefix):
             return f"{prefix}: target alone"
     return "specdec llama.cpp: target alone"
@@ -186,6 +194,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fast-kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="also a verifier with --kernels fast: its target alone and the "
                         "default client")
+    parser.add_argument("--int8", action=argparse.BooleanOptionalAction, default=True,
+                        help="also specdec on the int8 engine (--engine int8, the converted "
+                        "folder of the same short name): target alone, default, prompt "
+                        "lookup; and how often its greedy output matches bf16's and the "
+                        "Q4_K_M file's")
     parser.add_argument("--concurrent", type=int, default=4,
                         help="default clients at once on the exact verifier, each output "
                         "checked against the same prompt alone (0: skip)")
@@ -235,6 +248,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hf_verifier = VerifierProcess(["--model", args.target, "--engine", "transformers",
                                    "--kv-budget-tokens", str(args.kv_budget_tokens),
                                    "--max-context", "4096"], threads=args.threads)
+    int8_verifier = VerifierProcess(["--model", args.target, "--engine", "int8",
+                                     "--kv-budget-tokens", str(args.kv_budget_tokens),
+                                     "--max-context", "4096"], threads=args.threads)
     try:
         for name, extra in peers.items():
             servers[name] = LlamaServer(binary, target, args.threads, extra)
@@ -252,6 +268,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.fast_kernels:
             fast_verifier.start()
             systems.append((fast_verifier, FAST))
+        if args.int8 and args.target in OFFLINE_MODELS:
+            fetch_offline_models(args.target)
+            int8_verifier.start()
+            systems.append((int8_verifier, INT8))
         for process, table in systems:
             for name, (kind, options, k) in table.items():
                 if kind is None:
@@ -286,6 +306,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         verifier.stop()
         fast_verifier.stop()
         hf_verifier.stop()
+        int8_verifier.stop()
     two_host = two_host_runs(args, binary, target, drafter, tokenizer, prompts, ids_of) \
         if args.two_host else []
     return report(records, args, two_host, engine)
@@ -359,6 +380,30 @@ def two_host_runs(args: argparse.Namespace, binary: Path, target: Path, drafter:
     return records
 
 
+def quality(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """How often each quantization's greedy output (the targets alone in :data:`QUALITY`)
+    matches another's over the benchmark prompts (first round), and where the first
+    difference falls: the int8 engine next to the Q4_K_M file, both against bf16."""
+    first = {(r["system"], r["prompt"]): r["tokens"] for r in records
+             if r.get("round") == 0 and r["system"] in QUALITY}
+    prompts = list(dict.fromkeys(prompt for _, prompt in first))
+    rows = []
+    names = list(QUALITY)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            pairs = [(first[(a, p)], first[(b, p)]) for p in prompts
+                     if (a, p) in first and (b, p) in first]
+            if not pairs:
+                continue
+            diffs = [first_difference(x, y) for x, y in pairs]
+            rows.append({"pair": f"{QUALITY[a]} vs {QUALITY[b]}",
+                         "same": f"{diffs.count(None)}/{len(pairs)}",
+                         "first_differences": sorted(d for d in diffs if d is not None)})
+    table = markdown_table(rows, [("pair", "greedy outputs"), ("same", "identical"),
+                                  ("first_differences", "first differing token (others)")])
+    return rows, table
+
+
 def report(records: list[dict[str, Any]], args: argparse.Namespace,
            two_host: list[dict[str, Any]] | None = None,
            engine: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -410,13 +455,17 @@ def report(records: list[dict[str, Any]], args: argparse.Namespace,
         ("vs_one_core", "vs llama-server alone on 1 core"), ("acceptance", "acceptance")])
     if two_host_rows:
         print(two_host_table)
+    quality_rows, quality_table = quality(records)
+    if quality_rows:
+        print(quality_table)
     payload = {"command": " ".join(["python -m scripts.bench llama", *sys.argv[2:]]),
                "machine": {"cpus": os.cpu_count(), "threads": args.threads,
                            "target": args.target, "drafter": args.drafter,
                            "max_new_tokens": args.max_new_tokens, "llama_cpp": engine or {}},
                "rows": rows, "runs": records, "table": table,
                "two_host_rows": two_host_rows, "two_host_runs": two_host or [],
-               "two_host_table": two_host_table}
+               "two_host_table": two_host_table, "quality_rows": quality_rows,
+               "quality_table": quality_table}
     write_json(args.out, payload)
     print(f"wrote {args.out}")
     return payload

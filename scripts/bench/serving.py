@@ -76,8 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a short name of the offline pair, a .gguf file (llama-cpp) or a "
                         "folder (transformers)")
     parser.add_argument("--drafter", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--engine", default="llama-cpp", choices=["llama-cpp", "transformers"],
-                        help="the verifier's engine, and the default client's drafter's")
+    parser.add_argument("--engine", default="llama-cpp",
+                        choices=["llama-cpp", "transformers", "int8"],
+                        help="the verifier's engine, and the default client's drafter's "
+                        "(int8: its clients draft on llama.cpp)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (transformers engine)")
     parser.add_argument("--dtype", default="auto", help="the verifier's --dtype")
     parser.add_argument("--threads", type=int, default=2,
@@ -156,7 +158,8 @@ def verifier_counts(url: str) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     llama = args.engine == "llama-cpp"
     target = gguf_of(args.target) if llama else None
-    drafter = gguf_of(args.drafter) if llama else None
+    # the int8 verifier's clients draft on llama.cpp too (the drafter's GGUF file)
+    drafter = gguf_of(args.drafter) if args.engine in ("llama-cpp", "int8") else None
     if not llama:
         fetch_offline_models(args.target, args.drafter)
     tokenizer = load_tokenizer(args.target if args.target in OFFLINE_MODELS else str(target))

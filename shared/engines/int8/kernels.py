@@ -21,6 +21,7 @@ import warnings
 import torch
 
 PAD = 16  # sentinel columns (+1, -1, then zeros): the inner dimension stays a multiple of 16
+SENTINELS = torch.tensor([1.0, -1.0] + [0.0] * (PAD - 2))
 
 
 def quantized_engine() -> str:
@@ -60,10 +61,9 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[n, in_features] float32 -> [n, out_features] float32, row by row invariant."""
         amax = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)  # [n, 1]
-        padded = torch.zeros(x.shape[0], self.in_features + PAD)
-        padded[:, :self.in_features] = x / amax
-        padded[:, self.in_features] = 1.0
-        padded[:, self.in_features + 1] = -1.0
+        padded = torch.empty(x.shape[0], self.in_features + PAD)
+        torch.div(x, amax, out=padded[:, :self.in_features])
+        padded[:, self.in_features:] = SENTINELS
         y = torch.ops.quantized.linear_dynamic(padded, self.packed, self.reduce_range) * amax
         return y if self.bias is None else y + self.bias
 

@@ -87,7 +87,8 @@ class Int8Decoder:
                  linear: type[Int8Linear] = Int8Linear) -> None:
         s = self.shape = shape_of(model.config)
         decoder = model.model
-        self.embed = decoder.embed_tokens.weight.detach().float().contiguous()  # [vocab, hidden]
+        # [vocab, hidden] as the checkpoint keeps it (bfloat16 rows widen to float32 exactly)
+        self.embed = decoder.embed_tokens.weight.detach().contiguous()
         self.layers = []
         for block in decoder.layers:
             a, m = block.self_attn, block.mlp
@@ -125,16 +126,16 @@ class Int8Decoder:
     def weight_bytes(self) -> int:
         linears = [self.head] + [x for layer in self.layers
                                  for x in (layer.qkv, layer.out, layer.gate_up, layer.down)]
-        return sum(x.nbytes for x in linears) + 4 * self.embed.numel()
+        return sum(x.nbytes for x in linears) + self.embed.numel() * self.embed.element_size()
 
     def forward(self, rows: Rows, keep: torch.Tensor) -> torch.Tensor:
         """Write the rows' keys and values, and return the logits of rows ``keep`` ([m])
         ([m, vocab] float32)."""
         s = self.shape
         n, q_width, kv_width = len(rows.slots), s.heads * s.head_dim, s.kv_heads * s.head_dim
-        where = torch.tensor(rows.positions)
+        where, slot_index = torch.tensor(rows.positions), torch.tensor(rows.slots)
         cos, sin = self.cos[where][:, None, :], self.sin[where][:, None, :]  # [n, 1, d]
-        x = self.embed[rows.ids]  # [n, hidden]
+        x = self.embed[rows.ids].float()  # [n, hidden]
         for index, layer in enumerate(self.layers):
             qkv = layer.qkv(rms_norm(x, layer.attn_norm, s.eps))  # [n, q + 2 kv]
             q = _rotate(qkv[:, :q_width].view(n, s.heads, s.head_dim), cos, sin)
@@ -142,9 +143,8 @@ class Int8Decoder:
                         cos, sin)
             v = qkv[:, q_width + kv_width:].view(n, s.kv_heads, s.head_dim)
             keys, values = self.keys[index], self.values[index]
-            for r, (slot, pos) in enumerate(zip(rows.slots, rows.positions, strict=True)):
-                keys[slot, :, pos] = k[r]
-                values[slot, :, pos] = v[r]
+            keys[slot_index, :, where] = k  # [n, kv_heads, d] into each row's slot and position
+            values[slot_index, :, where] = v
             x = x + layer.out(self._attend(q, keys, values, rows))
             h = layer.gate_up(rms_norm(x, layer.mlp_norm, s.eps))  # [n, 2 intermediate]
             gate, up = h.chunk(2, dim=1)
@@ -155,16 +155,13 @@ class Int8Decoder:
                 rows: Rows) -> torch.Tensor:
         """Each row over its own cached prefix: [n, heads, d] -> [n, heads * d]."""
         s = self.shape
-        group = s.heads // s.kv_heads
-        scale = 1.0 / math.sqrt(s.head_dim)
-        out = torch.empty(q.shape[0], s.heads * s.head_dim)
+        queries = (q * (1.0 / math.sqrt(s.head_dim))).view(
+            q.shape[0], s.kv_heads, s.heads // s.kv_heads, s.head_dim)  # [n, kv_heads, group, d]
+        out = torch.empty(q.shape[0], s.kv_heads, s.heads // s.kv_heads, s.head_dim)
         for r, (slot, pos) in enumerate(zip(rows.slots, rows.positions, strict=True)):
-            query = q[r].view(s.kv_heads, group, s.head_dim)  # [kv_heads, group, d]
-            k = keys[slot, :, :pos + 1]  # [kv_heads, pos + 1, d]
-            scores = torch.matmul(query, k.transpose(1, 2)) * scale  # [kv_heads, group, pos+1]
-            weights = torch.softmax(scores, dim=-1)
-            out[r] = torch.matmul(weights, values[slot, :, :pos + 1]).reshape(-1)
-        return out
+            scores = torch.matmul(queries[r], keys[slot, :, :pos + 1].transpose(1, 2))
+            torch.matmul(torch.softmax(scores, dim=-1), values[slot, :, :pos + 1], out=out[r])
+        return out.view(q.shape[0], -1)
 
     def move(self, slot: int, source: int, target: int, count: int) -> None:
         """Cached positions ``source ..`` of ``slot`` to ``target ..`` (a tree's kept path)."""
