@@ -81,6 +81,10 @@ class InfoResponse(_Strict):
     # How the target computes a block's rows: "exact" (as one-token steps: greedy speculation
     # equals the target alone's), "fast" (llama.cpp's multi-row kernels), or "inexact: <why>".
     kernels: str | None = None
+    # The engine that runs the target (transformers, llama-cpp, int8) and, under --engine
+    # auto, why it was chosen.
+    engine: str | None = None
+    engine_choice: str | None = None
 
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"

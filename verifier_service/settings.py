@@ -58,6 +58,15 @@ class Settings(BaseSettings):
         "load. fast: llama.cpp's whole batches (multi-row kernels, a KV stream per session, as "
         "llama-server -np N lays them out): cheaper blocks and batches of 4 rows and more, but "
         "greedy output may differ from the target alone's, from run to run and with load")
+    expected_sessions: int = Field(
+        1, ge=1, description="--engine auto, where llama.cpp and the int8 engine can both serve "
+        "the target: how many sessions you expect to draft at once; auto picks the engine "
+        "whose recorded verify costs (every start records them, in "
+        "$SPECDEC_HOME/engine-costs.json) give the fewest ms per output token for that work")
+    expected_acceptance: float = Field(
+        0.0, ge=0.0, lt=1.0, description="--engine auto: the acceptance you expect of a "
+        "drafted token (0: text where nothing can be drafted; a verify block then yields one "
+        "token, and the cheaper one-token step wins)")
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")
 
@@ -177,11 +186,26 @@ class SettingsError(ValueError):
 
 def load_engine(settings: Settings) -> Engine:
     """The target of ``settings``, on the engine they resolve to (``shared/engines``), loaded,
-    warmed up and ready to serve."""
-    from shared.engines import resolve
+    warmed up and ready to serve; its verify costs are kept for ``--engine auto``'s choice."""
+    from dataclasses import replace
 
-    backend = resolve(settings.engine_name(), settings.model, settings.device)
-    return backend.load_target(settings.target_options())
+    from shared.engines import backend, resolve
+    from shared.engines.choice import Workload, choose, record_costs, recorded_costs
+    from shared.engines.int8 import can_serve
+
+    name, why = settings.engine_name(), ""
+    if name == "auto":
+        name = resolve("auto", settings.model, settings.device).name
+        if name == "llama-cpp" and can_serve(settings.model):
+            choice = choose(["llama-cpp", "int8"],
+                            recorded_costs(settings.model, settings.threads),
+                            Workload(settings.expected_sessions, settings.expected_acceptance))
+            name, why = choice.engine, choice.why
+    engine = backend(name).load_target(settings.target_options())
+    if name in ("llama-cpp", "int8"):
+        record_costs(settings.model, settings.threads, name, engine.info.verify_ms)
+    engine.info = replace(engine.info, engine=name, engine_choice=why)
+    return engine
 
 
 def check_against_model(settings: Settings, max_context: int, model_limit: int) -> None:

@@ -50,7 +50,8 @@ def describe(engine: Engine, settings: Settings) -> InfoResponse:
         is_encoder_decoder=info.encoder_decoder,
         decoder_start_token_id=info.decoder_start_token_id,
         verify_ms=[(k, ms) for k, ms in info.verify_ms if k <= settings.max_draft_tokens]
-        or None, kernels=info.kernels,
+        or None, kernels=info.kernels, engine=info.engine or None,
+        engine_choice=info.engine_choice or None,
     )
 
 

@@ -107,6 +107,8 @@ class ModelInfo:
     # how the rows are computed: "exact" (a verify block's rows equal one-token steps', so
     # greedy speculation equals the target alone's), "fast", or "inexact: <why>"
     kernels: str = "exact"
+    engine: str = ""  # the engine's name, and why ``--engine auto`` chose it
+    engine_choice: str = ""
 
 
 @dataclass(frozen=True)

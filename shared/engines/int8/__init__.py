@@ -36,4 +36,21 @@ class Int8Backend:
                              "llama-cpp engine")
 
 
+def can_serve(spec: str) -> bool:
+    """A folder (or a short name's converted folder) of an architecture this engine computes:
+    ``--engine auto``'s second candidate beside llama.cpp (``shared/engines/choice.py``)."""
+    import json
+    from pathlib import Path
+
+    from shared.engines.int8.model import ARCHITECTURES
+    from shared.models import resolve_model_spec
+
+    try:
+        path, gguf_file = resolve_model_spec(spec)
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (ModelSpecError, OSError, ValueError):
+        return False
+    return gguf_file is None and (config.get("architectures") or ["?"])[0] in ARCHITECTURES
+
+
 register(Int8Backend())
