@@ -112,12 +112,15 @@ def main() -> None:
         client = SpecDecClient(verifier.url, args.drafter, settings=settings)
         info = client.info
         costs = ", ".join(f"k={k}: {ms:.0f} ms" for k, ms in (info.verify_ms or [])[:4])
-        # the engines `auto` picked, by the function both sides pick them with
-        engine = resolve("auto", args.target).name
+        # the engine the verifier runs (/v1/info: auto's choice and why), and the drafter's
+        engine = info.engine or resolve("auto", args.target).name
         drafter_engine = resolve(settings.options.engine, args.drafter).name
-        weights = ("the GGUF file's own weights" if engine == "llama-cpp" else "dtype auto")
+        weights = {"llama-cpp": "the GGUF file's own weights",
+                   "int8": "int8 weights of the converted folder"}.get(engine, "dtype auto")
         print(f"\nverifier: {args.target}, engine {engine}, {info.dtype} on {info.device} "
               f"({weights}), kernels {info.kernels}; verify forwards {costs}")
+        if info.engine_choice:
+            print(f"          engine auto: {info.engine_choice}")
         drafter_weights = ("" if drafter_engine == "llama-cpp" else
                            f", dtype chosen: {client.drafter_dtype}")
         print(f"client:   {settings.describe(args.drafter)}; drafter engine chosen: "

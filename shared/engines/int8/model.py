@@ -88,23 +88,23 @@ class Int8Decoder:
         s = self.shape = shape_of(model.config)
         decoder = model.model
         # [vocab, hidden] as the checkpoint keeps it (bfloat16 rows widen to float32 exactly)
-        self.embed = decoder.embed_tokens.weight.detach().contiguous()
+        self.embed = decoder.embed_tokens.weight.detach().clone()  # nothing of the checkpoint
         self.layers = []
         for block in decoder.layers:
             a, m = block.self_attn, block.mlp
             biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
             bias = None if all(b is None for b in biases) else torch.cat([
-                b.detach() if b is not None else torch.zeros(p.weight.shape[0])
+                b.detach().float() if b is not None else torch.zeros(p.weight.shape[0])
                 for b, p in zip(biases, (a.q_proj, a.k_proj, a.v_proj), strict=True)])
             self.layers.append(Layer(
-                attn_norm=block.input_layernorm.weight.detach().float(),
+                attn_norm=block.input_layernorm.weight.detach().float().clone(),
                 qkv=linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
                            .detach(), bias),
                 out=linear(a.o_proj.weight.detach(), _bias(a.o_proj)),
-                mlp_norm=block.post_attention_layernorm.weight.detach().float(),
+                mlp_norm=block.post_attention_layernorm.weight.detach().float().clone(),
                 gate_up=linear(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach(), None),
                 down=linear(m.down_proj.weight.detach(), None)))
-        self.norm = decoder.norm.weight.detach().float()
+        self.norm = decoder.norm.weight.detach().float().clone()
         self.head = linear(model.lm_head.weight.detach(), _bias(model.lm_head))
         self.slot_tokens = slot_tokens
         kv = (s.layers, num_slots, s.kv_heads, slot_tokens, s.head_dim)
@@ -175,7 +175,7 @@ class Int8Decoder:
 
 
 def _bias(linear: Any) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.detach()
+    return None if linear.bias is None else linear.bias.detach().float().clone()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
