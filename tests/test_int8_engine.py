@@ -10,7 +10,6 @@ weights with fbgemm's own activation range for the whole batch (what PyTorch's
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from shared.engines.int8.model import Int8Decoder, Rows
 from shared.engines.int8.target import Int8Engine
 from shared.engines.transformers.models import eos_ids_of
 from shared.models import load_causal_lm, load_tokenizer
+from tests.support.greedy import speculative_vs_alone
 from tests.support.live_server import LiveServer
 from verifier_service.settings import Settings, load_engine
 
@@ -145,33 +145,8 @@ PROMPTS = [[int(t) for t in ids] for ids in np.random.default_rng(5).integers(2,
 LONG = 48
 
 
-def speculative_vs_alone(url: str, drafter: Path, concurrent: int,
-                         ks: tuple[int | str, ...] = (1, 3, 8, "auto")) -> list[str]:
-    """Greedy generations that differ from the target alone's (one session at a time on the
-    same verifier): every prompt alone at each k, then ``concurrent`` sessions at once."""
-    want = [SpecDecClient(url, None, tokenizer=str(drafter)).baseline(
-        ids, max_new_tokens=LONG).token_ids for ids in PROMPTS]
-    client = SpecDecClient(url, str(drafter))
-    differ = [f"prompt {i} alone k={k}" for k in ks for i, ids in enumerate(PROMPTS)
-              if client.generate(ids, num_draft_tokens=k, max_new_tokens=LONG).token_ids
-              != want[i]]
-    if concurrent > 1:
-        clients = [SpecDecClient(url, str(drafter)) for _ in range(concurrent)]
-        results: dict[int, list[int]] = {}
-
-        def work(j: int) -> None:
-            results[j] = clients[j].generate(PROMPTS[j % len(PROMPTS)],
-                                             num_draft_tokens=ks[j % len(ks)],
-                                             max_new_tokens=LONG).token_ids
-
-        threads = [threading.Thread(target=work, args=(j,)) for j in range(concurrent)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        differ += [f"prompt {j % len(PROMPTS)} among {concurrent}"
-                   for j in range(concurrent) if results.get(j) != want[j % len(PROMPTS)]]
-    return differ
+def differ(url: str, drafter: Path, concurrent: int) -> list[str]:
+    return speculative_vs_alone(url, drafter, str(drafter), PROMPTS, LONG, concurrent)
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +162,7 @@ def test_greedy_speculation_equals_the_target_alone(concurrent: int, int8_server
     sessions on the same verifier."""
     info = SpecDecClient(int8_server.url, None, tokenizer=str(qwen2["target"])).info
     assert (info.kernels, info.dtype) == ("exact", "int8")
-    assert speculative_vs_alone(int8_server.url, qwen2["drafter"], concurrent) == []
+    assert differ(int8_server.url, qwen2["drafter"], concurrent) == []
 
 
 def test_negative_control_a_shared_range_changes_greedy_output(qwen2: dict[str, Path]) -> None:
@@ -197,7 +172,7 @@ def test_negative_control_a_shared_range_changes_greedy_output(qwen2: dict[str, 
     engine = Int8Engine(Int8Decoder(model, 8, 256, SharedRangeLinear), tokenizer,
                         eos_ids_of(model, tokenizer), str(qwen2["target"]), 8)
     with LiveServer(settings, engine) as live:
-        assert speculative_vs_alone(live.url, qwen2["drafter"], 5) != []
+        assert differ(live.url, qwen2["drafter"], 5) != []
 
 
 def test_the_engine_refuses_what_it_cannot_run(tmp_path: Path,

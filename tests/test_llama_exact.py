@@ -12,7 +12,6 @@ round differently, and must fail the same checks.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from drafter_client.api import DrafterOptions
 from scripts.harness.tiny_gguf import save_quantized_gguf
 from shared.engines.llama_cpp import runtime
 from shared.engines.llama_cpp.runtime import GGUFWeights, LlamaModel, Segment, exact_kernels
+from tests.support.greedy import speculative_vs_alone
 from tests.support.live_server import LiveServer
 from verifier_service.settings import Settings, load_engine
 
@@ -180,37 +180,11 @@ PROMPTS = [[int(t) for t in ids] for ids in np.random.default_rng(5).integers(2,
 LONG = 48
 
 
-def speculative_vs_alone(url: str, drafter: Path, concurrent: int,
-                         ks: tuple[int | str, ...] = (1, 3, 8, "auto")) -> list[str]:
-    """Greedy generations that differ from the target alone's (``baseline``, one session at a
-    time, on the same verifier): every prompt alone at each k, then ``concurrent`` sessions at
-    once at mixed k (the verifier batches their calls into shared decodes)."""
-    options = DrafterOptions(engine="llama-cpp", threads=1)
-    alone = SpecDecClient(url, None, tokenizer=str(drafter.parent))
-    want = [alone.baseline(ids, max_new_tokens=LONG).token_ids for ids in PROMPTS]
-    differ = []
-    client = SpecDecClient(url, str(drafter), options=options)
-    for k in ks:
-        for i, ids in enumerate(PROMPTS):
-            if client.generate(ids, num_draft_tokens=k, max_new_tokens=LONG).token_ids != want[i]:
-                differ.append(f"prompt {i} alone k={k}")
-    if concurrent > 1:
-        clients = [SpecDecClient(url, str(drafter), options=options) for _ in range(concurrent)]
-        results: dict[int, list[int]] = {}
-
-        def work(j: int) -> None:
-            results[j] = clients[j].generate(
-                PROMPTS[j % len(PROMPTS)], num_draft_tokens=ks[j % len(ks)],
-                max_new_tokens=LONG).token_ids
-
-        threads = [threading.Thread(target=work, args=(j,)) for j in range(concurrent)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        differ += [f"prompt {j % len(PROMPTS)} among {concurrent}"
-                   for j in range(concurrent) if results.get(j) != want[j % len(PROMPTS)]]
-    return differ
+def differ(url: str, drafter: Path, concurrent: int) -> list[str]:
+    """Greedy generations that differ from the target alone's, at k = 1, 3, 8 and auto,
+    alone and among ``concurrent`` sessions."""
+    return speculative_vs_alone(url, drafter, str(drafter.parent), PROMPTS, LONG, concurrent,
+                                DrafterOptions(engine="llama-cpp", threads=1))
 
 
 @pytest.fixture(scope="module")
@@ -226,7 +200,7 @@ def test_greedy_speculation_equals_the_target_alone(concurrent: int, exact_serve
     earlier test's sessions on the same verifier."""
     assert SpecDecClient(exact_server.url, None,
                          tokenizer=str(q4k["target"].parent)).info.kernels == "exact"
-    assert speculative_vs_alone(exact_server.url, q4k["drafter"], concurrent) == []
+    assert differ(exact_server.url, q4k["drafter"], concurrent) == []
 
 
 def test_negative_control_fast_kernels_change_greedy_output(q4k: dict[str, Path]) -> None:
@@ -238,4 +212,4 @@ def test_negative_control_fast_kernels_change_greedy_output(q4k: dict[str, Path]
     with LiveServer(settings, engine) as fast:
         assert SpecDecClient(fast.url, None,
                              tokenizer=str(q4k["target"].parent)).info.kernels == "fast"
-        assert speculative_vs_alone(fast.url, q4k["drafter"], 7) != []
+        assert differ(fast.url, q4k["drafter"], 7) != []

@@ -223,6 +223,35 @@ class PoolSlots:
         self.pool.reorder(slots, parents, length)
 
 
+class FixedSlots:
+    """The slot half of :class:`Engine` for an engine with a fixed number of slots of equal
+    size (``slot_tokens``), handed out from a free list (llama.cpp's sequences, the int8
+    engine's KV tensors)."""
+
+    slot_tokens: int
+
+    def __init__(self, num_slots: int) -> None:
+        self._num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def reserve(self, slot: int, tokens: int) -> bool:
+        return tokens <= self.slot_tokens  # every slot may fill its share
+
+
 class BatchForward:
     """:meth:`Engine.run` from two model operations a subclass provides: ``forward`` (rows left
     on the model's device) and ``keep_path`` (a tree's accepted nodes moved in the cache).

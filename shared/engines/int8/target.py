@@ -23,6 +23,7 @@ from shared.engines.int8.model import Int8Decoder, Rows
 from shared.engines.target import (
     DEFAULT_KV_BUDGET,
     BatchForward,
+    FixedSlots,
     ForwardItem,
     ModelInfo,
     TargetOptions,
@@ -34,7 +35,7 @@ from shared.models import ModelSpecError, load_causal_lm, load_tokenizer, tokeni
 log = logging.getLogger(__name__)
 
 
-class Int8Engine(BatchForward):
+class Int8Engine(FixedSlots, BatchForward):
     """A decoder-only target in int8 on the CPU, every row computed as a one-token step."""
 
     trees = False
@@ -44,8 +45,7 @@ class Int8Engine(BatchForward):
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.acceptance = acceptance
-        self._num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        FixedSlots.__init__(self, num_slots)
         self.forwards = 0
         shape = decoder.shape
         self.info = ModelInfo(
@@ -56,29 +56,12 @@ class Int8Engine(BatchForward):
 
     # -- slots
     @property
-    def num_slots(self) -> int:
-        return self._num_slots
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    @property
-    def slot_tokens(self) -> int:
+    def slot_tokens(self) -> int:  # type: ignore[override]
         return self.decoder.slot_tokens
 
     @property
     def nbytes(self) -> int:
         return self.decoder.nbytes
-
-    def allocate(self) -> int | None:
-        return self._free.pop() if self._free else None
-
-    def release(self, slot: int) -> None:
-        self._free.append(slot)
-
-    def reserve(self, slot: int, tokens: int) -> bool:
-        return tokens <= self.slot_tokens
 
     def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
         if parents == list(range(len(slots))):

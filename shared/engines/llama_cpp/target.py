@@ -37,7 +37,7 @@ from shared.engines.llama_cpp.runtime import (
     extra_buffer_types,
     resolve_gguf,
 )
-from shared.engines.target import BatchForward, ForwardItem, ModelInfo
+from shared.engines.target import BatchForward, FixedSlots, ForwardItem, ModelInfo
 from shared.models import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def eos_ids(model: LlamaModel, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-class LlamaCppEngine(BatchForward):
+class LlamaCppEngine(FixedSlots, BatchForward):
     """A GGUF target on llama.cpp, one sequence per session."""
 
     trees = False
@@ -69,8 +69,7 @@ class LlamaCppEngine(BatchForward):
         self.model = model
         self.acceptance = acceptance
         self.tokenizer = tokenizer
-        self._num_slots = num_slots
-        self._free = list(range(num_slots - 1, -1, -1))
+        FixedSlots.__init__(self, num_slots)
         file_type = model.meta("general.file_type")
         kind = FILE_TYPES.get(int(file_type), "gguf") if file_type and file_type.isdigit() \
             else "gguf"
@@ -81,30 +80,16 @@ class LlamaCppEngine(BatchForward):
 
     # -- slots
     @property
-    def num_slots(self) -> int:
-        return self._num_slots
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    @property
-    def slot_tokens(self) -> int:
+    def slot_tokens(self) -> int:  # type: ignore[override]
         return self.model.seq_tokens
 
     @property
     def nbytes(self) -> int:
         return self.model.nbytes
 
-    def allocate(self) -> int | None:
-        return self._free.pop() if self._free else None
-
     def release(self, slot: int) -> None:
         self.model.remove(slot)
-        self._free.append(slot)
-
-    def reserve(self, slot: int, tokens: int) -> bool:
-        return tokens <= self.slot_tokens  # every sequence may fill its share of the cells
+        super().release(slot)
 
     def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
         if parents == list(range(len(slots))):
