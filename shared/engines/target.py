@@ -223,20 +223,14 @@ class PoolSlots:
         self.pool.reorder(slots, parents, length)
 
 
-class FixedSlots:
-    """The slot half of :class:`Engine` for an engine with a fixed number of slots of equal
-    size (``slot_tokens``), handed out from a free list (llama.cpp's sequences, the int8
-    engine's KV tensors)."""
+class SlotAllocator:
+    """``num_slots`` slot ids of ``slot_tokens`` positions each, handed out and taken back (the
+    encoder-decoder engine's per-session states, llama.cpp's sequences, the int8 engine's KV
+    tensors): a ``pool`` for :class:`PoolSlots`."""
 
-    slot_tokens: int
-
-    def __init__(self, num_slots: int) -> None:
-        self._num_slots = num_slots
+    def __init__(self, num_slots: int, slot_tokens: int) -> None:
+        self.num_slots, self.slot_tokens = num_slots, slot_tokens
         self._free = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def num_slots(self) -> int:
-        return self._num_slots
 
     @property
     def free_slots(self) -> int:
@@ -246,10 +240,12 @@ class FixedSlots:
         return self._free.pop() if self._free else None
 
     def release(self, slot: int) -> None:
+        if slot in self._free:
+            raise ValueError(f"slot {slot} is already free")
         self._free.append(slot)
 
     def reserve(self, slot: int, tokens: int) -> bool:
-        return tokens <= self.slot_tokens  # every slot may fill its share
+        return tokens <= self.slot_tokens
 
 
 class BatchForward:

@@ -23,9 +23,10 @@ from shared.engines.int8.model import Int8Decoder, Rows
 from shared.engines.target import (
     DEFAULT_KV_BUDGET,
     BatchForward,
-    FixedSlots,
     ForwardItem,
     ModelInfo,
+    PoolSlots,
+    SlotAllocator,
     TargetOptions,
     device_name,
 )
@@ -35,7 +36,7 @@ from shared.models import ModelSpecError, load_causal_lm, load_tokenizer, tokeni
 log = logging.getLogger(__name__)
 
 
-class Int8Engine(FixedSlots, BatchForward):
+class Int8Engine(PoolSlots, BatchForward):
     """A decoder-only target in int8 on the CPU, every row computed as a one-token step."""
 
     trees = False
@@ -45,7 +46,7 @@ class Int8Engine(FixedSlots, BatchForward):
         self.decoder = decoder
         self.tokenizer = tokenizer
         self.acceptance = acceptance
-        FixedSlots.__init__(self, num_slots)
+        self.pool = SlotAllocator(num_slots, decoder.slot_tokens)
         self.forwards = 0
         shape = decoder.shape
         self.info = ModelInfo(
@@ -54,11 +55,7 @@ class Int8Engine(FixedSlots, BatchForward):
             model_limit=shape.limit or decoder.slot_tokens, dtype="int8", device="cpu",
             kernels="exact")
 
-    # -- slots
-    @property
-    def slot_tokens(self) -> int:  # type: ignore[override]
-        return self.decoder.slot_tokens
-
+    # -- slots (``pool``: their ids; the KV tensors hold them all from the start)
     @property
     def nbytes(self) -> int:
         return self.decoder.nbytes

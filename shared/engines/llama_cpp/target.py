@@ -37,7 +37,13 @@ from shared.engines.llama_cpp.runtime import (
     extra_buffer_types,
     resolve_gguf,
 )
-from shared.engines.target import BatchForward, FixedSlots, ForwardItem, ModelInfo
+from shared.engines.target import (
+    BatchForward,
+    ForwardItem,
+    ModelInfo,
+    PoolSlots,
+    SlotAllocator,
+)
 from shared.models import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -59,7 +65,7 @@ def eos_ids(model: LlamaModel, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-class LlamaCppEngine(FixedSlots, BatchForward):
+class LlamaCppEngine(PoolSlots, BatchForward):
     """A GGUF target on llama.cpp, one sequence per session."""
 
     trees = False
@@ -69,7 +75,7 @@ class LlamaCppEngine(FixedSlots, BatchForward):
         self.model = model
         self.acceptance = acceptance
         self.tokenizer = tokenizer
-        FixedSlots.__init__(self, num_slots)
+        self.pool = SlotAllocator(num_slots, model.seq_tokens)
         file_type = model.meta("general.file_type")
         kind = FILE_TYPES.get(int(file_type), "gguf") if file_type and file_type.isdigit() \
             else "gguf"
@@ -78,18 +84,14 @@ class LlamaCppEngine(FixedSlots, BatchForward):
             fingerprint=tokenizer_fingerprint(tokenizer), max_context=model.seq_tokens,
             model_limit=model.model_limit, dtype=kind, device="cpu", kernels=kernels)
 
-    # -- slots
-    @property
-    def slot_tokens(self) -> int:  # type: ignore[override]
-        return self.model.seq_tokens
-
+    # -- slots (``pool``: their ids; every sequence may fill its share of the cells)
     @property
     def nbytes(self) -> int:
         return self.model.nbytes
 
     def release(self, slot: int) -> None:
         self.model.remove(slot)
-        super().release(slot)
+        self.pool.release(slot)
 
     def reorder(self, slots: list[int], parents: list[int], length: int) -> None:
         if parents == list(range(len(slots))):

@@ -215,30 +215,6 @@ def _alone_mask(seg: Segment, device: torch.device) -> torch.Tensor | None:
     return torch.arange(seg.start + seg.length, device=device)[None, :] <= last[:, None]
 
 
-class SlotAllocator:
-    """``num_slots`` slot ids of ``slot_tokens`` positions each, handed out and taken back (the
-    encoder-decoder engine's per-session states)."""
-
-    def __init__(self, num_slots: int, slot_tokens: int) -> None:
-        self.num_slots, self.slot_tokens = num_slots, slot_tokens
-        self._free = list(range(num_slots - 1, -1, -1))
-
-    @property
-    def free_slots(self) -> int:
-        return len(self._free)
-
-    def allocate(self) -> int | None:
-        return self._free.pop() if self._free else None
-
-    def release(self, slot: int) -> None:
-        if slot in self._free:
-            raise ValueError(f"slot {slot} is already free")
-        self._free.append(slot)
-
-    def reserve(self, slot: int, tokens: int) -> bool:
-        return tokens <= self.slot_tokens
-
-
 class KVPool:
     """Slots for every layer of one model: ids handed out and taken back, each with a region of
     the token axis that grows on demand (:meth:`reserve`) up to ``slot_tokens``."""

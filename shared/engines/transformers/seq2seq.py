@@ -20,9 +20,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
-from shared.engines.target import BatchForward, ForwardItem, PoolSlots
+from shared.engines.target import BatchForward, ForwardItem, PoolSlots, SlotAllocator
 from shared.engines.transformers.kv_cache import crop_cache, with_cache
-from shared.engines.transformers.kv_pool import SlotAllocator
 from shared.engines.transformers.models import describe_model, input_device
 
 
