@@ -163,16 +163,6 @@ class Int8Decoder:
             torch.matmul(torch.softmax(scores, dim=-1), values[slot, :, :pos + 1], out=out[r])
         return out.view(q.shape[0], -1)
 
-    def move(self, slot: int, source: int, target: int, count: int) -> None:
-        """Cached positions ``source ..`` of ``slot`` to ``target ..`` (a tree's kept path)."""
-        for cache in (self.keys, self.values):
-            cache[:, slot, :, target:target + count] = \
-                cache[:, slot, :, source:source + count].clone()
-
-    def copy_slot(self, source: int, target: int, length: int) -> None:
-        for cache in (self.keys, self.values):
-            cache[:, target, :, :length] = cache[:, source, :, :length]
-
 
 def _bias(linear: Any) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach().float().clone()
