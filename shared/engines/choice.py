@@ -83,10 +83,9 @@ def expected_tokens(k: int, acceptance: float) -> float:
 
 def ms_per_token(verify_ms: list[tuple[int, float]], work: Workload) -> tuple[float, int]:
     """The fewest milliseconds per output token over k = 0..16, and that k."""
-    best = min(((rows_ms(verify_ms, work.sessions * (k + 1))
+    return min(((rows_ms(verify_ms, work.sessions * (k + 1))
                  / (work.sessions * expected_tokens(k, work.acceptance)), k)
                 for k in range(MAX_K + 1)), key=lambda pair: pair[0])
-    return best
 
 
 @dataclass(frozen=True)

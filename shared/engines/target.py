@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -293,6 +293,17 @@ class BatchForward:
                 self.keep_path(item.slot, item.start, verdict.path)
             results[j] = StepResult(verdict=verdict)
         return results
+
+    def warm_up_and_time(self, key: str) -> None:
+        """One small forward on a free slot (buffers allocated before the first client), then
+        the verify costs that ``/v1/info`` reports (:meth:`measured_verify_ms` under ``key``)."""
+        slot = self.allocate()  # type: ignore[attr-defined]
+        if slot is None:
+            return
+        ids = [i % self.info.vocab_size for i in range(16)]
+        self.forward([ForwardItem(slot, 0, ids, False)])
+        self.info = replace(self.info, verify_ms=self.measured_verify_ms(slot, ids, key))
+        self.release(slot)  # type: ignore[attr-defined]
 
     def measured_verify_ms(self, slot: int, ids: list[int], key: str,
                            ) -> list[tuple[int, float]]:

@@ -13,7 +13,6 @@ import ctypes
 import gc
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -108,16 +107,6 @@ class Int8Engine(PoolSlots, BatchForward):
     def keep_path(self, slot: int, root: int, path: list[int]) -> None:
         raise ValueError("the int8 engine does not verify trees")
 
-    def warm_up(self, key: str) -> None:
-        """One small forward, then the verify costs that ``/v1/info`` reports."""
-        slot = self.allocate()
-        if slot is None:
-            return
-        ids = [i % self.info.vocab_size for i in range(16)]
-        self.forward([ForwardItem(slot, 0, ids, False)])
-        self.info = replace(self.info, verify_ms=self.measured_verify_ms(slot, ids, key))
-        self.release(slot)
-
 
 def release_freed_memory() -> None:
     """Hand memory freed by Python back to the system (glibc keeps it otherwise)."""
@@ -149,7 +138,7 @@ def load_int8_engine(o: TargetOptions) -> Int8Engine:
     release_freed_memory()  # the checkpoint's bfloat16 weights, gone now: 3.5 GB for a 1.5B
     key = (f"int8|{o.model}|{quantized}|{device_name('cpu')}|threads={torch.get_num_threads()}"
            f"|torch={torch.__version__}|context={context}")
-    engine.warm_up(key)
+    engine.warm_up_and_time(key)
     log.info("loaded target %s in int8 (%s, %d threads): %d slots x %d tokens (%.0f MiB of "
              "weights, %.0f MiB of KV) in %.1f s", o.model, quantized, torch.get_num_threads(),
              num_slots, context, decoder.weight_bytes / 2**20, decoder.nbytes / 2**20,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -121,14 +120,7 @@ class LlamaCppEngine(PoolSlots, BatchForward):
     def warm_up(self) -> None:
         """One small decode (buffers allocated before the first client), then the verify
         costs that ``/v1/info`` reports."""
-        slot = self.allocate()
-        if slot is None:
-            return
-        ids = [i % self.info.vocab_size for i in range(16)]
-        self.forward([ForwardItem(slot, 0, ids, False)])
-        key = f"llama.cpp|{cost_key(self.model)}"
-        self.info = replace(self.info, verify_ms=self.measured_verify_ms(slot, ids, key))
-        self.release(slot)
+        self.warm_up_and_time(f"llama.cpp|{cost_key(self.model)}")
 
 
 def load_llama_engine(spec: str, max_context: int = 0, kv_budget_tokens: int = 32768,
