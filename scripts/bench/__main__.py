@@ -13,7 +13,8 @@ from typing import Any
 COMMANDS = {"suite": "suite", "client": "client", "batching": "batching", "calls": "calls",
             "network": "network", "profile": "profile", "attack": "attack",
             "gateway": "gateway", "gpu": "gpu", "gpu-smoke": "gpu_smoke", "llama": "llama",
-            "llama-blocks": "llama_blocks", "cpu-blocks": "cpu_blocks", "serving": "serving",
+            "llama-blocks": "llama_blocks", "cpu-blocks": "cpu_blocks",
+            "cpu-kernels": "cpu_kernels", "quality": "quality", "serving": "serving",
             "report": "report"}
 
 

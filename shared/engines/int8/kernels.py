@@ -5,17 +5,20 @@ which sum exactly in any order, so only its activation quantization ties rows to
 scale and zero point for the whole input, from the input's min and max. A block of 8 rows
 therefore quantizes each row differently from a one-token step, and greedy output drifts.
 
-:class:`Int8Linear` takes that choice away from the batch. Each row is divided by its own
-largest magnitude (``|x / amax| <= 1`` exactly: division rounds monotonically and
-``amax / amax == 1``), and two pad columns hold +1 and -1 (their weights are zero, so they add
-exactly nothing). Every input then has min -1 and max +1 whatever its rows, so fbgemm picks
-the same quantization for every batch, and the row is scaled back by its ``amax`` afterwards.
-The dequantization is elementwise; a row's output is bit-equal at any row count
+:class:`Int8Linear` takes that choice away from the batch. Two pad columns hold +1 and -1
+(their weights are zero, so they add exactly nothing), and each row is scaled by its own
+largest magnitude into [-reach, reach] inside them. Every input then has min -1 and max +1
+whatever its rows, so fbgemm picks the same quantization for every batch, and the row is
+scaled back afterwards. ``reach`` is the top of that grid, (qmax - zero point) x scale: the
+zero point of [-1, 1] rounds to 128 (64 with 7 bits), so +1 itself would clip a step short,
+and a row's largest value, an outlier channel's, is the one that must not. The scaling is
+per row and the dequantization elementwise; a row's output is bit-equal at any row count
 (``tests/test_int8_engine.py``, with the shared-range negative control).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -36,14 +39,43 @@ def quantized_engine() -> str:
     return str(torch.backends.quantized.engine)
 
 
+@functools.cache
+def has_vnni() -> bool:
+    """Whether this CPU multiplies u8 x s8 into 32-bit sums in one step (AVX-512 VNNI, AVX-VNNI
+    or AMX), where fbgemm's kernels cannot saturate; AVX2 alone sums pairs in 16 bits first."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+    except OSError:
+        pass
+    return False
+
+
+def activation_bits() -> int:
+    """The activations' width this machine's kernels run without saturating: 8 with VNNI
+    (``tests/test_int8_engine.py`` checks the sums), 7 on AVX2 alone (``reduce_range``: a
+    16-bit pair sum of 8-bit activations can overflow there; measured on AVX2, 7 bits gave the
+    better greedy agreement at the same speed)."""
+    return 8 if has_vnni() else 7
+
+
+def grid_top(qmax: int) -> float:
+    """The largest value the activation grid of [-1, 1] holds exactly (fbgemm's choice for
+    min -1 and max +1: scale 2 / qmax, zero point qmax / 2 rounded half to even)."""
+    scale = 2.0 / qmax
+    return (qmax - round(qmax / 2)) * scale
+
+
 class Int8Linear:
     """``x @ weight.T + bias`` with ``weight`` in int8 (symmetric, a scale per output channel)
-    and each row of ``x`` quantized alone; ``reduce_range``: 7-bit activations, so fbgemm's
-    16-bit pair sums on AVX2 cannot saturate (measured: better greedy agreement, the same
-    speed)."""
+    and each row of ``x`` quantized alone, to :func:`activation_bits` unless ``reduce_range``
+    says (True: 7 bits, False: 8)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 reduce_range: bool = True) -> None:
+                 reduce_range: bool | None = None) -> None:
         out_features, in_features = weight.shape
         w = torch.cat([weight.float(), torch.zeros(out_features, PAD)], dim=1)
         scales = (weight.float().abs().amax(dim=1) / 127.0).clamp_min(1e-12)
@@ -55,16 +87,17 @@ class Int8Linear:
         self.bias = None if bias is None else bias.float().contiguous()
         self.in_features = in_features
         self.out_features = out_features
-        self.reduce_range = reduce_range
+        self.reduce_range = activation_bits() == 7 if reduce_range is None else reduce_range
+        self.reach = grid_top(127 if self.reduce_range else 255)
         self.nbytes = out_features * (in_features + PAD) + 4 * out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[n, in_features] float32 -> [n, out_features] float32, row by row invariant."""
-        amax = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)  # [n, 1]
+        scale = self.reach / x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)  # [n, 1]
         padded = torch.empty(x.shape[0], self.in_features + PAD)
-        torch.div(x, amax, out=padded[:, :self.in_features])
+        torch.mul(x, scale, out=padded[:, :self.in_features])
         padded[:, self.in_features:] = SENTINELS
-        y = torch.ops.quantized.linear_dynamic(padded, self.packed, self.reduce_range) * amax
+        y = torch.ops.quantized.linear_dynamic(padded, self.packed, self.reduce_range) / scale
         return y if self.bias is None else y + self.bias
 
 
