@@ -35,9 +35,12 @@ class GenerationMetrics:
     verify_latencies_s: list[float] = field(default_factory=list)  # one per verify round trip
     retries: int = 0  # HTTP calls repeated after a connection error, 429 or 502-504
     session_reopens: int = 0  # sessions reopened after the verifier lost one
+    draft_lengths: dict[int, int] = field(default_factory=dict)  # k of each drafted call: count
 
     def record_block(self, proposed: int, accepted: int) -> None:
         self.verify_calls += 1
+        if proposed:
+            self.draft_lengths[proposed] = self.draft_lengths.get(proposed, 0) + 1
         self.drafts += int(proposed > 0)
         self.drafted_tokens += proposed
         self.accepted_tokens += accepted
@@ -64,6 +67,7 @@ class GenerationMetrics:
             if self.drafted_tokens else 0.0,
             "mean_tokens_per_call": round(self.new_tokens / calls, 4),
             "per_position_acceptance": [round(x, 4) for x in self.per_position_acceptance()],
+            "draft_lengths": {str(k): n for k, n in sorted(self.draft_lengths.items())},
             # An autoregressive target spends one forward per new token; speculation one per call.
             "target_forwards_saved": self.new_tokens - self.verify_calls,
             "bytes_sent": self.bytes_sent,

@@ -164,7 +164,9 @@ def specdec_run(client: SpecDecClient, ids: list[int], max_new: int, k: int | st
     m = result.metrics
     return {"tokens": result.token_ids, "wall_s": wall,
             "drafted": getattr(m, "drafted_tokens", None),
-            "accepted": getattr(m, "accepted_tokens", None)}
+            "accepted": getattr(m, "accepted_tokens", None),
+            "calls": getattr(m, "verify_calls", None),
+            "draft_lengths": dict(getattr(m, "draft_lengths", {}))}
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -191,6 +193,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the two-host simulation: verifier and client pinned to "
                         "different cores, one thread each, 0 / 20 / 100 ms added round trip")
     parser.add_argument("--rtts", type=float, nargs="+", default=[0.0, 20.0, 100.0])
+    parser.add_argument("--two-host-engines", nargs="+", choices=["llama-cpp", "int8"],
+                        default=["llama-cpp"], help="the verifiers of the two-host simulation "
+                        "(int8: the converted folder of --target's short name)")
     parser.add_argument("--fast-kernels", action=argparse.BooleanOptionalAction, default=True,
                         help="also a verifier with --kernels fast: its target alone and the "
                         "default client")
@@ -346,29 +351,36 @@ def two_host_runs(args: argparse.Namespace, binary: Path, target: Path, drafter:
     server_core, client_core = str(cores[0]), {cores[1]}
     records: list[dict[str, Any]] = []
     peer = LlamaServer(binary, target, 1, [], pin=server_core)
-    verifier = VerifierProcess(["--model", str(target), "--engine", "llama-cpp",
-                                "--kv-budget-tokens", str(args.kv_budget_tokens),
-                                "--max-context", "4096"], threads=1)
-    verifier.prefix = ["taskset", "-c", server_core]
+    models = {"llama-cpp": ("llama.cpp", str(target)), "int8": ("int8", args.target)}
+    verifiers = []
     saved = os.sched_getaffinity(0)
     try:
-        verifier.start()
-        os.sched_setaffinity(0, client_core)
         clients = {}
-        for rtt in args.rtts:
-            for overlap in (False, True):
-                name = f"specdec llama.cpp default, rtt {rtt:g} ms" + (", overlap" if overlap
-                                                                       else "")
-                clients[name] = (rtt, SpecDecClient(
-                    verifier.url, str(drafter), tokenizer=tokenizer, simulated_rtt_ms=rtt,
-                    options=DrafterOptions(engine="llama-cpp", threads=1, overlap=overlap)))
+        for engine in args.two_host_engines:  # all loaded at once: idle ones cost nothing
+            label, model = models[engine]
+            verifier = VerifierProcess(["--model", model, "--engine", engine,
+                                        "--kv-budget-tokens", str(args.kv_budget_tokens),
+                                        "--max-context", "4096"], threads=1)
+            verifier.prefix = ["taskset", "-c", server_core]
+            verifiers.append(verifier)
+            verifier.start()
+            for rtt in args.rtts:
+                for overlap in (False, True):
+                    name = (f"specdec {label} default, rtt {rtt:g} ms"
+                            + (", overlap" if overlap else ""))
+                    clients[name] = (rtt, verifier.url, overlap)
+        os.sched_setaffinity(0, client_core)
+        made = {name: (rtt, SpecDecClient(url, str(drafter), tokenizer=tokenizer,
+                                          simulated_rtt_ms=rtt, options=DrafterOptions(
+                                              engine="llama-cpp", threads=1, overlap=overlap)))
+                for name, (rtt, url, overlap) in clients.items()}
         for workload, items in prompts.items():
             for prompt in items[:1]:
                 ids = ids_of(prompt)
                 out = peer.generate(ids, args.max_new_tokens)
                 records.append({"workload": workload, "prompt": prompt.name, "rtt_ms": 0.0,
                                 "system": "llama-server: target alone, 1 core", **out})
-                for name, (rtt, client) in clients.items():
+                for name, (rtt, client) in made.items():
                     out = specdec_run(client, ids, args.max_new_tokens, "auto", False)
                     records.append({"workload": workload, "prompt": prompt.name,
                                     "rtt_ms": rtt, "system": name, **out})
@@ -376,7 +388,8 @@ def two_host_runs(args: argparse.Namespace, binary: Path, target: Path, drafter:
     finally:
         os.sched_setaffinity(0, saved)
         peer.close()
-        verifier.stop()
+        for verifier in verifiers:
+            verifier.stop()
     return records
 
 
