@@ -29,7 +29,13 @@ drafted, so the output distribution stays the target's.
 A verifier reports what its verify forwards cost (``/v1/info`` ``verify_ms``, timed at start):
 those costs seed the per-k round trips with one block's weight each, so the first choices are
 made on this verifier's costs rather than on a guess, and blocks measured here soon outweigh
-them (they lack the network's share of a round trip).
+them (they lack the network's share of a round trip). The seeds also keep the *shape* of the
+cost in k for as long as the session lasts: a k not measured lately is priced from the nearest
+measured k plus the seeded difference between the two. Without that, a session that drafted
+k = 3 for a while saw every longer block as costing what k = 3 costs (no spread to fit a slope
+on: the lookup then sent 16-token copies at 60% trust), and after about 60 blocks forgot the
+longer ks altogether (copies cut to 4 tokens on a verifier whose 16-token block costs 1.4
+one-token steps).
 """
 
 from __future__ import annotations
@@ -179,9 +185,11 @@ class CostModelLength:
         self.probe_s = 0.0  # what the probes were expected to cost (``probe_cost``)
         self.probe_waits = False  # a probe is due but not affordable yet (``affords_probe``)
         self._price = [0.0, 0.0]  # decayed (weight, sum) of the verifier's price per draft
+        self._seed: dict[int, float] = {}  # the verifier's verify_ms, seconds: the cost's shape
         for k, ms in verify_ms or []:
             if k <= max_k:
                 self._rtt_at[k] = [1.0, ms / 1e3]  # one block's weight at the verifier's cost
+                self._seed[k] = ms / 1e3
 
     def acceptance(self) -> list[float]:
         """c_i per position, shrunk towards the pooled rate where a position has little data."""
@@ -195,7 +203,8 @@ class CostModelLength:
         """A measured k: its own decayed mean. Between measured ks: the straight line between
         the nearest two. Below every measured k: the smallest one's cost (fewer tokens are not
         much cheaper to verify, and a line fitted over k = 2 and 3 put k = 1 near zero). Above:
-        the largest one's cost plus the fitted slope."""
+        the largest one's cost plus the fitted slope. Where the verifier seeded its costs,
+        every k not measured is the nearest measured k's cost plus the seeded difference."""
         measured = {j: total / weight for j, (weight, total) in self._rtt_at.items()
                     if weight >= self.min_samples}
         if k in measured:
@@ -203,6 +212,11 @@ class CostModelLength:
         plain = self._rtt_at.get(0)
         if k == 0 and plain is not None and plain[0] > 1e-9:
             return plain[1] / plain[0]  # plain steps are rare while drafting wins: keep the mean
+        if self._seed:
+            if not measured:
+                return self.seeded(k)
+            anchor = min(measured, key=lambda j: (abs(j - k), j > k))  # the nearest, lower first
+            return max(measured[anchor] + self.seeded(k) - self.seeded(anchor), 0.0)
         if not measured:
             return self.rtt_line(k)
         below = max((j for j in measured if j < k), default=None)
@@ -214,6 +228,24 @@ class CostModelLength:
             return measured[above]
         assert below is not None
         return measured[below] + self.slope() * (k - below)
+
+    def seeded(self, k: int) -> float:
+        """The verifier's cost of a k-draft verify (seconds): its ``verify_ms`` where it timed
+        k, straight lines between the ks it timed, the last segment's slope past them."""
+        if k in self._seed:
+            return self._seed[k]
+        ks = sorted(self._seed)
+        below = [j for j in ks if j < k]
+        if not below:
+            return self._seed[ks[0]]
+        above = [j for j in ks if j > k]
+        if above:
+            lo, hi = below[-1], above[0]
+        elif len(ks) > 1:
+            lo, hi = ks[-2], ks[-1]
+        else:
+            return self._seed[ks[0]]
+        return self._seed[lo] + (k - lo) * (self._seed[hi] - self._seed[lo]) / (hi - lo)
 
     def slope(self) -> float:
         """The least-squares line's slope over recent blocks (seconds per drafted token)."""
@@ -264,8 +296,10 @@ class CostModelLength:
         return self._best_free(acceptance)[0]
 
     def longest_known(self) -> int | None:
-        """The longest k whose round trip was measured (or seeded) not too long ago."""
-        return max((k for k, (w, _) in self._rtt_at.items() if w > 0.05), default=None)
+        """The longest k whose round trip was measured not too long ago, or that the verifier
+        timed (its seeded cost keeps the shape of the cost in k: :meth:`rtt`)."""
+        return max([k for k, (w, _) in self._rtt_at.items() if w > 0.05] + list(self._seed),
+                   default=None)
 
     def _best_free(self, acceptance: float) -> tuple[int, float]:
         best, best_rate = 0, self.plain_rate()

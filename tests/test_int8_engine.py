@@ -18,7 +18,13 @@ import torch
 
 from drafter_client import SpecDecClient
 from scripts.harness.tiny_models import save_perturbed, save_tiny_qwen2
-from shared.engines.int8.kernels import Int8Linear, SharedRangeLinear, quantized_engine
+from shared.engines.int8.kernels import (
+    Int8Linear,
+    SharedRangeLinear,
+    activation_bits,
+    has_vnni,
+    quantized_engine,
+)
 from shared.engines.int8.model import Int8Decoder, Rows
 from shared.engines.int8.target import Int8Engine
 from shared.engines.transformers.models import eos_ids_of
@@ -53,6 +59,37 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(linear: type[Int8L
     assert all(same) if invariant else sum(same) < len(same) // 2, same
     reference = x @ weight.T + product.bias  # int8 stays close to float32
     assert (product(x) - reference).abs().max() < 0.05 * reference.abs().max()
+
+
+def test_a_rows_largest_value_is_not_clipped() -> None:
+    """A row's largest magnitude (an outlier channel's) lands on the activation grid's top,
+    either sign, so it passes unrounded; +1 itself (the old scaling) is a step past the top
+    of fbgemm's grid for [-1, 1] and comes back a step short (the negative control)."""
+    quantized_engine()
+    weight = torch.zeros(8, 64)
+    weight[:, 0] = 1.0  # output j = the row's first value
+    x = torch.zeros(4, 64)
+    x[:, 0] = torch.tensor([3.0, -3.0, 250.0, -0.01])
+    x[:, 1:] = 0.001
+    product = Int8Linear(weight, None)
+    assert torch.allclose(product(x)[:, 0], x[:, 0], rtol=1e-6, atol=0)
+    product.reach = 1.0
+    step = 1 / (127 if product.reduce_range else 255)
+    assert (product(x)[:, 0] - x[:, 0]).abs().max() > 0.5 * step * 3.0
+
+
+def test_the_activation_width_never_saturates_the_sums() -> None:
+    """Every activation at the grid's top against weights of +127: the largest sums the
+    kernels can meet. With the width chosen for this CPU (8 bits with VNNI, 7 on AVX2 alone)
+    they come out exact; on AVX2 alone, 8 bits saturate fbgemm's 16-bit pair sums (the
+    negative control, run where the CPU has no VNNI)."""
+    quantized_engine()
+    weight, x = torch.ones(16, 512), torch.ones(3, 512)
+    assert activation_bits() == (8 if has_vnni() else 7)
+    assert torch.allclose(Int8Linear(weight, None)(x), torch.full((3, 16), 512.0), rtol=1e-5)
+    if not has_vnni():
+        saturated = Int8Linear(weight, None, reduce_range=False)(x)
+        assert (saturated - 512.0).abs().max() > 10.0
 
 
 def decoder(path: Path, linear: type[Int8Linear] = Int8Linear) -> Int8Decoder:
