@@ -117,7 +117,8 @@ def specdec_request(client: SpecDecClient, ids: list[int], max_new: int,
     return {"tokens": result.token_ids, "wall_s": wall, "ttft_s": first[0] if first else None,
             "drafted": getattr(m, "drafted_tokens", None),
             "accepted": getattr(m, "accepted_tokens", None),
-            "verify_calls": getattr(m, "verify_calls", None)}
+            "verify_calls": getattr(m, "verify_calls", None),
+            "draft_lengths": dict(getattr(m, "draft_lengths", {}))}
 
 
 def peer_request(port: int, ids: list[int], max_new: int) -> dict[str, Any]:
