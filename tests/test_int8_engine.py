@@ -10,7 +10,9 @@ weights with fbgemm's own activation range for the whole batch (what PyTorch's
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -44,8 +46,11 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"target": target, "drafter": save_perturbed(target, root / "drafter", 0.02, seed=3)}
 
 
-@pytest.mark.parametrize("linear, invariant", [(Int8Linear, True), (SharedRangeLinear, False)])
-def test_a_rows_product_does_not_depend_on_the_rows_beside_it(linear: type[Int8Linear],
+@pytest.mark.parametrize("linear, invariant", [
+    (Int8Linear, True), (functools.partial(Int8Linear, outliers=8), True),
+    (functools.partial(Int8Linear, outliers=8, outlier_path="rows"), True),
+    (SharedRangeLinear, False)])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(linear: Any,
                                                               invariant: bool) -> None:
     quantized_engine()
     generator = torch.Generator().manual_seed(0)
@@ -71,7 +76,7 @@ def test_a_rows_largest_value_is_not_clipped() -> None:
     x = torch.zeros(4, 64)
     x[:, 0] = torch.tensor([3.0, -3.0, 250.0, -0.01])
     x[:, 1:] = 0.001
-    product = Int8Linear(weight, None)
+    product = Int8Linear(weight, None, outliers=0)  # the grid alone, no value taken out
     assert torch.allclose(product(x)[:, 0], x[:, 0], rtol=1e-6, atol=0)
     product.reach = 1.0
     step = 1 / (127 if product.reduce_range else 255)
@@ -220,3 +225,24 @@ def test_the_engine_refuses_what_it_cannot_run(tmp_path: Path,
         load_engine(int8_settings(tiny_models["gpt2-target"]))
     with pytest.raises(ValueError, match="int8 engine runs on the CPU"):
         Settings(model="x", engine="int8", device="cuda")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("path", ["columns", "rows"])
+def test_a_rows_outliers_skip_its_quantization(path: str) -> None:
+    """A row whose one channel is 100x the others (the activations LLMs have): with its
+    largest values taken out of the quantization, the rest are quantized on their own scale
+    and the product stays close; with none taken out (the negative control), the outlier
+    sets the scale and the small values round away."""
+    quantized_engine()
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(64, 256, generator=generator) * 0.05
+    x = torch.randn(4, 256, generator=generator)
+    x[:, 7] = 300.0
+    exact = x.double() @ weight.double().T
+    errors = {}
+    for outliers in (8, 0):
+        product = Int8Linear(weight, None, outliers=outliers, outlier_path=path)
+        got = product(x).double()
+        errors[outliers] = float((got - exact).norm() / exact.norm())
+        assert all(torch.equal(product(x[r:r + 1])[0], product(x)[r]) for r in range(4))
+    assert errors[8] < errors[0] / 3, errors

@@ -10,8 +10,12 @@ drifts from bf16's at its first disagreement; this counts the disagreements with
 one of them change the text every later position is scored on.
 
 Systems: ``int8`` (the int8 engine as it runs here: 8-bit activations where the CPU has VNNI,
-7-bit on AVX2 alone), ``int8 7-bit`` (forced, to compare), and ``Q4_K_M`` (the GGUF file on the
-llama.cpp engine's exact kernels).
+7-bit on AVX2 alone, each row's outliers taken out), ``int8 no outliers`` and ``int8 7-bit``
+(forced, to compare), and ``Q4_K_M`` (the GGUF file on the llama.cpp engine's exact kernels).
+
+The converted bf16 folder is the Q4_K_M file dequantized (``scripts/fetch_models.py``): its
+weights are Q4_K_M's exactly, so Q4_K_M differs from it only by llama.cpp's arithmetic and
+activation quantization, and the int8 engine requantizes those weights.
 
     python -m scripts.bench quality --prompts 2 --max-new-tokens 96
 """
@@ -31,7 +35,12 @@ from scripts.bench.common import markdown_table, write_json
 from scripts.bench.llama import prompt_ids
 from scripts.bench.suite import WORKLOADS, workloads
 from shared.engines import backend
-from shared.engines.int8.kernels import Int8Linear, activation_bits, quantized_engine
+from shared.engines.int8.kernels import (
+    OUTLIERS,
+    Int8Linear,
+    activation_bits,
+    quantized_engine,
+)
 from shared.engines.int8.model import Int8Decoder, Rows
 from shared.engines.target import BatchForward, ForwardItem, TargetOptions
 from shared.models import load_causal_lm, load_tokenizer
@@ -44,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--systems", nargs="+", default=["int8", "int8 7-bit", "Q4_K_M"],
-                        choices=["int8", "int8 7-bit", "Q4_K_M"])
+    systems = ["int8", "int8 no outliers", "int8 7-bit", "Q4_K_M"]
+    parser.add_argument("--systems", nargs="+", default=systems, choices=systems)
     parser.add_argument("--out", default="bench_results/quality.json")
 
 
@@ -58,9 +67,11 @@ def compare(reference: torch.Tensor, logits: torch.Tensor) -> dict[str, list[flo
             "kl": kl.tolist(), "abs_logit": (ref - got).abs().mean(dim=-1).tolist()}
 
 
-def int8_scorer(model: Any, context: int, reduce_range: bool | None) -> Any:
+def int8_scorer(model: Any, context: int, reduce_range: bool | None,
+                outliers: int = OUTLIERS) -> Any:
     linear = functools.partial(Int8Linear, reduce_range=reduce_range)
-    decoder = Int8Decoder(model, 1, context, linear=linear)  # type: ignore[arg-type]
+    decoder = Int8Decoder(model, 1, context, linear=linear,  # type: ignore[arg-type]
+                          outliers=outliers)
 
     def score(ids: list[int]) -> torch.Tensor:
         rows = Rows(torch.tensor(ids), [0] * len(ids), list(range(len(ids))))
@@ -106,6 +117,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in args.systems:
         if name == "int8":
             scorers[name] = int8_scorer(model, context, None)
+        elif name == "int8 no outliers":
+            scorers[name] = int8_scorer(model, context, None, outliers=0)
         elif name == "int8 7-bit":
             scorers[name] = int8_scorer(model, context, True)
     del model
