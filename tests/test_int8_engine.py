@@ -246,3 +246,15 @@ def test_a_rows_outliers_skip_its_quantization(path: str) -> None:
         errors[outliers] = float((got - exact).norm() / exact.norm())
         assert all(torch.equal(product(x[r:r + 1])[0], product(x)[r]) for r in range(4))
     assert errors[8] < errors[0] / 3, errors
+
+
+@pytest.mark.parametrize("outliers", [0, 4])
+def test_the_outliers_setting_reaches_every_linear_it_names(outliers: int,
+                                                            qwen2: dict[str, Path]) -> None:
+    settings = int8_settings(qwen2["target"]).model_copy(update={"int8_outliers": outliers})
+    engine = load_engine(settings)
+    assert isinstance(engine, Int8Engine)
+    layer = engine.decoder.layers[0]
+    assert [x.outliers for x in (layer.qkv, layer.out, layer.down, engine.decoder.head)] \
+        == [outliers] * 4
+    assert layer.gate_up.outliers == 0 and engine.decoder.head.outlier_path == "rows"

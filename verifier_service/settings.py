@@ -58,6 +58,13 @@ class Settings(BaseSettings):
         "load. fast: llama.cpp's whole batches (multi-row kernels, a KV stream per session, as "
         "llama-server -np N lays them out): cheaper blocks and batches of 4 rows and more, but "
         "greedy output may differ from the target alone's, from run to run and with load")
+    int8_outliers: int = Field(
+        8, ge=0, le=64, description="the int8 engine: each row's this many largest values "
+        "(rounded down to a power of two) are taken out before the row's activations are "
+        "quantized, so they do not set its scale (attention and MLP down projections: "
+        "multiplied in float32; output head: quantized as a row of their own); measured: "
+        "top-token agreement with bf16 97.1% -> 98.4% (Q4_K_M: 98.1%), forwards 1.17-1.27x "
+        "the cost; 0: the cheapest blocks")
     expected_sessions: int = Field(
         1, ge=1, description="--engine auto, where llama.cpp and the int8 engine can both serve "
         "the target: how many sessions you expect to draft at once; auto picks the engine "
@@ -142,7 +149,8 @@ class Settings(BaseSettings):
             model=self.model, dtype=self.dtype, device=self.device, max_context=self.max_context,
             kv_budget_tokens=self.kv_budget_tokens, threads=self.threads,
             acceptance=self.acceptance, max_batch_tokens=self.max_batch_tokens,
-            kernels=self.kernels, device_map=self.device_map, offload_folder=self.offload_folder,
+            kernels=self.kernels, int8_outliers=self.int8_outliers, device_map=self.device_map,
+            offload_folder=self.offload_folder,
             tp_plan=self.tp_plan, static_batch=static_batch,
             static_length=self.max_draft_tokens + 1, attention=self.attention,
             kv_memory_fraction=self.kv_memory_fraction)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from shared.engines.int8.kernels import quantized_engine
+from shared.engines.int8.kernels import activation_bits, quantized_engine
 from shared.engines.int8.model import Int8Decoder, Rows
 from shared.engines.target import (
     DEFAULT_KV_BUDGET,
@@ -130,17 +130,18 @@ def load_int8_engine(o: TargetOptions) -> Int8Engine:
     budget = o.kv_budget_tokens or DEFAULT_KV_BUDGET
     context = min(o.max_context or limit, limit, budget)
     num_slots = max(1, budget // context)
-    decoder = Int8Decoder(model, num_slots, context)
+    decoder = Int8Decoder(model, num_slots, context, outliers=o.int8_outliers)
     tokenizer = load_tokenizer(o.model)
     engine = Int8Engine(decoder, tokenizer, eos_ids_of(model, tokenizer), o.model, num_slots,
                         o.acceptance)
     del model
     release_freed_memory()  # the checkpoint's bfloat16 weights, gone now: 3.5 GB for a 1.5B
     key = (f"int8|{o.model}|{quantized}|{device_name('cpu')}|threads={torch.get_num_threads()}"
-           f"|torch={torch.__version__}|context={context}")
+           f"|torch={torch.__version__}|context={context}|outliers={o.int8_outliers}")
     engine.warm_up_and_time(key)
-    log.info("loaded target %s in int8 (%s, %d threads): %d slots x %d tokens (%.0f MiB of "
-             "weights, %.0f MiB of KV) in %.1f s", o.model, quantized, torch.get_num_threads(),
+    log.info("loaded target %s in int8 (%s, %d-bit activations, %d outliers a row, %d "
+             "threads): %d slots x %d tokens (%.0f MiB of weights, %.0f MiB of KV) in %.1f s",
+             o.model, quantized, activation_bits(), o.int8_outliers, torch.get_num_threads(),
              num_slots, context, decoder.weight_bytes / 2**20, decoder.nbytes / 2**20,
              time.perf_counter() - started)
     return engine
