@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--engines", nargs="+", default=["int8", "llama.cpp exact",
                                                          "llama.cpp fast"],
-                        choices=["int8", "llama.cpp exact", "llama.cpp fast"])
+                        choices=["int8", "int8 no outliers", "llama.cpp exact",
+                                 "llama.cpp fast"],
+                        help="int8 no outliers: --int8-outliers 0 (the cheapest blocks)")
     parser.add_argument("--out", default="bench_results/cpu_blocks.json")
 
 
@@ -61,8 +63,9 @@ def load(name: str, args: argparse.Namespace) -> tuple[Any, float, int]:
     context = args.context + max(args.news) + 1
     options = TargetOptions(args.target, max_context=context,
                             kv_budget_tokens=context * max(args.sessions), threads=args.threads,
-                            kernels="fast" if name.endswith("fast") else "exact")
-    engine = backend("int8" if name == "int8" else "llama-cpp").load_target(options)
+                            kernels="fast" if name.endswith("fast") else "exact",
+                            int8_outliers=0 if name == "int8 no outliers" else 8)
+    engine = backend("int8" if name.startswith("int8") else "llama-cpp").load_target(options)
     assert isinstance(engine, BatchForward)
     seconds = time.perf_counter() - started
     grown = resident() - before
