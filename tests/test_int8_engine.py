@@ -97,10 +97,10 @@ def test_the_activation_width_never_saturates_the_sums() -> None:
         assert (saturated - 512.0).abs().max() > 10.0
 
 
-def decoder(path: Path, linear: type[Int8Linear] = Int8Linear) -> Int8Decoder:
+def decoder(path: Path, linear: type[Int8Linear] = Int8Linear, outliers: int = 0) -> Int8Decoder:
     quantized_engine()
     return Int8Decoder(load_causal_lm(str(path), torch.float32, torch.device("cpu")),
-                       num_slots=6, slot_tokens=256, linear=linear)
+                       num_slots=6, slot_tokens=256, linear=linear, outliers=outliers)
 
 
 PROMPT = [5, 17, 33, 2, 90, 41, 7, 250, 12, 64, 3, 128]
@@ -155,8 +155,9 @@ def block_layouts(model: Int8Decoder) -> dict[str, bool]:
     return same
 
 
-def test_block_rows_equal_one_token_steps(qwen2: dict[str, Path]) -> None:
-    assert block_layouts(decoder(qwen2["target"])) == {
+@pytest.mark.parametrize("outliers", [0, 8])
+def test_block_rows_equal_one_token_steps(outliers: int, qwen2: dict[str, Path]) -> None:
+    assert block_layouts(decoder(qwen2["target"], outliers=outliers)) == {
         "k=2": True, "k=4": True, "k=8": True, "k=16": True, "beside another session": True}
 
 
@@ -205,6 +206,13 @@ def test_greedy_speculation_equals_the_target_alone(concurrent: int, int8_server
     info = SpecDecClient(int8_server.url, None, tokenizer=str(qwen2["target"])).info
     assert (info.kernels, info.dtype) == ("exact", "int8")
     assert differ(int8_server.url, qwen2["drafter"], concurrent) == []
+
+
+def test_greedy_speculation_with_outliers_equals_the_target_alone(
+        qwen2: dict[str, Path]) -> None:
+    settings = int8_settings(qwen2["target"]).model_copy(update={"int8_outliers": 8})
+    with LiveServer(settings) as live:
+        assert differ(live.url, qwen2["drafter"], 5) == []
 
 
 def test_negative_control_a_shared_range_changes_greedy_output(qwen2: dict[str, Path]) -> None:

@@ -42,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                          "llama.cpp fast"],
                         choices=["int8", "int8 no outliers", "llama.cpp exact",
                                  "llama.cpp fast"],
-                        help="int8 no outliers: --int8-outliers 0 (the cheapest blocks)")
+                        help="int8 no outliers: --int8-outliers 0 whatever --int8-outliers says")
+    parser.add_argument("--int8-outliers", type=int, default=0,
+                        help="the int8 engine's --int8-outliers (0: the verifier's default)")
     parser.add_argument("--out", default="bench_results/cpu_blocks.json")
 
 
@@ -64,7 +66,7 @@ def load(name: str, args: argparse.Namespace) -> tuple[Any, float, int]:
     options = TargetOptions(args.target, max_context=context,
                             kv_budget_tokens=context * max(args.sessions), threads=args.threads,
                             kernels="fast" if name.endswith("fast") else "exact",
-                            int8_outliers=0 if name == "int8 no outliers" else 8)
+                            int8_outliers=args.int8_outliers if name == "int8" else 0)
     engine = backend("int8" if name.startswith("int8") else "llama-cpp").load_target(options)
     assert isinstance(engine, BatchForward)
     seconds = time.perf_counter() - started

@@ -9,9 +9,10 @@ distributions, and the mean absolute logit difference. Greedy output of a quanti
 drifts from bf16's at its first disagreement; this counts the disagreements without letting
 one of them change the text every later position is scored on.
 
-Systems: ``int8`` (the int8 engine as it runs here: 8-bit activations where the CPU has VNNI,
-7-bit on AVX2 alone, each row's outliers taken out), ``int8 no outliers`` and ``int8 7-bit``
-(forced, to compare), and ``Q4_K_M`` (the GGUF file on the llama.cpp engine's exact kernels).
+Systems: ``int8 outliers 0`` (the int8 engine's default: 8-bit activations where the CPU has
+VNNI, 7-bit on AVX2 alone), ``int8 outliers 8`` (``--int8-outliers 8``), ``int8 7-bit outliers
+8`` (7-bit activations forced, to compare), and ``Q4_K_M`` (the GGUF file on the llama.cpp
+engine's exact kernels).
 
 The converted bf16 folder is the Q4_K_M file dequantized (``scripts/fetch_models.py``): its
 weights are Q4_K_M's exactly, so Q4_K_M differs from it only by llama.cpp's arithmetic and
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
-    systems = ["int8", "int8 no outliers", "int8 7-bit", "Q4_K_M"]
+    systems = ["int8 outliers 8", "int8 outliers 0", "int8 7-bit outliers 8", "Q4_K_M"]
     parser.add_argument("--systems", nargs="+", default=systems, choices=systems)
     parser.add_argument("--out", default="bench_results/quality.json")
 
@@ -115,11 +116,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         references = [model(torch.tensor([ids])).logits[0].float() for _, ids, _ in sequences]
     scorers = {}
     for name in args.systems:
-        if name == "int8":
+        if name == "int8 outliers 8":
             scorers[name] = int8_scorer(model, context, None)
-        elif name == "int8 no outliers":
+        elif name == "int8 outliers 0":
             scorers[name] = int8_scorer(model, context, None, outliers=0)
-        elif name == "int8 7-bit":
+        elif name == "int8 7-bit outliers 8":
             scorers[name] = int8_scorer(model, context, True)
     del model
     if "Q4_K_M" in args.systems:

@@ -79,7 +79,7 @@ class TargetOptions:
     acceptance: str = "device"  # "device": batched next to the rows; "host": the reference
     max_batch_tokens: int = 2048
     kernels: str = "exact"  # llama.cpp: "exact" or "fast" (Settings.kernels)
-    int8_outliers: int = 8  # the int8 engine: a row's values kept out of its quantization
+    int8_outliers: int = 0  # the int8 engine: a row's values kept out of its quantization
     # transformers only
     device_map: str = ""
     offload_folder: str = ""

@@ -69,7 +69,7 @@ def grid_top(qmax: int) -> float:
     return (qmax - round(qmax / 2)) * scale
 
 
-OUTLIERS = 8  # a row's largest values that skip the shared activation quantization
+OUTLIERS = 8  # --int8-outliers 8: what brought the int8 engine as close to bf16 as Q4_K_M
 
 
 class Int8Linear:

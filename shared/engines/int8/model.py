@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from shared.engines.int8.kernels import OUTLIERS, Int8Linear, rms_norm
+from shared.engines.int8.kernels import Int8Linear, rms_norm
 from shared.models import ModelSpecError
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -85,7 +85,7 @@ class Int8Decoder:
     """The weights (int8 linears, float32 norms and embeddings) and the KV tensors."""
 
     def __init__(self, model: Any, num_slots: int, slot_tokens: int,
-                 linear: type[Int8Linear] = Int8Linear, outliers: int = OUTLIERS) -> None:
+                 linear: type[Int8Linear] = Int8Linear, outliers: int = 0) -> None:
         s = self.shape = shape_of(model.config)
         # A row's outliers (Int8Linear) where they cost little and count: the attention's
         # projections and the MLP's down projection (few outputs: their int8 columns), the
