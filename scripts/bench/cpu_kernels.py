@@ -44,6 +44,7 @@ import torch
 
 from scripts.bench.common import markdown_table, write_json
 from shared.engines.int8.kernels import Int8Linear, SharedRangeLinear, quantized_engine
+from shared.machine_cache import cpu_flags
 
 # Qwen2.5-Coder-1.5B: hidden 1536, 12 heads of 128 with 2 KV heads, MLP 8960, vocab 151,936
 SHAPES = {"hidden": 1536, "qkv": 2048, "intermediate": 8960, "vocab": 151936, "layers": 28}
@@ -282,22 +283,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"skipped {name}: {why}")
     payload = {"command": getattr(args, "command_line", "python -m scripts.bench cpu-kernels"),
                "args": {k: v for k, v in vars(args).items() if k != "command_line"},
-               "cpus": os.cpu_count(), "cpu_flags": cpu_flags(), "shapes": SHAPES,
+               "cpus": os.cpu_count(), "cpu_flags": vector_flags(), "shapes": SHAPES,
                "skipped": skipped, "rows": rows, "table": table,
                "times_ms": {f"{n}|{part}|{m}": v for (n, part, m), v in times.items()}}
     write_json(args.out, payload)
     return payload
 
 
-def cpu_flags() -> list[str]:
-    """The vector extensions that decide which int8 kernels run (from /proc/cpuinfo)."""
+def vector_flags() -> list[str]:
+    """The vector extensions that decide which int8 kernels run."""
     wanted = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return [f for f in wanted if f in flags]
-    except OSError:
-        pass
-    return []
+    return [f for f in wanted if f in cpu_flags()]

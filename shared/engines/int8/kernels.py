@@ -18,10 +18,11 @@ per row and the dequantization elementwise; a row's output is bit-equal at any r
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
+
+from shared.machine_cache import cpu_flags
 
 PAD = 16  # sentinel columns (+1, -1, then zeros): the inner dimension stays a multiple of 16
 SENTINELS = torch.tensor([1.0, -1.0] + [0.0] * (PAD - 2))
@@ -39,19 +40,10 @@ def quantized_engine() -> str:
     return str(torch.backends.quantized.engine)
 
 
-@functools.cache
 def has_vnni() -> bool:
     """Whether this CPU multiplies u8 x s8 into 32-bit sums in one step (AVX-512 VNNI, AVX-VNNI
     or AMX), where fbgemm's kernels cannot saturate; AVX2 alone sums pairs in 16 bits first."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
-    except OSError:
-        pass
-    return False
+    return bool(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def activation_bits() -> int:
