@@ -26,13 +26,15 @@ class Settings(BaseSettings):
 
     model: str = Field("qwen2.5-coder-1.5b", description="the target: short name of the "
                        "offline pair, local folder, .gguf file or hub id")
-    engine: Literal["auto", "transformers", "llama-cpp", "int8"] = Field(
+    engine: Literal["auto", "transformers", "llama-cpp", "int8", "w4a8"] = Field(
         "auto", description="what runs the target: transformers (any device), or llama.cpp "
         "for a .gguf file or a short name whose GGUF is kept (CPU; needs the [llama] extra), "
         "or int8: a Llama / Qwen2-family model transformers loads, its weights in int8 on the "
-        "CPU, verify blocks much cheaper than their tokens one by one, every row exact; "
-        "auto: llama.cpp on a CPU where it is installed, for a .gguf file or a short name "
-        "whose GGUF is kept, else transformers")
+        "CPU, or w4a8: a Qwen2 / Llama GGUF file's own Q4_K / Q6_K weights on the CPU, by one "
+        "batch-invariant kernel (int8 and w4a8: verify blocks much cheaper than their tokens "
+        "one by one, every row exact); auto: w4a8 on a CPU for a GGUF file it computes (or a "
+        "short name whose GGUF is kept), else llama.cpp for other GGUF files, else "
+        "transformers")
     dtype: Literal["auto", "fastest", "float32", "bfloat16", "float16"] = Field(
         "auto", description="the transformers engine's dtype. auto: float32 on a CPU (in "
         "bfloat16 a verify block rounds unlike one-token steps and greedy output may differ "
@@ -167,7 +169,7 @@ class Settings(BaseSettings):
             raise ValueError(f"max_prompt_tokens {self.max_prompt_tokens} must be below "
                              f"max_context {self.max_context} (the prompt and at least one "
                              "new token share one KV slot)")
-        if self.engine in ("llama-cpp", "int8"):
+        if self.engine in ("llama-cpp", "int8", "w4a8"):
             for name in ("device_map", "tp_plan"):
                 if getattr(self, name):
                     raise ValueError(f"{name} places a transformers target; the "
@@ -210,7 +212,7 @@ def load_engine(settings: Settings) -> Engine:
                             Workload(settings.expected_sessions, settings.expected_acceptance))
             name, why = choice.engine, choice.why
     engine = backend(name).load_target(settings.target_options())
-    if name in ("llama-cpp", "int8"):
+    if name in ("llama-cpp", "int8", "w4a8"):
         record_costs(settings.model, settings.threads, name, engine.info.verify_ms)
     engine.info = replace(engine.info, engine=name, engine_choice=why)
     return engine

@@ -4,7 +4,7 @@ Each engine is a package here that registers a :class:`Backend` when it is impor
 (``transformers/``, ``llama_cpp/``); the verifier's settings and ``SpecDecClient`` both resolve
 their ``engine`` setting through :func:`resolve` and load through the backend it returns::
 
-    backend = resolve("auto", "qwen2.5-coder-1.5b", "cpu")    # llama-cpp where its GGUF is kept
+    backend = resolve("auto", "qwen2.5-coder-1.5b", "cpu")    # w4a8 where its GGUF is kept
     target = backend.load_target(TargetOptions("qwen2.5-coder-1.5b"))     # verifier side
     model = backend.load_drafter("qwen2.5-coder-0.5b", dtype="auto", device="cpu")  # client
     drafter = model.new_drafter(vocab_size, context_tokens)
@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 # The built-in engines, in the order ``auto`` asks them (the first that claims a model wins;
 # transformers claims everything, so it is last), and the package that registers each.
-BUILT_IN = {"llama-cpp": "shared.engines.llama_cpp", "int8": "shared.engines.int8",
+BUILT_IN = {"w4a8": "shared.engines.w4a8", "llama-cpp": "shared.engines.llama_cpp",
+            "int8": "shared.engines.int8",
             "transformers": "shared.engines.transformers"}
 ENGINES = ("auto", *BUILT_IN)
 

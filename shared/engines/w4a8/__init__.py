@@ -1,0 +1,89 @@
+"""The w4a8 engine: a GGUF target's own Q4_K / Q6_K weights on the CPU, multiplied by one
+batch-invariant kernel (4-bit weights times 8-bit activations, integer sums inside a block,
+float sums across blocks in one order for every row count), so every row of a verify block is
+bit-equal to a one-token step and a block of k tokens costs far less than k steps.
+
+``kernels.cpp`` holds the kernels (built once per machine by ``build.py``), ``gguf_file.py``
+maps the file, ``model.py`` is the decoder, ``target.py`` the verifier's engine. It serves
+targets only (Qwen2 and Llama GGUF files whose matrices are Q4_K / Q6_K, as Q4_K_M files of
+models with widths that are multiples of 256); ``--engine auto`` picks it for those on a CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from typing import TYPE_CHECKING, Any
+
+from shared.engines import register
+from shared.models import ModelSpecError
+
+if TYPE_CHECKING:
+    from shared.engines.target import Engine, TargetOptions
+
+
+@functools.cache
+def _computes(path: str, stamp: float) -> bool:
+    from shared.engines.w4a8.model import GGUFFile, shape_of
+
+    try:
+        file = GGUFFile(path)
+        shape_of(file)
+        names = ["token_embd.weight"] + [
+            f"blk.{i}.{part}.weight" for i in range(int(file.field(
+                f"{file.architecture()}.block_count", 0)))
+            for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                         "ffn_down")]
+        for name in names:
+            file.matrix(name)
+    except ModelSpecError:
+        return False
+    return True
+
+
+def computes(path: str) -> bool:
+    """Whether this engine computes the GGUF file at ``path`` (its architecture and every
+    matrix's type)."""
+    try:
+        return _computes(path, os.stat(path).st_mtime)
+    except OSError:
+        return False
+
+
+class W4A8Backend:
+    name = "w4a8"
+
+    def claims(self, spec: str, device: str) -> bool:
+        """A GGUF file this engine computes (or a short name whose GGUF is kept), on a CPU,
+        where a C++ compiler can build the kernels or they are built already."""
+        from shared.engines.llama_cpp.runtime import is_gguf, kept_gguf
+        from shared.engines.w4a8.build import library_path
+
+        path = spec if is_gguf(spec) else kept_gguf(spec)
+        if path is None or not computes(str(path)):
+            return False
+        import torch
+
+        if not (device == "cpu" or (device == "auto" and not torch.cuda.is_available())):
+            return False
+        return shutil.which(os.environ.get("CXX", "g++")) is not None \
+            or library_path().is_file()
+
+    def tokenizer_spec(self, spec: str) -> str:
+        from shared.engines.llama_cpp.runtime import resolve_gguf
+
+        return resolve_gguf(spec)[1]
+
+    def load_target(self, options: TargetOptions) -> Engine:
+        from shared.engines.w4a8.target import load_w4a8_engine
+
+        return load_w4a8_engine(options)
+
+    def load_drafter(self, spec: str, dtype: str = "auto", device: str = "auto",
+                     threads: int = 0, cuda_graphs: bool = False) -> Any:
+        raise ModelSpecError("the w4a8 engine serves targets; draft with the llama-cpp or "
+                             "transformers engine")
+
+
+register(W4A8Backend())

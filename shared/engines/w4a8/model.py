@@ -1,0 +1,264 @@
+"""A Qwen2 / Llama decoder on a GGUF file's own Q4_K / Q6_K weights, every row computed as a
+one-token step computes it.
+
+The weights are the file's bytes, mapped (nothing is converted or copied: a start reads the
+header and maps the rest). Each linear layer is ``w4a8_matmul`` (``kernels.cpp``): the
+activations quantized per row in blocks of 256, integer sums inside a block, float sums across
+blocks in one order whatever the row count. RMSNorm, the SiLU gate, rotary embeddings and
+attention run in the same library, each row alone; the residual adds are elementwise. A block
+of k + 1 rows, another session's rows beside it, a prompt decoded whole, at any thread count:
+every row's logits are bit-equal to the one-token step's (``tests/test_w4a8_engine.py``).
+
+Keys and values are float16 (as llama.cpp keeps them), one tensor per kind,
+``[layers, slots, kv_heads, tokens, head_dim]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.engines.int8.model import Rows
+from shared.engines.w4a8.build import library
+from shared.engines.w4a8.gguf_file import MappedGGUF, TensorInfo
+from shared.models import ModelSpecError
+
+F32, F16, Q4_K, Q6_K = 0, 1, 12, 14
+QUANTIZED = {Q4_K: "Q4_K", Q6_K: "Q6_K"}
+# GGUF architecture -> whether its q / k rows rotate adjacent pairs (llama.cpp's converter
+# reorders Llama's rows so) or the halves of a head (Qwen2 keeps transformers' layout)
+ARCHITECTURES = {"qwen2": False, "llama": True}
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    eps: float
+    rope_theta: float
+    limit: int  # the file's context length
+    interleaved: bool  # rotary pairs (2i, 2i + 1) rather than (i, i + head_dim / 2)
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """A quantized [rows, cols] GGUF tensor: its raw bytes, mapped from the file."""
+
+    name: str
+    type: int
+    data: np.ndarray  # [rows, bytes a row] uint8
+    rows: int
+    cols: int
+    bias: torch.Tensor | None = None  # [rows] float32
+
+    @property
+    def address(self) -> int:
+        return int(self.data.ctypes.data)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    q: Matrix
+    k: Matrix
+    v: Matrix
+    out: Matrix
+    mlp_norm: torch.Tensor
+    gate: Matrix
+    up: Matrix
+    down: Matrix
+
+
+def _ptr(tensor: torch.Tensor) -> int:
+    return int(tensor.data_ptr())
+
+
+class GGUFFile:
+    """The tensors and metadata of a GGUF file, mapped (``gguf_file.MappedGGUF``)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.mapped = MappedGGUF(path)
+        self.path = str(path)
+        self.tensors = self.mapped.tensors
+
+    def field(self, key: str, default: Any = None) -> Any:
+        return self.mapped.fields.get(key, default)
+
+    def architecture(self) -> str:
+        return str(self.field("general.architecture", "?"))
+
+    def f32(self, name: str) -> torch.Tensor:
+        tensor = self._tensor(name)
+        if tensor.type != F32:
+            raise ModelSpecError(f"{self.path}: {name} is {tensor.type_name}; the w4a8 "
+                                 "engine reads norms and biases in F32")
+        return torch.from_numpy(self.mapped.data(name).view(np.float32).copy())
+
+    def matrix(self, name: str, bias: str | None = None) -> Matrix:
+        tensor = self._tensor(name)
+        cols, rows = tensor.shape[0], int(np.prod(tensor.shape[1:]))
+        if tensor.type not in QUANTIZED or cols % 256:
+            raise ModelSpecError(
+                f"{self.path}: {name} is {tensor.type_name} [{rows}, {cols}]; the w4a8 engine "
+                "multiplies Q4_K and Q6_K rows of a multiple of 256 (a Q4_K_M or Q4_K_S file "
+                "of such a model): serve this file with --engine llama-cpp")
+        data = self.mapped.data(name).reshape(rows, -1)
+        return Matrix(name, tensor.type, data, rows, cols,
+                      self.f32(bias) if bias and bias in self.tensors else None)
+
+    def _tensor(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise ModelSpecError(f"{self.path} has no tensor {name!r}: not a model the w4a8 "
+                                 "engine computes (serve it with --engine llama-cpp)")
+        return self.tensors[name]
+
+
+def shape_of(file: GGUFFile) -> Shape:
+    """The decoder's shape, or ModelSpecError for what this engine does not compute."""
+    arch = file.architecture()
+    if arch not in ARCHITECTURES:
+        raise ModelSpecError(f"{file.path} is a {arch} model; the w4a8 engine computes "
+                             f"{', '.join(ARCHITECTURES)} (serve it with --engine llama-cpp)")
+    if file.field(f"{arch}.rope.scaling.type", "none") not in ("none", None):
+        raise ModelSpecError(f"{file.path}: the w4a8 engine has plain rotary embeddings only")
+    heads = int(file.field(f"{arch}.attention.head_count"))
+    hidden = int(file.field(f"{arch}.embedding_length"))
+    head_dim = int(file.field(f"{arch}.attention.key_length", hidden // heads))
+    if int(file.field(f"{arch}.rope.dimension_count", head_dim)) != head_dim or head_dim % 8:
+        raise ModelSpecError(f"{file.path}: the w4a8 engine rotates whole heads of a multiple "
+                             "of 8 values")
+    return Shape(layers=int(file.field(f"{arch}.block_count")), hidden=hidden,
+                 intermediate=int(file.field(f"{arch}.feed_forward_length")), heads=heads,
+                 kv_heads=int(file.field(f"{arch}.attention.head_count_kv", heads)),
+                 head_dim=head_dim, vocab=int(file._tensor("token_embd.weight").shape[1]),
+                 eps=float(file.field(f"{arch}.attention.layer_norm_rms_epsilon")),
+                 rope_theta=float(file.field(f"{arch}.rope.freq_base", 10000.0)),
+                 limit=int(file.field(f"{arch}.context_length", 0)),
+                 interleaved=ARCHITECTURES[arch])
+
+
+class W4A8Decoder:
+    """The mapped weights and the KV tensors; ``forward`` runs one batch of rows."""
+
+    def __init__(self, file: GGUFFile, num_slots: int, slot_tokens: int) -> None:
+        self.file = file  # keeps the mapping alive
+        self.lib = library()
+        s = self.shape = shape_of(file)
+        self.embed = file.matrix("token_embd.weight")
+        self.layers = [Layer(
+            attn_norm=file.f32(f"blk.{i}.attn_norm.weight"),
+            q=file.matrix(f"blk.{i}.attn_q.weight", f"blk.{i}.attn_q.bias"),
+            k=file.matrix(f"blk.{i}.attn_k.weight", f"blk.{i}.attn_k.bias"),
+            v=file.matrix(f"blk.{i}.attn_v.weight", f"blk.{i}.attn_v.bias"),
+            out=file.matrix(f"blk.{i}.attn_output.weight", f"blk.{i}.attn_output.bias"),
+            mlp_norm=file.f32(f"blk.{i}.ffn_norm.weight"),
+            gate=file.matrix(f"blk.{i}.ffn_gate.weight"),
+            up=file.matrix(f"blk.{i}.ffn_up.weight"),
+            down=file.matrix(f"blk.{i}.ffn_down.weight")) for i in range(s.layers)]
+        self.norm = file.f32("output_norm.weight")
+        # tied embeddings: the file keeps no output matrix, the head is the embedding's
+        self.head = (file.matrix("output.weight") if "output.weight" in file.tensors
+                     else self.embed)
+        self.slot_tokens = slot_tokens
+        kv = (s.layers, num_slots, s.kv_heads, slot_tokens, s.head_dim)
+        self.keys = torch.empty(kv, dtype=torch.float16)  # a row reads only what was written
+        self.values = torch.empty(kv, dtype=torch.float16)
+        # rotary angles, one row per position, computed once (float64, then float32)
+        inv = 1.0 / (s.rope_theta ** (torch.arange(0, s.head_dim, 2, dtype=torch.float64)
+                                      / s.head_dim))
+        angles = torch.outer(torch.arange(slot_tokens, dtype=torch.float64), inv)
+        self.cos = angles.cos().float().contiguous()  # [tokens, head_dim / 2]
+        self.sin = angles.sin().float().contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the KV tensors."""
+        return 2 * self.keys.numel() * 2
+
+    @property
+    def weight_bytes(self) -> int:
+        matrices = {id(m): m for m in [self.embed, self.head] + [
+            x for layer in self.layers for x in (layer.q, layer.k, layer.v, layer.out,
+                                                 layer.gate, layer.up, layer.down)]}
+        return sum(m.nbytes for m in matrices.values())
+
+    # -- the kernels, on tensors
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, k] float32 -> its activation blocks (uint8 bytes)."""
+        n, k = x.shape
+        out = torch.empty(n * self.lib.w4a8_act_bytes(k), dtype=torch.uint8)
+        self.lib.w4a8_quantize(_ptr(x), n, k, _ptr(out))
+        return out
+
+    def matmul(self, matrix: Matrix, act: torch.Tensor, n: int, out: torch.Tensor,
+               column: int = 0) -> None:
+        """``out[:, column:column + rows] = activations @ matrix.T + bias``."""
+        bias = 0 if matrix.bias is None else _ptr(matrix.bias)
+        status = self.lib.w4a8_matmul(matrix.type, matrix.address, matrix.rows, matrix.cols,
+                                      _ptr(act), n, bias or None, _ptr(out) + 4 * column,
+                                      out.shape[1])
+        if status != 0:
+            raise RuntimeError(f"w4a8_matmul refused {matrix.name}")
+
+    def linear(self, x: torch.Tensor, *matrices: Matrix) -> torch.Tensor:
+        """``x`` through the matrices side by side (one quantization of ``x``)."""
+        n = x.shape[0]
+        act = self.quantize(x)
+        out = torch.empty(n, sum(m.rows for m in matrices))
+        column = 0
+        for m in matrices:
+            self.matmul(m, act, n, out, column)
+            column += m.rows
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        self.lib.w4a8_rms_norm(_ptr(x), _ptr(weight), self.shape.eps, x.shape[0], x.shape[1],
+                               _ptr(out))
+        return out
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.to(torch.int64).contiguous()
+        out = torch.empty(len(ids), self.shape.hidden)
+        if self.lib.w4a8_dequantize_rows(self.embed.type, self.embed.address, self.embed.cols,
+                                         _ptr(ids), len(ids), _ptr(out)) != 0:
+            raise RuntimeError("w4a8_dequantize_rows refused the embedding")
+        return out
+
+    def forward(self, rows: Rows, keep: torch.Tensor) -> torch.Tensor:
+        """Write the rows' keys and values, and return the logits of rows ``keep`` ([m])
+        ([m, vocab] float32)."""
+        s, lib = self.shape, self.lib
+        n = len(rows.slots)
+        if int(rows.ids.min()) < 0 or int(rows.ids.max()) >= s.vocab:
+            raise ValueError(f"token ids must be in [0, {s.vocab})")
+        slots = torch.tensor(rows.slots, dtype=torch.int64)
+        positions = torch.tensor(rows.positions, dtype=torch.int64)
+        x = self.embed_rows(rows.ids)  # [n, hidden]
+        attended = torch.empty(n, s.heads * s.head_dim)
+        for index, layer in enumerate(self.layers):
+            qkv = self.linear(self.rms_norm(x, layer.attn_norm), layer.q, layer.k, layer.v)
+            lib.w4a8_attention(_ptr(qkv), n, _ptr(slots), _ptr(positions), s.heads, s.kv_heads,
+                               s.head_dim, _ptr(self.cos), _ptr(self.sin), int(s.interleaved),
+                               _ptr(self.keys[index]), _ptr(self.values[index]),
+                               self.slot_tokens, _ptr(attended))
+            x += self.linear(attended, layer.out)
+            gate_up = self.linear(self.rms_norm(x, layer.mlp_norm), layer.gate, layer.up)
+            act = torch.empty(n, s.intermediate)
+            lib.w4a8_silu_mul(_ptr(gate_up), n, s.intermediate, _ptr(act))
+            x += self.linear(act, layer.down)
+        last = x[keep].contiguous()
+        return self.linear(self.rms_norm(last, self.norm), self.head)
