@@ -180,7 +180,7 @@ class SpecDecClient:
         engine = "transformers" if options.engine == "auto" and options.cuda_graphs \
             else options.engine
         try:
-            return resolve(engine, spec, device)
+            return resolve(engine, spec, device, drafter=True)
         except ModelSpecError as exc:
             raise SpecDecError(f"drafter engine: {exc}") from exc
 

@@ -95,11 +95,11 @@ def main() -> None:
         sampling=dataclasses.replace(DEFAULTS.sampling, max_new_tokens=args.max_new_tokens),
         options=dataclasses.replace(DEFAULTS.options, threads=args.threads))
 
-    # The GGUF files and tokenizers; bf16 weights only where an engine other than llama.cpp
-    # runs a side (transformers loads the converted folder).
+    # The GGUF files and tokenizers; bf16 weights only where an engine other than w4a8 or
+    # llama.cpp runs a side (transformers loads the converted folder).
     fetch_offline_models(args.target, args.drafter, convert=False)
-    if (resolve("auto", args.target).name != "llama-cpp"
-            or resolve(settings.options.engine, args.drafter).name != "llama-cpp"):
+    if (resolve("auto", args.target).name not in ("w4a8", "llama-cpp")
+            or resolve(settings.options.engine, args.drafter, drafter=True).name != "llama-cpp"):
         fetch_offline_models(args.target, args.drafter)
     from transformers.utils import logging as hf_logging
 
@@ -114,8 +114,9 @@ def main() -> None:
         costs = ", ".join(f"k={k}: {ms:.0f} ms" for k, ms in (info.verify_ms or [])[:4])
         # the engine the verifier runs (/v1/info: auto's choice and why), and the drafter's
         engine = info.engine or resolve("auto", args.target).name
-        drafter_engine = resolve(settings.options.engine, args.drafter).name
+        drafter_engine = resolve(settings.options.engine, args.drafter, drafter=True).name
         weights = {"llama-cpp": "the GGUF file's own weights",
+                   "w4a8": "the GGUF file's own weights, batch-invariant kernels",
                    "int8": "int8 weights of the converted folder"}.get(engine, "dtype auto")
         print(f"\nverifier: {args.target}, engine {engine}, {info.dtype} on {info.device} "
               f"({weights}), kernels {info.kernels}; verify forwards {costs}")

@@ -46,6 +46,7 @@ class DrafterModel(Protocol):
 
 class Backend(Protocol):
     name: str
+    drafts: bool  # whether it loads drafter models too (``auto`` asks only these for one)
 
     def claims(self, spec: str, device: str) -> bool:
         """``auto`` picks this engine for ``spec`` on ``device``."""
@@ -78,12 +79,12 @@ def backend(name: str) -> Backend:
     return _registered[name]
 
 
-def resolve(engine: str, spec: str, device: str = "auto") -> Backend:
+def resolve(engine: str, spec: str, device: str = "auto", drafter: bool = False) -> Backend:
     """The backend of an ``engine`` setting: itself, or for ``auto`` the first built-in engine
-    that claims ``spec`` on ``device``."""
+    that claims ``spec`` on ``device`` (for a ``drafter``, the first of those that draft)."""
     if engine != "auto":
         return backend(engine)
     for name in BUILT_IN:
-        if backend(name).claims(spec, device):
+        if (backend(name).drafts or not drafter) and backend(name).claims(spec, device):
             return backend(name)
     raise AssertionError("the transformers engine claims every model")

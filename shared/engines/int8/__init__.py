@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 class Int8Backend:
     name = "int8"
+    drafts = False
 
     def claims(self, spec: str, device: str) -> bool:
         return False  # chosen by name (--engine int8), never by auto's order

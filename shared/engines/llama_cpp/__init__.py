@@ -35,6 +35,7 @@ class GGUFDrafterModel:
 
 class LlamaCppBackend:
     name = "llama-cpp"
+    drafts = True
 
     def claims(self, spec: str, device: str) -> bool:
         """A .gguf file, or a short name of the offline pair whose GGUF file is kept

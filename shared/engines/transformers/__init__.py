@@ -43,6 +43,7 @@ class TransformersDrafterModel:
 
 class TransformersBackend:
     name = "transformers"
+    drafts = True
 
     def claims(self, spec: str, device: str) -> bool:
         return True  # folders, hub ids, a short name without its GGUF, CUDA

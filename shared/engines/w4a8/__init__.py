@@ -53,6 +53,7 @@ def computes(path: str) -> bool:
 
 class W4A8Backend:
     name = "w4a8"
+    drafts = False
 
     def claims(self, spec: str, device: str) -> bool:
         """A GGUF file this engine computes (or a short name whose GGUF is kept), on a CPU,

@@ -1,0 +1,324 @@
+"""The w4a8 engine computes every row as a one-token step computes it, on the GGUF's own bytes.
+
+Its product (``kernels.cpp``) quantizes each row's activations alone, sums integers inside a
+block and floats across blocks in one order whatever the row count; threads split output
+columns, never a dot product. So a verify block's rows are bit-equal to one-token steps' at any
+block length, beside other sessions and at any thread count, and greedy speculation equals the
+target alone's. The negative control quantizes the activations with one scale for the whole
+batch (what a naive batched W4A8 kernel does), which must fail the same checks.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from drafter_client import SpecDecClient
+from scripts.harness.tiny_gguf import save_quantized_gguf, write_llama_gguf
+from shared.engines import resolve
+from shared.engines.int8.model import Rows
+from shared.engines.w4a8.build import library
+from shared.engines.w4a8.gguf_file import MappedGGUF
+from shared.engines.w4a8.model import Q4_K, Q6_K, GGUFFile, Matrix, W4A8Decoder
+from shared.engines.w4a8.target import W4A8Engine, eos_ids
+from shared.models import ModelSpecError, load_tokenizer
+from tests.support.greedy import speculative_vs_alone
+from tests.support.live_server import LiveServer
+from verifier_service.settings import Settings, load_engine
+
+BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
+ACT = np.dtype([("d", "<f4"), ("q", "i1", 256), ("sums", "<i2", 16)])  # kernels.cpp's ActBlock
+
+
+@pytest.fixture(scope="module")
+def q4k(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("w4a8")
+    return {"target": save_quantized_gguf(root / "target", seed=0),
+            "drafter": save_quantized_gguf(root / "drafter", seed=1)}
+
+
+def random_matrix(kind: int, rows: int, cols: int, seed: int) -> Matrix:
+    """A [rows, cols] matrix of random Q4_K or Q6_K blocks (any bytes are a block, but for
+    the float16 scales, set here to small positive values)."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
+    scales = rng.uniform(0.002, 0.02, (rows, cols // 256, 2)).astype(np.float16)
+    where = slice(0, 4) if kind == Q4_K else slice(208, 210)
+    blocks[:, :, where] = scales.view(np.uint8).reshape(rows, cols // 256, 4)[:, :, :where.stop
+                                                                               - where.start]
+    return Matrix(f"random {kind}", kind, blocks.reshape(rows, -1), rows, cols)
+
+
+def activations(x: torch.Tensor, shared: bool = False) -> torch.Tensor:
+    """The kernels' activation blocks of ``x`` [n, k], built here: each row's blocks scaled
+    alone (what ``w4a8_quantize`` does), or, ``shared``, every row of a block column by the
+    batch's largest value (the negative control)."""
+    v = x.double().numpy().reshape(x.shape[0], -1, 256)
+    amax = np.abs(v).max(axis=2, keepdims=True)
+    if shared:
+        amax = amax.max(axis=0, keepdims=True).repeat(x.shape[0], axis=0)
+    d = (amax / 127.0).astype(np.float32)
+    q = np.clip(np.rint(v.astype(np.float32) * (np.float32(127.0) / amax.astype(np.float32))),
+                -127, 127).astype(np.int8)
+    out = np.zeros(v.shape[:2], dtype=ACT)
+    out["d"], out["q"] = d[..., 0], q
+    out["sums"] = q.reshape(*v.shape[:2], 16, 16).astype(np.int32).sum(axis=3)
+    return torch.from_numpy(out.view(np.uint8).reshape(-1).copy())
+
+
+def product(matrix: Matrix, act: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.empty(n, matrix.rows)
+    assert library().w4a8_matmul(matrix.type, matrix.address, matrix.rows, matrix.cols,
+                                 act.data_ptr(), n, None, out.data_ptr(), matrix.rows) == 0
+    return out
+
+
+@pytest.mark.parametrize("kind", [Q4_K, Q6_K])
+def test_the_product_is_the_dequantized_weights_times_the_quantized_rows(kind: int) -> None:
+    """Against gguf's own dequantization (an independent reading of the block layout) times
+    the activations the kernel quantized, summed in float64: equal but for float rounding."""
+    matrix = random_matrix(kind, 48, 512, seed=kind)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    lib = library()
+    act = torch.empty(5 * lib.w4a8_act_bytes(512), dtype=torch.uint8)
+    lib.w4a8_quantize(x.data_ptr(), 5, 512, act.data_ptr())
+    assert torch.equal(act, activations(x))  # the kernel quantizes as documented
+    blocks = act.numpy().view(ACT).reshape(5, 2)
+    rows = (blocks["q"].astype(np.float64) * blocks["d"][..., None]).reshape(5, 512)
+    weights = gguf.quants.dequantize(matrix.data, gguf.GGMLQuantizationType(kind))
+    want = rows @ weights.astype(np.float64).T
+    got = product(matrix, act, 5).double().numpy()
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def rows_differ(matrix: Matrix, x: torch.Tensor, shared: bool = False) -> list[int]:
+    """The rows of ``x`` whose product in one call differs from the row's product alone."""
+    together = product(matrix, activations(x, shared), len(x))
+    alone = [product(matrix, activations(x[r:r + 1], shared), 1)[0] for r in range(len(x))]
+    return [r for r in range(len(x)) if not torch.equal(together[r], alone[r])]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4, 8, 16])
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(threads: int) -> None:
+    """The 1.5B's widths (1,536 and 8,960 inputs), 17 rows of very different sizes: each row
+    bit-equal alone and among them (tiles of 8, 8 and 1), at every thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(threads)
+        for kind, cols in ((Q4_K, 1536), (Q6_K, 8960)):
+            matrix = random_matrix(kind, 40, cols, seed=cols)
+            x = torch.randn(17, cols, generator=generator) * torch.rand(17, 1) * 8
+            assert rows_differ(matrix, x) == [], (kind, cols)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_negative_control_a_shared_activation_scale() -> None:
+    matrix = random_matrix(Q4_K, 40, 1536, seed=0)
+    x = torch.randn(17, 1536, generator=torch.Generator().manual_seed(0)) * \
+        torch.linspace(0.1, 8, 17)[:, None]
+    assert len(rows_differ(matrix, x, shared=True)) >= 15
+
+
+def test_the_avx2_and_portable_paths_agree_bit_for_bit() -> None:
+    """The portable path holds the AVX2 path's lanes and order: a machine without AVX2
+    computes what this one does (and this machine checks that path)."""
+    lib = library()
+    if not lib.w4a8_isa():
+        pytest.skip("no AVX2 here: the portable path is the only one")
+    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(2))
+    for kind in (Q4_K, Q6_K):
+        matrix = random_matrix(kind, 24, 1536, seed=kind)
+        fast = product(matrix, activations(x), 9)
+        lib.w4a8_set_isa(0)
+        try:
+            portable = product(matrix, activations(x), 9)
+        finally:
+            lib.w4a8_set_isa(-1)
+        assert torch.equal(fast, portable), kind
+
+
+# -- the decoder on a real Q4_K_M file (llama.cpp quantized it) ---------------------------------
+
+PROMPT = [5, 17, 33, 2, 90, 41, 7, 250, 12, 64, 3, 128]
+OTHER = [int(t) for t in np.random.default_rng(3).integers(2, 256, 37)]
+NEW = 24
+
+
+class SharedScaleDecoder(W4A8Decoder):
+    """The negative control: each block column of a forward's rows quantized by one scale."""
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        return activations(x, shared=True)
+
+
+def decoder(path: Path, kind: type[W4A8Decoder] = W4A8Decoder) -> W4A8Decoder:
+    return kind(GGUFFile(path), num_slots=6, slot_tokens=256)
+
+
+def rows_of(model: W4A8Decoder, segments: list[tuple[int, int, list[int]]],
+            keep: list[int]) -> torch.Tensor:
+    ids, slots, positions = [], [], []
+    for slot, start, tokens in segments:
+        ids += tokens
+        slots += [slot] * len(tokens)
+        positions += range(start, start + len(tokens))
+    return model.forward(Rows(torch.tensor(ids), slots, positions), torch.tensor(keep))
+
+
+def one_token_steps(model: W4A8Decoder, slot: int) -> tuple[list[int], torch.Tensor]:
+    kept = [rows_of(model, [(slot, i, [t])], [0])[0] for i, t in enumerate(PROMPT)][-1:]
+    out: list[int] = []
+    for i in range(NEW):
+        out.append(int(kept[-1].argmax()))
+        kept.append(rows_of(model, [(slot, len(PROMPT) + i, out[-1:])], [0])[0])
+    return out, torch.stack(kept)
+
+
+def in_blocks(model: W4A8Decoder, slot: int, tokens: list[int], k: int,
+              beside: int | None = None) -> torch.Tensor:
+    kept = [rows_of(model, [(slot, 0, PROMPT)], [len(PROMPT) - 1])[0]]
+    other_at = len(OTHER)
+    for at in range(0, NEW, k):
+        block = tokens[at:at + k]
+        segments = [(slot, len(PROMPT) + at, block)]
+        shift = 0
+        if beside is not None:
+            segments.insert(0, (beside, other_at, [3, 4, 5]))
+            other_at, shift = other_at + 3, 3
+        kept.extend(rows_of(model, segments, list(range(shift, shift + len(block)))))
+    return torch.stack(kept[:NEW + 1])
+
+
+def block_layouts(model: W4A8Decoder) -> dict[str, bool]:
+    tokens, reference = one_token_steps(model, 0)
+    same = {f"k={k}": torch.equal(in_blocks(model, 1, tokens, k), reference)
+            for k in (2, 4, 8, 16)}
+    rows_of(model, [(2, 0, OTHER)], [0])  # another session's history
+    same["beside another session"] = torch.equal(in_blocks(model, 3, tokens, 5, beside=2),
+                                                 reference)
+    return same
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_block_rows_equal_one_token_steps(threads: int, q4k: dict[str, Path]) -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert all(block_layouts(decoder(q4k["target"])).values())
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_negative_control_a_shared_activation_scale_in_the_decoder(
+        q4k: dict[str, Path]) -> None:
+    same = block_layouts(decoder(q4k["target"], SharedScaleDecoder))
+    assert not any(same.values()), same
+
+
+def test_w4a8_follows_llama_cpp_on_the_same_file(q4k: dict[str, Path]) -> None:
+    """The same weights and the same kind of product as llama.cpp's: its logits within a few
+    percent of llama.cpp's (a wrong block layout, rotary pairing or bias is far off)."""
+    from shared.engines.llama_cpp.runtime import LlamaModel, Segment
+
+    ids = [int(t) for t in np.random.default_rng(7).integers(2, 256, 48)]
+    ours = rows_of(decoder(q4k["target"]), [(0, 0, ids)], list(range(len(ids)))).numpy()
+    llama = LlamaModel(str(q4k["target"]), n_seqs=1, seq_tokens=64, threads=1)
+    try:
+        [theirs] = llama.decode([Segment(0, 0, ids, 0)])
+    finally:
+        llama.close()
+    assert theirs is not None
+    spread = theirs.std()
+    assert np.abs(ours - theirs).max() < 0.1 * spread + 0.02 * np.abs(theirs).max(), \
+        (np.abs(ours - theirs).max(), spread)
+    assert np.corrcoef(ours.ravel(), theirs.ravel())[0, 1] > 0.99
+
+
+# -- the served engine -------------------------------------------------------------------------
+
+PROMPTS = [[int(t) for t in ids] for ids in np.random.default_rng(5).integers(2, 256, (7, 6))]
+LONG = 40
+
+
+def w4a8_settings(path: Path) -> Settings:
+    return Settings(model=str(path), engine="w4a8", threads=1, max_draft_tokens=8,
+                    max_context=256)  # type: ignore[arg-type]
+
+
+def differ(url: str, drafter: Path, concurrent: int) -> list[str]:
+    return speculative_vs_alone(url, drafter, str(drafter), PROMPTS, LONG, concurrent)
+
+
+@pytest.fixture(scope="module")
+def w4a8_server(q4k: dict[str, Path]) -> LiveServer:
+    with LiveServer(w4a8_settings(q4k["target"])) as live:
+        yield live  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("concurrent", [1, 3, 7])
+def test_greedy_speculation_equals_the_target_alone(concurrent: int, w4a8_server: LiveServer,
+                                                    q4k: dict[str, Path]) -> None:
+    info = SpecDecClient(w4a8_server.url, None, tokenizer=str(q4k["target"])).info
+    assert info.kernels == "exact" and info.dtype.startswith("gguf w4a8")
+    assert differ(w4a8_server.url, q4k["drafter"], concurrent) == []
+
+
+def test_negative_control_a_shared_scale_changes_greedy_output(q4k: dict[str, Path]) -> None:
+    file = GGUFFile(q4k["target"])
+    tokenizer = load_tokenizer(str(q4k["target"]))
+    model = SharedScaleDecoder(file, 8, 256)
+    engine = W4A8Engine(model, tokenizer, eos_ids(file, tokenizer, model.shape.vocab),
+                        str(q4k["target"]), 8)
+    with LiveServer(w4a8_settings(q4k["target"]), engine) as live:
+        assert differ(live.url, q4k["drafter"], 7) != []
+
+
+# -- what auto picks, what the engine refuses ----------------------------------------------------
+
+def test_auto_picks_w4a8_for_a_q4_k_m_file_and_llama_cpp_for_others(
+        q4k: dict[str, Path], tmp_path: Path) -> None:
+    assert resolve("auto", str(q4k["target"]), "cpu").name == "w4a8"
+    plain = write_llama_gguf(q4k["target"].parent, tmp_path / "f32.gguf")  # float32 matrices
+    assert resolve("auto", str(plain), "cpu").name == "llama-cpp"
+    with pytest.raises(ModelSpecError, match="Q4_K and Q6_K.*--engine llama-cpp"):
+        load_engine(w4a8_settings(plain))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not gguf", "missing"])
+def test_a_damaged_file_is_a_one_line_error(damage: str, q4k: dict[str, Path],
+                                            tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    data = q4k["target"].read_bytes()
+    if damage == "truncated":
+        bad.write_bytes(data[:len(data) // 2])
+    elif damage == "not gguf":
+        bad.write_bytes(b"GGML" + data[4:])
+    with pytest.raises(ModelSpecError) as error:
+        load_engine(w4a8_settings(bad))
+    assert "\n" not in str(error.value)
+    assert resolve("auto", str(bad), "cpu").name != "w4a8"
+
+
+def test_the_header_reader_agrees_with_gguf_py(q4k: dict[str, Path]) -> None:
+    ours = MappedGGUF(q4k["target"])
+    theirs = gguf.GGUFReader(str(q4k["target"]))
+    for tensor in theirs.tensors:
+        info = ours.tensors[tensor.name]
+        assert info.type == int(tensor.tensor_type)
+        assert list(info.shape) == [int(x) for x in tensor.shape]
+        assert np.array_equal(ours.data(tensor.name), np.asarray(tensor.data).view(np.uint8)
+                              .reshape(-1))
+    assert ours.fields["llama.block_count"] == theirs.fields["llama.block_count"].contents()
+    assert struct.unpack("<I", q4k["target"].read_bytes()[4:8])[0] in (2, 3)
+
+
+def test_the_engine_runs_on_the_cpu_only() -> None:
+    with pytest.raises(ValueError, match="w4a8 engine runs on the CPU"):
+        Settings(model="x", engine="w4a8", device="cuda")  # type: ignore[arg-type]
