@@ -17,7 +17,9 @@ install: $(STAMP)
 # longest step of a fresh install) without llama.cpp's AMX kernels, which crash on AMX cloud VMs,
 # and without the libraries the engine never loads (scripts/llama_build.py). It builds in the
 # background (log: .venv/llama-build.log) while pip installs the rest, which is mostly
-# unpacking; `make demo` also fetches its two models meanwhile (FETCH_WHILE_BUILDING).
+# unpacking; `make demo` also fetches its two models meanwhile (FETCH_WHILE_BUILDING). Last,
+# the w4a8 engine's kernels (shared/engines/w4a8/kernels.cpp, g++ against PyTorch's headers,
+# kept in $SPECDEC_HOME/kernels; a changed source builds again at its first load).
 $(RUN_STAMP): pyproject.toml Makefile scripts/llama_build.py shared/machine_cache.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
@@ -33,6 +35,7 @@ $(RUN_STAMP): pyproject.toml Makefile scripts/llama_build.py shared/machine_cach
 	exit $$status
 	$(BIN)/pip install --no-deps --force-reinstall "$$(cat $(VENV)/llama-wheel.path)"
 	$(BIN)/pip install "$$(cat $(VENV)/llama-wheel.path)"  # its dependencies: the [llama] extra
+	$(BIN)/python -m shared.engines.w4a8.build  # the w4a8 engine's kernels (g++, seconds)
 	touch $(RUN_STAMP)
 
 # The test tools (installed while llama.cpp builds, where the run step is still to do); and the

@@ -1,14 +1,18 @@
 """What a forward costs on each CPU engine that verifies exactly, and on llama.cpp's fast one.
 
-One process, three engines on the same model, each through the verifier's engine interface
+One process, the engines on the same model, each through the verifier's engine interface
 (``forward`` of the steps a batch holds, every row's logits kept, as a verify block keeps
-them): ``int8`` (``--engine int8``: int8 weights through fbgemm, rows quantized alone, exact),
+them): ``w4a8`` (``--engine w4a8``, the default: the GGUF file's own Q4_K / Q6_K weights by one
+batch-invariant kernel, exact), ``int8`` (``--engine int8``: int8 weights through fbgemm, rows
+quantized alone, exact),
 ``llama.cpp exact`` (``--engine llama-cpp``, the default kernels) and ``llama.cpp fast``
 (``--kernels fast``: whole-batch kernels, not exact), the last two on the Q4_K_M file. For each
 session count (every session holding ``--context`` tokens) it times one forward of n new tokens
 per session: n = 1 is a one-token step, n = k + 1 a verify block of k drafts. Every round runs
 every engine in turn, in rotating order; the table holds medians, each cost also in the
 engine's own one-token steps (the speculation that pays: far below n) and per new token.
+It also prints the bound of a one-token step: the w4a8 engine's weight bytes over this
+machine's read bandwidth (a 2 GB sum on the same threads).
 
     python -m scripts.bench cpu-blocks --rounds 3
 """
@@ -26,6 +30,7 @@ from typing import Any
 from scripts.bench.common import markdown_table, write_json
 from shared.engines import backend
 from shared.engines.target import BatchForward, ForwardItem, TargetOptions
+from shared.machine_cache import cpu_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,9 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="new tokens per session per forward (k + 1 for k drafts)")
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--engines", nargs="+", default=["int8", "llama.cpp exact",
+    parser.add_argument("--engines", nargs="+", default=["w4a8", "llama.cpp exact",
                                                          "llama.cpp fast"],
-                        choices=["int8", "int8 no outliers", "llama.cpp exact",
+                        choices=["w4a8", "int8", "int8 no outliers", "llama.cpp exact",
                                  "llama.cpp fast"],
                         help="int8 no outliers: --int8-outliers 0 whatever --int8-outliers says")
     parser.add_argument("--int8-outliers", type=int, default=0,
@@ -67,7 +72,8 @@ def load(name: str, args: argparse.Namespace) -> tuple[Any, float, int]:
                             kv_budget_tokens=context * max(args.sessions), threads=args.threads,
                             kernels="fast" if name.endswith("fast") else "exact",
                             int8_outliers=args.int8_outliers if name == "int8" else 0)
-    engine = backend("int8" if name.startswith("int8") else "llama-cpp").load_target(options)
+    engine = backend("int8" if name.startswith("int8") else
+                     "w4a8" if name == "w4a8" else "llama-cpp").load_target(options)
     assert isinstance(engine, BatchForward)
     seconds = time.perf_counter() - started
     grown = resident() - before
@@ -84,7 +90,22 @@ def forward_ms(engine: BatchForward, sessions: int, context: int, new: int) -> f
     return (time.perf_counter() - started) * 1000
 
 
+def read_bandwidth(threads: int, gigabytes: float = 2.0) -> float:
+    """Bytes a second this machine reads on ``threads`` threads (the best of 3 sums)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    data = torch.ones(int(gigabytes * 1e9) // 4)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return gigabytes * 1e9 / best
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    bandwidth = read_bandwidth(args.threads)
     engines: dict[str, Any] = {}
     loads: dict[str, dict[str, float]] = {}
     for name in args.engines:
@@ -127,10 +148,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     (f"{name} ms/token", f"{name} ms a token")]
     table = markdown_table(rows, columns)
     print(table)
+    bound = None
+    if "w4a8" in engines:
+        weights = engines["w4a8"].decoder.weight_bytes
+        bound = {"weight_bytes": weights, "read_gb_s": bandwidth / 1e9,
+                 "step_bound_ms": weights / bandwidth * 1000}
+        print(f"bound of a one-token step: {weights / 1e9:.2f} GB of weights at "
+              f"{bandwidth / 1e9:.1f} GB/s = {bound['step_bound_ms']:.1f} ms")
     payload = {"command": args.command_line if hasattr(args, "command_line") else
                "python -m scripts.bench cpu-blocks", "args": {k: v for k, v in vars(args).items()
                                                               if k != "command_line"},
-               "cpus": os.cpu_count(), "engines": loads, "rows": rows,
+               "cpus": os.cpu_count(), "cpu": cpu_name(), "engines": loads, "rows": rows,
+               "bound": bound,
                "times_ms": {f"{n}|{s}|{k}": v for (n, s, k), v in times.items()},
                "table": table}
     write_json(args.out, payload)

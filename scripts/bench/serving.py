@@ -17,9 +17,12 @@ Systems (``--systems``):
   default                 specdec's default client (model drafter + lookup, ``-k auto``) x N:
                           each drafter runs in this process, on the verifier's cores (what a
                           one-machine user gets; across hosts it costs the verifier nothing)
-  alone-fast, lookup-fast the same on a second verifier with ``--kernels fast`` (llama.cpp's
-                          whole-batch kernels, as llama-server's; not exact): what exactness
-                          costs under load
+  alone-llama, lookup-llama
+                          the same on a second verifier on the llama-cpp engine with its exact
+                          kernels (the default before the w4a8 engine)
+  alone-fast, lookup-fast the same on a verifier with ``--engine llama-cpp --kernels fast``
+                          (llama.cpp's whole-batch kernels, as llama-server's; not exact): what
+                          exactness costs under load
   lookup-selfish          prompt lookup whose ``-k auto`` ignores the verifier's load
                           (``ClientSettings(load_aware=False)``): what load-awareness does
 
@@ -64,9 +67,12 @@ from scripts.harness.process import VerifierProcess
 from shared.machine_cache import cpu_name
 from shared.models import OFFLINE_MODELS, load_tokenizer
 
-SYSTEMS = ("llama-server", "llama-server-ngram", "alone", "lookup", "default", "alone-fast",
-           "lookup-fast", "lookup-selfish")
-FAST = "-fast"  # on a second verifier with --kernels fast
+SYSTEMS = ("llama-server", "llama-server-ngram", "alone", "lookup", "default", "alone-llama",
+           "lookup-llama", "alone-fast", "lookup-fast", "lookup-selfish")
+FAST = "-fast"  # on a second verifier: llama.cpp's whole-batch kernels
+# the systems on verifiers of their own (suffix -> the engine flags that replace --engine's)
+OTHER_VERIFIERS = {"-llama": ["--engine", "llama-cpp"],
+                   FAST: ["--engine", "llama-cpp", "--kernels", "fast"]}
 PEERS = {"llama-server": [], "llama-server-ngram": ["--spec-type", "ngram-simple"]}
 SEQ_TOKENS = 4096  # each session's (each llama-server slot's) context
 
@@ -76,10 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a short name of the offline pair, a .gguf file (llama-cpp) or a "
                         "folder (transformers)")
     parser.add_argument("--drafter", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--engine", default="llama-cpp",
-                        choices=["llama-cpp", "transformers", "int8"],
+    parser.add_argument("--engine", default="w4a8",
+                        choices=["w4a8", "llama-cpp", "transformers", "int8"],
                         help="the verifier's engine, and the default client's drafter's "
-                        "(int8: its clients draft on llama.cpp)")
+                        "(w4a8, int8: its clients draft on llama.cpp)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (transformers engine)")
     parser.add_argument("--dtype", default="auto", help="the verifier's --dtype")
     parser.add_argument("--threads", type=int, default=2,
@@ -157,10 +163,10 @@ def verifier_counts(url: str) -> dict[str, float]:
 
 # -- the run ------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    llama = args.engine == "llama-cpp"
+    llama = args.engine in ("llama-cpp", "w4a8")  # a GGUF file's engines
     target = gguf_of(args.target) if llama else None
-    # the int8 verifier's clients draft on llama.cpp too (the drafter's GGUF file)
-    drafter = gguf_of(args.drafter) if args.engine in ("llama-cpp", "int8") else None
+    # the w4a8 and int8 verifiers' clients draft on llama.cpp too (the drafter's GGUF file)
+    drafter = gguf_of(args.drafter) if args.engine in ("llama-cpp", "int8", "w4a8") else None
     if not llama:
         fetch_offline_models(args.target, args.drafter)
     tokenizer = load_tokenizer(args.target if args.target in OFFLINE_MODELS else str(target))
@@ -179,21 +185,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "--kv-budget-tokens", str(SEQ_TOKENS * most),
               "--max-batch-size", str(max(16, most)), *args.verifier_arg]
     verifier = VerifierProcess(common, threads=args.threads)
-    fast = VerifierProcess([*common, "--kernels", "fast"], threads=args.threads)
+    at = common.index("--engine")
+    others = {suffix: VerifierProcess(common[:at] + flags + common[at + 2:],
+                                      threads=args.threads)
+              for suffix, flags in OTHER_VERIFIERS.items()
+              if any(s.endswith(suffix) for s in ours)}
     binary = llama_server_binary() if peers else None
     records: list[dict[str, Any]] = []
     steps: list[dict[str, Any]] = []
     try:
         verifier.start()
         info = SpecDecClient(verifier.url, None, tokenizer=tokenizer).info
-        if any(s.endswith(FAST) for s in ours):
-            fast.start()
-        url = {s: fast.url if s.endswith(FAST) else verifier.url for s in ours}
+        for other in others.values():
+            other.start()
+        url = {s: next((v.url for suffix, v in others.items() if s.endswith(suffix)),
+                       verifier.url) for s in ours}
         for n in args.clients:
             servers = {name: LlamaServer(binary, target, args.threads, PEERS[name],
                                          parallel=n) for name in peers} if binary else {}
-            clients = {name: make_clients(name.removesuffix(FAST), n, url[name], tokenizer,
-                                          drafter, args) for name in ours}
+            clients = {name: make_clients(base_system(name), n, url[name], tokenizer, drafter,
+                                          args) for name in ours}
             try:
                 order = [*peers, *ours]
                 for round_no in range(args.rounds):
@@ -227,8 +238,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     server.close()
     finally:
         verifier.stop()
-        fast.stop()
+        for other in others.values():
+            other.stop()
     return report(records, steps, args, info)
+
+
+def base_system(name: str) -> str:
+    """What a system's clients do, whichever verifier serves them (``lookup-llama``: lookup)."""
+    for suffix in OTHER_VERIFIERS:
+        name = name.removesuffix(suffix)
+    return name
 
 
 def make_clients(system: str, n: int, url: str, tokenizer: Any, drafter: Path | None,
@@ -253,10 +272,11 @@ def report(records: list[dict[str, Any]], steps: list[dict[str, Any]],
     alone = {"llama-server": "llama-server", "llama-server-ngram": "llama-server",
              "alone": "alone", "lookup": "alone", "default": "alone",
              "alone-fast": "alone-fast", "lookup-fast": "alone-fast",
+             "alone-llama": "alone-llama", "lookup-llama": "alone-llama",
              "lookup-selfish": "alone"}
     reference: dict[tuple[str, str], list[int]] = {}
     for r in sorted(records, key=lambda r: r["clients"]):  # each prompt's target-alone output
-        if r["system"] in ("llama-server", "alone", "alone-fast"):  # at its lightest load
+        if r["system"] in ("llama-server", "alone", "alone-fast", "alone-llama"):  # lightest load
             reference.setdefault((r["system"], r["prompt"]), r["tokens"])
     for r in records:
         want = reference.get((alone[r["system"]], r["prompt"]))

@@ -84,8 +84,12 @@ def build(force: bool = False) -> Path:
         result = subprocess.run(_command(scratch), capture_output=True, text=True)
         if result.returncode != 0:
             scratch.unlink(missing_ok=True)
-            raise ModelSpecError(f"building the w4a8 kernels failed ({' '.join(_command(scratch))}):"
-                                 f"\n{result.stderr[-3000:]}")
+            log = output.with_suffix(".log")
+            log.write_text(" ".join(_command(scratch)) + "\n" + result.stderr)
+            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            raise ModelSpecError(f"building the w4a8 kernels failed ({last}); the compiler's "
+                                 f"output is in {log}; --engine llama-cpp serves GGUF files "
+                                 "without them")
         os.replace(scratch, output)
     return output
 

@@ -211,6 +211,19 @@ AVX2 inline float hsum8(__m256 v) {  // ((0+4)+(2+6)) + ((1+5)+(3+7)), as lanes_
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
 
+// q4k_scales in registers: the 8 scales then the 8 mins, as 16 bytes (reads 16 bytes from
+// `packed`: the 12 packed ones and 4 of the block's nibbles, which are ignored).
+AVX2 inline __m128i q4k_scales_avx2(const uint8_t* packed) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed));
+  const __m128i p = _mm_shuffle_epi32(raw, _MM_SHUFFLE(2, 1, 2, 0));  // a0 a2 a1 a2
+  const __m128i q = _mm_shuffle_epi32(raw, _MM_SHUFFLE(1, 1, 0, 0));  // a0 a0 a1 a1
+  const __m128i six = _mm_set1_epi32(0x3f3f3f3f);
+  const __m128i high = _mm_or_si128(  // lanes 1 and 3: four low bits, then two high ones
+      _mm_and_si128(_mm_srlv_epi32(p, _mm_set_epi32(4, 0, 0, 0)), _mm_set1_epi32(0x0f0f0f0f)),
+      _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(q, 6), _mm_set1_epi32(0x03030303)), 4));
+  return _mm_blend_epi32(_mm_and_si128(p, six), high, 0b1010);
+}
+
 // R activation rows against one Q4_K weight row; out[r] = the r-th row's dot product.
 template <int R>
 AVX2 void q4k_rows_avx2(const uint8_t* w, const ActBlock* const* a, int64_t nb, float* out) {
@@ -224,9 +237,7 @@ AVX2 void q4k_rows_avx2(const uint8_t* w, const ActBlock* const* a, int64_t nb, 
   for (int64_t b = 0; b < nb; ++b, w += Q4K_BYTES) {
     const __m128 dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(w)));
     const float wd = _mm_cvtss_f32(dmin), wm = _mm_cvtss_f32(_mm_movehdup_ps(dmin));
-    alignas(16) uint8_t sm[16];
-    q4k_scales(w + 4, sm, sm + 8);
-    const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sm)));
+    const __m256i sm16 = _mm256_cvtepu8_epi16(q4k_scales_avx2(w + 4));
     const __m256i scales = _mm256_permute2x128_si256(sm16, sm16, 0x00);  // sc0..7 in both halves
     const __m128i mins = _mm256_extracti128_si256(sm16, 1);
     const __m256i mins_pairs = _mm256_set_m128i(_mm_unpackhi_epi16(mins, mins),
