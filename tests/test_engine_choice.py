@@ -69,7 +69,19 @@ def settings(model: str, engine: str, sessions: int = 1) -> Settings:
                     expected_sessions=sessions)
 
 
-def test_each_start_records_its_costs_and_auto_prices_them(both_engines: str) -> None:
+def test_auto_runs_w4a8_where_it_computes_the_file(both_engines: str) -> None:
+    engine = load_engine(settings(both_engines, "auto", sessions=8))
+    assert (engine.info.engine, engine.info.kernels, engine.info.engine_choice) == (
+        "w4a8", "exact", "")
+
+
+def test_each_start_records_its_costs_and_auto_prices_them(
+        both_engines: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the w4a8 engine cannot serve the file (another quantization), auto prices
+    llama.cpp and int8 from their recorded costs."""
+    from shared.engines import backend
+
+    monkeypatch.setattr(type(backend("w4a8")), "claims", lambda self, spec, device: False)
     first = load_engine(settings(both_engines, "auto", sessions=8))
     assert (first.info.engine, first.info.kernels) == ("llama-cpp", "exact")
     assert "int8 not measured here yet" in first.info.engine_choice

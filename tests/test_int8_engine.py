@@ -253,7 +253,8 @@ def test_a_rows_outliers_skip_its_quantization(path: str) -> None:
         got = product(x).double()
         errors[outliers] = float((got - exact).norm() / exact.norm())
         assert all(torch.equal(product(x[r:r + 1])[0], product(x)[r]) for r in range(4))
-    assert errors[8] < errors[0] / 3, errors
+    # 8-bit activations (VNNI): 3x and more; 7-bit (AVX2 alone) measured 2.8x (AMD EPYC)
+    assert errors[8] < errors[0] / (3 if activation_bits() == 8 else 2), errors
 
 
 @pytest.mark.parametrize("outliers", [0, 4])

@@ -11,8 +11,8 @@ one of them change the text every later position is scored on.
 
 Systems: ``int8 outliers 0`` (the int8 engine's default: 8-bit activations where the CPU has
 VNNI, 7-bit on AVX2 alone), ``int8 outliers 8`` (``--int8-outliers 8``), ``int8 7-bit outliers
-8`` (7-bit activations forced, to compare), and ``Q4_K_M`` (the GGUF file on the llama.cpp
-engine's exact kernels).
+8`` (7-bit activations forced, to compare), ``Q4_K_M`` (the GGUF file on the llama.cpp
+engine's exact kernels) and ``w4a8`` (the same file on the w4a8 engine, the default).
 
 The converted bf16 folder is the Q4_K_M file dequantized (``scripts/fetch_models.py``): its
 weights are Q4_K_M's exactly, so Q4_K_M differs from it only by llama.cpp's arithmetic and
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
-    systems = ["int8 outliers 8", "int8 outliers 0", "int8 7-bit outliers 8", "Q4_K_M"]
+    systems = ["w4a8", "Q4_K_M", "int8 outliers 8", "int8 outliers 0", "int8 7-bit outliers 8"]
     parser.add_argument("--systems", nargs="+", default=systems, choices=systems)
     parser.add_argument("--out", default="bench_results/quality.json")
 
@@ -80,8 +80,9 @@ def int8_scorer(model: Any, context: int, reduce_range: bool | None,
     return score
 
 
-def llama_scorer(args: argparse.Namespace, context: int) -> Any:
-    engine = backend("llama-cpp").load_target(TargetOptions(
+def gguf_scorer(args: argparse.Namespace, context: int, engine_name: str) -> Any:
+    """The GGUF file on an engine that reads it (llama.cpp's exact kernels, or w4a8)."""
+    engine = backend(engine_name).load_target(TargetOptions(
         args.target, max_context=context, kv_budget_tokens=context, threads=args.threads,
         kernels="exact"))
     assert isinstance(engine, BatchForward)
@@ -124,7 +125,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             scorers[name] = int8_scorer(model, context, True)
     del model
     if "Q4_K_M" in args.systems:
-        scorers["Q4_K_M"] = llama_scorer(args, context)
+        scorers["Q4_K_M"] = gguf_scorer(args, context, "llama-cpp")
+    if "w4a8" in args.systems:
+        scorers["w4a8"] = gguf_scorer(args, context, "w4a8")
     per: dict[tuple[str, str], dict[str, list[float]]] = {}
     with torch.no_grad():
         for (workload, ids, start), reference in zip(sequences, references, strict=True):
