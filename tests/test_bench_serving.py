@@ -53,17 +53,19 @@ def test_report_per_round_ratios_fairness_and_identity(tmp_path: Path) -> None:
 
 
 def test_a_short_real_run_on_a_tiny_pair(tmp_path: Path) -> None:
-    """Two clients on a llama.cpp verifier (and one with --kernels fast): every specdec
-    output equals its target alone's, and the verifier's steps are counted."""
+    """Two clients on the default (w4a8) verifier, on llama.cpp's exact kernels and on its
+    fast ones: every specdec output equals its target alone's, and the verifier's steps are
+    counted."""
     target = save_quantized_gguf(tmp_path / "target", seed=0)
     drafter = save_quantized_gguf(tmp_path / "drafter", seed=1)
     payload = main(["serving", "--target", str(target), "--drafter", str(drafter),
                     "--threads", "1", "--clients", "1", "2", "--rounds", "1",
                     "--max-new-tokens", "8", "--systems", "alone", "lookup", "default",
-                    "alone-fast", "--out", str(tmp_path / "serving.json")])
+                    "alone-llama", "alone-fast", "--out", str(tmp_path / "serving.json")])
     rows = {(r["clients"], r["system"]): r for r in payload["rows"]}
     assert set(rows) == {(n, s) for n in (1, 2) for s in ("alone", "lookup", "default",
-                                                          "alone-fast")}
+                                                          "alone-llama", "alone-fast")}
+    assert payload["machine"]["engine"] == "w4a8"
     for (n, system), row in rows.items():
         assert row["tok_s"] > 0 and row["jobs_per_step"] > 0, (n, system, row)
         checked = row["same_as_alone"].split("/")

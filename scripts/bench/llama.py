@@ -139,6 +139,11 @@ INT8 = {  # on a verifier with --engine int8 (the converted folder of the same s
     "specdec int8: default (model + lookup, -k auto)": ("model", DrafterOptions(), "auto"),
     "specdec int8: prompt lookup, -k auto": ("prompt-lookup", DrafterOptions(), "auto"),
 }
+W4A8 = {  # on a verifier with --engine w4a8 (the default on a CPU: the same GGUF file)
+    "specdec w4a8: target alone": (None, None, None),
+    "specdec w4a8: default (model + lookup, -k auto)": ("model", DrafterOptions(), "auto"),
+    "specdec w4a8: prompt lookup, -k auto": ("prompt-lookup", DrafterOptions(), "auto"),
+}
 CONCURRENT = "specdec llama.cpp: default, {n} concurrent sessions"
 # the targets alone whose greedy outputs the quality table compares, and the references
 QUALITY = {"specdec int8: target alone": "int8", "llama-server: target alone": "Q4_K_M",
@@ -149,7 +154,8 @@ def own_alone(system: str) -> str:
     """The target-alone system a system's greedy output must equal."""
     if system.startswith("llama-server"):
         return "llama-server: target alone"
-    for prefix in ("specdec llama.cpp fast kernels", "specdec transformers", "specdec int8"):
+    for prefix in ("specdec llama.cpp fast kernels", "specdec transformers", "specdec int8",
+                   "specdec w4a8"):
         if system.startswith(prefix):
             return f"{prefix}: target alone"
     return "specdec llama.cpp: target alone"
@@ -193,7 +199,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the two-host simulation: verifier and client pinned to "
                         "different cores, one thread each, 0 / 20 / 100 ms added round trip")
     parser.add_argument("--rtts", type=float, nargs="+", default=[0.0, 20.0, 100.0])
-    parser.add_argument("--two-host-engines", nargs="+", choices=["llama-cpp", "int8"],
+    parser.add_argument("--w4a8", action=argparse.BooleanOptionalAction, default=True,
+                        help="also specdec on the w4a8 engine (--engine w4a8, the same GGUF "
+                        "file; the default engine on a CPU)")
+    parser.add_argument("--two-host-engines", nargs="+", choices=["llama-cpp", "int8", "w4a8"],
                         default=["llama-cpp"], help="the verifiers of the two-host simulation "
                         "(int8: the converted folder of --target's short name)")
     parser.add_argument("--fast-kernels", action=argparse.BooleanOptionalAction, default=True,
@@ -256,6 +265,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     int8_verifier = VerifierProcess(["--model", args.target, "--engine", "int8",
                                      "--kv-budget-tokens", str(args.kv_budget_tokens),
                                      "--max-context", "4096"], threads=args.threads)
+    w4a8_verifier = VerifierProcess(["--model", str(target), "--engine", "w4a8",
+                                     "--kv-budget-tokens", str(args.kv_budget_tokens),
+                                     "--max-context", "4096"], threads=args.threads)
     try:
         for name, extra in peers.items():
             servers[name] = LlamaServer(binary, target, args.threads, extra)
@@ -277,6 +289,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             fetch_offline_models(args.target)
             int8_verifier.start()
             systems.append((int8_verifier, INT8))
+        if args.w4a8:
+            w4a8_verifier.start()
+            systems.append((w4a8_verifier, W4A8))
         for process, table in systems:
             for name, (kind, options, k) in table.items():
                 if kind is None:
@@ -312,6 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         fast_verifier.stop()
         hf_verifier.stop()
         int8_verifier.stop()
+        w4a8_verifier.stop()
     two_host = two_host_runs(args, binary, target, drafter, tokenizer, prompts, ids_of) \
         if args.two_host else []
     return report(records, args, two_host, engine)
@@ -351,7 +367,8 @@ def two_host_runs(args: argparse.Namespace, binary: Path, target: Path, drafter:
     server_core, client_core = str(cores[0]), {cores[1]}
     records: list[dict[str, Any]] = []
     peer = LlamaServer(binary, target, 1, [], pin=server_core)
-    models = {"llama-cpp": ("llama.cpp", str(target)), "int8": ("int8", args.target)}
+    models = {"llama-cpp": ("llama.cpp", str(target)), "int8": ("int8", args.target),
+              "w4a8": ("w4a8", str(target))}
     verifiers = []
     saved = os.sched_getaffinity(0)
     try:
