@@ -132,7 +132,18 @@ def test_the_avx2_and_portable_paths_agree_bit_for_bit() -> None:
     lib = library()
     if not lib.w4a8_isa():
         pytest.skip("no AVX2 here: the portable path is the only one")
-    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(2)) * 3
+    x[0, :256] = 0.0  # an all-zero block
+    x[1, 5] = 1e4  # a block ruled by one value
+    quantized = []
+    for isa in (-1, 0):
+        lib.w4a8_set_isa(isa)
+        act = torch.empty(9 * lib.w4a8_act_bytes(1536), dtype=torch.uint8)
+        lib.w4a8_quantize(x.data_ptr(), 9, 1536, act.data_ptr())
+        quantized.append(act)
+    lib.w4a8_set_isa(-1)
+    assert torch.equal(quantized[0], quantized[1])
+    assert torch.equal(quantized[0], activations(x))
     for kind in (Q4_K, Q6_K):
         matrix = random_matrix(kind, 24, 1536, seed=kind)
         fast = product(matrix, activations(x), 9)

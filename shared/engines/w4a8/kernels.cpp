@@ -317,6 +317,53 @@ AVX2 void q6k_rows_avx2(const uint8_t* w, const ActBlock* const* a, int64_t nb, 
   for (int r = 0; r < R; ++r) out[r] = hsum8(acc[r]);
 }
 
+// quantize_row's arithmetic in 8 lanes: the max is exact in any order, the rest elementwise,
+// so both paths give the same bytes (rounding half to even, as nearbyint does by default).
+AVX2 void quantize_row_avx2(const float* x, int64_t k, ActBlock* out) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < k / QK; ++b) {
+    const float* v = x + b * QK;
+    __m256 top = _mm256_setzero_ps();
+    for (int i = 0; i < QK; i += 8)
+      top = _mm256_max_ps(top, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + i)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    const float amax = _mm_cvtss_f32(m);
+    ActBlock& blk = out[b];
+    if (amax == 0.0f) {
+      std::memset(&blk, 0, sizeof(ActBlock));
+      continue;
+    }
+    const __m256 inv = _mm256_set1_ps(127.0f / amax);
+    blk.d = amax / 127.0f;
+    for (int i = 0; i < QK; i += 32) {
+      __m256i q[4];
+      for (int j = 0; j < 4; ++j)
+        q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(v + i + 8 * j), inv),
+                                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m256i lo = _mm256_packs_epi32(q[0], q[1]);  // lanes interleaved by 128-bit halves
+      const __m256i hi = _mm256_packs_epi32(q[2], q[3]);
+      __m256i bytes = _mm256_packs_epi16(lo, hi);
+      bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+      bytes = _mm256_max_epi8(bytes, _mm256_set1_epi8(-127));
+      bytes = _mm256_min_epi8(bytes, _mm256_set1_epi8(127));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk.q + i), bytes);
+      // the sums of each 16: widen to 16 bits, add pairs, then the pairs' sums
+      const __m256i wide0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
+      const __m256i wide1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
+      const __m256i ones = _mm256_set1_epi16(1);
+      const __m256i s0 = _mm256_madd_epi16(wide0, ones), s1 = _mm256_madd_epi16(wide1, ones);
+      // hadd twice: lane 0 / 4 = the low / high half of s0, lane 1 / 5 the same of s1
+      const __m256i s = _mm256_hadd_epi32(_mm256_hadd_epi32(s0, s1), _mm256_setzero_si256());
+      alignas(32) int32_t t[8];
+      _mm256_store_si256(reinterpret_cast<__m256i*>(t), s);
+      blk.sums[i / 16] = static_cast<int16_t>(t[0] + t[4]);
+      blk.sums[i / 16 + 1] = static_cast<int16_t>(t[1] + t[5]);
+    }
+  }
+}
+
 bool cpu_has_avx2() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                           __builtin_cpu_supports("f16c");
@@ -403,7 +450,10 @@ int64_t w4a8_act_bytes(int64_t k) { return (k / QK) * static_cast<int64_t>(sizeo
 void w4a8_quantize(const float* x, int64_t n, int64_t k, void* out) {
   auto* blocks = static_cast<ActBlock*>(out);
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) quantize_row(x + r * k, k, blocks + r * (k / QK));
+    for (int64_t r = begin; r < end; ++r) {
+      if (use_avx2()) quantize_row_avx2(x + r * k, k, blocks + r * (k / QK));
+      else quantize_row(x + r * k, k, blocks + r * (k / QK));
+    }
   });
 }
 
