@@ -66,9 +66,21 @@ def activations(x: torch.Tensor, shared: bool = False) -> torch.Tensor:
     q = np.clip(np.rint(v.astype(np.float32) * (np.float32(127.0) / amax.astype(np.float32))),
                 -127, 127).astype(np.int8)
     out = np.zeros(v.shape[:2], dtype=ACT)
-    out["d"], out["q"] = d[..., 0], q
+    out["d"], out["q"] = d[..., 0], interleaved(q)
     out["sums"] = q.reshape(*v.shape[:2], 16, 16).astype(np.int32).sum(axis=3)
     return torch.from_numpy(out.view(np.uint8).reshape(-1).copy())
+
+
+def interleaved(q: np.ndarray) -> np.ndarray:
+    """[..., 256] values in order -> as kernels.cpp keeps them: each 64 as A[0:16] B[0:16]
+    A[16:32] B[16:32] (A, B: its two 32-value halves)."""
+    shape = q.shape
+    return q.reshape(*shape[:-1], 4, 2, 2, 16).swapaxes(-3, -2).reshape(shape)
+
+
+def in_order(q: np.ndarray) -> np.ndarray:
+    shape = q.shape
+    return q.reshape(*shape[:-1], 4, 2, 2, 16).swapaxes(-3, -2).reshape(shape)  # its inverse
 
 
 def product(matrix: Matrix, act: torch.Tensor, n: int) -> torch.Tensor:
@@ -89,7 +101,7 @@ def test_the_product_is_the_dequantized_weights_times_the_quantized_rows(kind: i
     lib.w4a8_quantize(x.data_ptr(), 5, 512, act.data_ptr())
     assert torch.equal(act, activations(x))  # the kernel quantizes as documented
     blocks = act.numpy().view(ACT).reshape(5, 2)
-    rows = (blocks["q"].astype(np.float64) * blocks["d"][..., None]).reshape(5, 512)
+    rows = (in_order(blocks["q"]).astype(np.float64) * blocks["d"][..., None]).reshape(5, 512)
     weights = gguf.quants.dequantize(matrix.data, gguf.GGMLQuantizationType(kind))
     want = rows @ weights.astype(np.float64).T
     got = product(matrix, act, 5).double().numpy()

@@ -41,12 +41,26 @@ constexpr int GGML_Q6_K = 14;
 constexpr int64_t Q4K_BYTES = 144;  // fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins, 128 of nibbles
 constexpr int64_t Q6K_BYTES = 210;  // 128 low nibbles, 64 of high bit pairs, 16 int8 scales, fp16 d
 
-// One activation block: d * q[i] ~ x[i]; sums[j] = q[16 j] + ... + q[16 j + 15].
+// One activation block: d * q[at(e)] ~ x[e]; sums[j] = the sum of values 16 j .. 16 j + 15.
+// Each 64 values, two 32-value halves A and B, are kept as A[0:16] B[0:16] A[16:32] B[16:32]:
+// one register then holds 16 values of each of two Q4_K sub-blocks, so the products of two
+// registers add as 16-bit sums before their one multiply by the two sub-blocks' scales
+// (`madd`): one multiply fewer a 64 values than with the values in order.
 struct ActBlock {
   float d;
   int8_t q[QK];
   int16_t sums[16];
 };
+
+// Where value e (0..255) of a block is kept in ActBlock::q.
+inline int at(int e) {
+  const int half = (e % 64) / 32, l = e % 32;
+  return 64 * (e / 64) + 32 * (l / 16) + 16 * half + l % 16;
+}
+
+// The 8-lane accumulator value e's product lands in, on both paths: 0-3 for the first half of
+// its 64, 4-7 for the second, as the AVX2 registers lay them.
+inline int lane(int e) { return 4 * ((e % 64) / 32) + (e % 16) / 4; }
 
 float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
@@ -126,15 +140,13 @@ void quantize_row(const float* x, int64_t k, ActBlock* out) {
     }
     const float inv = 127.0f / amax;
     blk.d = amax / 127.0f;
+    int sums[16] = {0};
     for (int i = 0; i < QK; ++i) {
-      const int q = static_cast<int>(std::nearbyint(v[i] * inv));
-      blk.q[i] = static_cast<int8_t>(std::min(127, std::max(-127, q)));
+      const int q = std::min(127, std::max(-127, static_cast<int>(std::nearbyint(v[i] * inv))));
+      blk.q[at(i)] = static_cast<int8_t>(q);
+      sums[i / 16] += q;
     }
-    for (int j = 0; j < 16; ++j) {
-      int s = 0;
-      for (int i = 0; i < 16; ++i) s += blk.q[16 * j + i];
-      blk.sums[j] = static_cast<int16_t>(s);
-    }
+    for (int j = 0; j < 16; ++j) blk.sums[j] = static_cast<int16_t>(sums[j]);
   }
 }
 
@@ -162,7 +174,7 @@ float q4k_dot_portable(const uint8_t* w, const ActBlock* a, int64_t nb) {
       const int shift = 4 * (j % 2);
       for (int l = 0; l < 32; ++l) {
         const int q = (bytes[l] >> shift) & 0xf;
-        sumi[l / 4] += sc[j] * q * a[b].q[32 * j + l];
+        sumi[lane(32 * j + l)] += sc[j] * q * a[b].q[at(32 * j + l)];
       }
       msum[j] = mn[j] * (a[b].sums[2 * j] + a[b].sums[2 * j + 1]);
     }
@@ -194,7 +206,7 @@ float q6k_dot_portable(const uint8_t* w, const ActBlock* a, int64_t nb) {
     int32_t sumi[8];
     for (int m = 0; m < 8; ++m)
       sumi[m] = -32 * (a[b].sums[2 * m] * sc[2 * m] + a[b].sums[2 * m + 1] * sc[2 * m + 1]);
-    for (int i = 0; i < QK; ++i) sumi[(i % 32) / 4] += sc[i / 16] * q6k_value(w, i) * a[b].q[i];
+    for (int i = 0; i < QK; ++i) sumi[lane(i)] += sc[i / 16] * q6k_value(w, i) * a[b].q[at(i)];
     const float dd = half_to_float(dh) * a[b].d;
     for (int i = 0; i < 8; ++i) lanes[i] = std::fma(dd, static_cast<float>(sumi[i]), lanes[i]);
   }
@@ -230,10 +242,13 @@ AVX2 void q4k_rows_avx2(const uint8_t* w, const ActBlock* const* a, int64_t nb, 
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   const __m256i low4 = _mm256_set1_epi8(0x0f);
-  // shuffle masks: int16 lane j of each half into every lane
-  __m256i pick[8];
-  for (int j = 0; j < 8; ++j)
-    pick[j] = _mm256_set1_epi16(static_cast<int16_t>((2 * j) | ((2 * j + 1) << 8)));
+  // shuffle masks: scale 2i into the low half's lanes, scale 2i + 1 into the high half's
+  __m256i pick[4];
+  for (int i = 0; i < 4; ++i) {
+    const auto lo = static_cast<int16_t>((4 * i) | ((4 * i + 1) << 8));
+    const auto hi = static_cast<int16_t>((4 * i + 2) | ((4 * i + 3) << 8));
+    pick[i] = _mm256_setr_epi16(lo, lo, lo, lo, lo, lo, lo, lo, hi, hi, hi, hi, hi, hi, hi, hi);
+  }
   for (int64_t b = 0; b < nb; ++b, w += Q4K_BYTES) {
     const __m128 dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(w)));
     const float wd = _mm_cvtss_f32(dmin), wm = _mm_cvtss_f32(_mm_movehdup_ps(dmin));
@@ -246,21 +261,20 @@ AVX2 void q4k_rows_avx2(const uint8_t* w, const ActBlock* const* a, int64_t nb, 
     for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
     const uint8_t* qs = w + 16;
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 4; ++i) {  // sub-blocks 2i (low nibbles) and 2i + 1 (high)
       const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
       const __m256i lo = _mm256_and_si256(bytes, low4);
       const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-      const __m256i sc_lo = _mm256_shuffle_epi8(scales, pick[2 * i]);
-      const __m256i sc_hi = _mm256_shuffle_epi8(scales, pick[2 * i + 1]);
+      const __m256i first = _mm256_permute2x128_si256(lo, hi, 0x20);  // lo[0:16] hi[0:16]
+      const __m256i second = _mm256_permute2x128_si256(lo, hi, 0x31);  // lo[16:32] hi[16:32]
+      const __m256i sc = _mm256_shuffle_epi8(scales, pick[i]);  // 2i low lanes, 2i + 1 high
       for (int r = 0; r < R; ++r) {
         const int8_t* x = a[r][b].q + 64 * i;
-        const __m256i p0 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
-            sc_lo);
-        const __m256i p1 = _mm256_madd_epi16(
-            _mm256_maddubs_epi16(hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32))),
-            sc_hi);
-        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p0, p1));
+        const __m256i p = _mm256_add_epi16(  // at most 2 x 3,840: no 16-bit overflow
+            _mm256_maddubs_epi16(first, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+            _mm256_maddubs_epi16(second,
+                                 _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32))));
+        sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, sc));
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -294,19 +308,35 @@ AVX2 void q6k_rows_avx2(const uint8_t* w, const ActBlock* const* a, int64_t nb, 
       const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
       const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
       const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 128 + 32 * half));
+      __m256i q[4];  // the 32 values of groups t = 0..3 of this half, in order
 #pragma GCC unroll 4
       for (int t = 0; t < 4; ++t) {
         const __m256i lo = (t % 2 == 0) ? l0 : l1;
         const __m256i nib = t < 2 ? _mm256_and_si256(lo, low4)
                                   : _mm256_and_si256(_mm256_srli_epi16(lo, 4), low4);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h, 2 * t), two);
-        const __m256i q = _mm256_or_si256(nib, _mm256_slli_epi16(hi, 4));
-        const int g = 4 * half + t;  // 32 values: scales 2g (first 16) and 2g + 1
-        const __m256i sc = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(
-            sc8, _mm_set_epi64x(0x0101010101010101LL * (2 * g + 1), 0x0101010101010101LL * (2 * g))));
+        q[t] = _mm256_or_si256(nib, _mm256_slli_epi16(hi, 4));
+      }
+#pragma GCC unroll 2
+      for (int pair = 0; pair < 2; ++pair) {  // groups 2 pair and 2 pair + 1: 64 values
+        const __m256i first = _mm256_permute2x128_si256(q[2 * pair], q[2 * pair + 1], 0x20);
+        const __m256i second = _mm256_permute2x128_si256(q[2 * pair], q[2 * pair + 1], 0x31);
+        const int s0 = 8 * half + 4 * pair;  // the 16-value scales of the first group: s0, s0+1
+        const long long ones = 0x0101010101010101LL;
+        const __m256i sc_first = _mm256_cvtepi8_epi16(
+            _mm_shuffle_epi8(sc8, _mm_set_epi64x(ones * (s0 + 2), ones * s0)));
+        const __m256i sc_second = _mm256_cvtepi8_epi16(
+            _mm_shuffle_epi8(sc8, _mm_set_epi64x(ones * (s0 + 3), ones * (s0 + 1))));
         for (int r = 0; r < R; ++r) {
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[r][b].q + 32 * g));
-          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), sc));
+          const int8_t* x = a[r][b].q + 128 * half + 64 * pair;
+          const __m256i p0 = _mm256_madd_epi16(
+              _mm256_maddubs_epi16(first, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))),
+              sc_first);
+          const __m256i p1 = _mm256_madd_epi16(
+              _mm256_maddubs_epi16(second,
+                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32))),
+              sc_second);
+          sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(p0, p1));
         }
       }
     }
@@ -337,6 +367,7 @@ AVX2 void quantize_row_avx2(const float* x, int64_t k, ActBlock* out) {
     }
     const __m256 inv = _mm256_set1_ps(127.0f / amax);
     blk.d = amax / 127.0f;
+    __m256i first_half = _mm256_setzero_si256();
     for (int i = 0; i < QK; i += 32) {
       __m256i q[4];
       for (int j = 0; j < 4; ++j)
@@ -348,7 +379,14 @@ AVX2 void quantize_row_avx2(const float* x, int64_t k, ActBlock* out) {
       bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
       bytes = _mm256_max_epi8(bytes, _mm256_set1_epi8(-127));
       bytes = _mm256_min_epi8(bytes, _mm256_set1_epi8(127));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk.q + i), bytes);
+      if (i % 64 == 0) {
+        first_half = bytes;  // stored with the second: A[0:16] B[0:16] A[16:32] B[16:32]
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk.q + i - 32),
+                            _mm256_permute2x128_si256(first_half, bytes, 0x20));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk.q + i),
+                            _mm256_permute2x128_si256(first_half, bytes, 0x31));
+      }
       // the sums of each 16: widen to 16 bits, add pairs, then the pairs' sums
       const __m256i wide0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(bytes));
       const __m256i wide1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(bytes, 1));
