@@ -27,16 +27,16 @@ from shared.engines.int8.kernels import (
     has_vnni,
     quantized_engine,
 )
-from shared.engines.int8.model import Int8Decoder, Rows
+from shared.engines.int8.model import Int8Decoder
 from shared.engines.int8.target import Int8Engine
 from shared.engines.transformers.models import eos_ids_of
 from shared.models import load_causal_lm, load_tokenizer
 from tests.support.greedy import speculative_vs_alone
 from tests.support.live_server import LiveServer
+from tests.support.row_layouts import block_layouts, rows_of
 from verifier_service.settings import Settings, load_engine
 
 VOCAB = 256
-NEW = 24
 
 
 @pytest.fixture(scope="module")
@@ -101,58 +101,6 @@ def decoder(path: Path, linear: type[Int8Linear] = Int8Linear, outliers: int = 0
     quantized_engine()
     return Int8Decoder(load_causal_lm(str(path), torch.float32, torch.device("cpu")),
                        num_slots=6, slot_tokens=256, linear=linear, outliers=outliers)
-
-
-PROMPT = [5, 17, 33, 2, 90, 41, 7, 250, 12, 64, 3, 128]
-OTHER = [int(t) for t in np.random.default_rng(3).integers(2, VOCAB, 37)]
-
-
-def rows_of(model: Int8Decoder, segments: list[tuple[int, int, list[int]]],
-            keep: list[int]) -> torch.Tensor:
-    """One forward over ``(slot, start, tokens)`` segments; the logits of rows ``keep``."""
-    ids, slots, positions = [], [], []
-    for slot, start, tokens in segments:
-        ids += tokens
-        slots += [slot] * len(tokens)
-        positions += range(start, start + len(tokens))
-    return model.forward(Rows(torch.tensor(ids), slots, positions), torch.tensor(keep))
-
-
-def one_token_steps(model: Int8Decoder, slot: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy decoding a token per forward (the prompt too): the tokens and every row."""
-    kept = [rows_of(model, [(slot, i, [t])], [0])[0] for i, t in enumerate(PROMPT)][-1:]
-    out: list[int] = []
-    for i in range(NEW):
-        out.append(int(kept[-1].argmax()))
-        kept.append(rows_of(model, [(slot, len(PROMPT) + i, out[-1:])], [0])[0])
-    return out, torch.stack(kept)
-
-
-def in_blocks(model: Int8Decoder, slot: int, tokens: list[int], k: int,
-              beside: int | None = None) -> torch.Tensor:
-    """The prompt whole, then ``tokens`` ``k`` at a time; ``beside``: another slot writes 3
-    tokens in each of the same forwards, first."""
-    kept = [rows_of(model, [(slot, 0, PROMPT)], [len(PROMPT) - 1])[0]]
-    other_at = len(OTHER)
-    for at in range(0, NEW, k):
-        block = tokens[at:at + k]
-        segments = [(slot, len(PROMPT) + at, block)]
-        shift = 0
-        if beside is not None:
-            segments.insert(0, (beside, other_at, [3, 4, 5]))
-            other_at, shift = other_at + 3, 3
-        kept.extend(rows_of(model, segments, list(range(shift, shift + len(block)))))
-    return torch.stack(kept[:NEW + 1])
-
-
-def block_layouts(model: Int8Decoder) -> dict[str, bool]:
-    tokens, reference = one_token_steps(model, 0)
-    same = {f"k={k}": torch.equal(in_blocks(model, 1, tokens, k), reference)
-            for k in (2, 4, 8, 16)}
-    rows_of(model, [(2, 0, OTHER)], [0])  # another session's history
-    same["beside another session"] = torch.equal(in_blocks(model, 3, tokens, 5, beside=2),
-                                                 reference)
-    return same
 
 
 @pytest.mark.parametrize("outliers", [0, 8])

@@ -21,7 +21,6 @@ import torch
 from drafter_client import SpecDecClient
 from scripts.harness.tiny_gguf import save_quantized_gguf, write_llama_gguf
 from shared.engines import resolve
-from shared.engines.int8.model import Rows
 from shared.engines.w4a8.build import library
 from shared.engines.w4a8.gguf_file import MappedGGUF
 from shared.engines.w4a8.model import Q4_K, Q6_K, GGUFFile, Matrix, W4A8Decoder
@@ -29,6 +28,7 @@ from shared.engines.w4a8.target import W4A8Engine, eos_ids
 from shared.models import ModelSpecError, load_tokenizer
 from tests.support.greedy import speculative_vs_alone
 from tests.support.live_server import LiveServer
+from tests.support.row_layouts import block_layouts, rows_of
 from verifier_service.settings import Settings, load_engine
 
 BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
@@ -169,11 +169,6 @@ def test_the_avx2_and_portable_paths_agree_bit_for_bit() -> None:
 
 # -- the decoder on a real Q4_K_M file (llama.cpp quantized it) ---------------------------------
 
-PROMPT = [5, 17, 33, 2, 90, 41, 7, 250, 12, 64, 3, 128]
-OTHER = [int(t) for t in np.random.default_rng(3).integers(2, 256, 37)]
-NEW = 24
-
-
 class SharedScaleDecoder(W4A8Decoder):
     """The negative control: each block column of a forward's rows quantized by one scale."""
 
@@ -183,50 +178,6 @@ class SharedScaleDecoder(W4A8Decoder):
 
 def decoder(path: Path, kind: type[W4A8Decoder] = W4A8Decoder) -> W4A8Decoder:
     return kind(GGUFFile(path), num_slots=6, slot_tokens=256)
-
-
-def rows_of(model: W4A8Decoder, segments: list[tuple[int, int, list[int]]],
-            keep: list[int]) -> torch.Tensor:
-    ids, slots, positions = [], [], []
-    for slot, start, tokens in segments:
-        ids += tokens
-        slots += [slot] * len(tokens)
-        positions += range(start, start + len(tokens))
-    return model.forward(Rows(torch.tensor(ids), slots, positions), torch.tensor(keep))
-
-
-def one_token_steps(model: W4A8Decoder, slot: int) -> tuple[list[int], torch.Tensor]:
-    kept = [rows_of(model, [(slot, i, [t])], [0])[0] for i, t in enumerate(PROMPT)][-1:]
-    out: list[int] = []
-    for i in range(NEW):
-        out.append(int(kept[-1].argmax()))
-        kept.append(rows_of(model, [(slot, len(PROMPT) + i, out[-1:])], [0])[0])
-    return out, torch.stack(kept)
-
-
-def in_blocks(model: W4A8Decoder, slot: int, tokens: list[int], k: int,
-              beside: int | None = None) -> torch.Tensor:
-    kept = [rows_of(model, [(slot, 0, PROMPT)], [len(PROMPT) - 1])[0]]
-    other_at = len(OTHER)
-    for at in range(0, NEW, k):
-        block = tokens[at:at + k]
-        segments = [(slot, len(PROMPT) + at, block)]
-        shift = 0
-        if beside is not None:
-            segments.insert(0, (beside, other_at, [3, 4, 5]))
-            other_at, shift = other_at + 3, 3
-        kept.extend(rows_of(model, segments, list(range(shift, shift + len(block)))))
-    return torch.stack(kept[:NEW + 1])
-
-
-def block_layouts(model: W4A8Decoder) -> dict[str, bool]:
-    tokens, reference = one_token_steps(model, 0)
-    same = {f"k={k}": torch.equal(in_blocks(model, 1, tokens, k), reference)
-            for k in (2, 4, 8, 16)}
-    rows_of(model, [(2, 0, OTHER)], [0])  # another session's history
-    same["beside another session"] = torch.equal(in_blocks(model, 3, tokens, 5, beside=2),
-                                                 reference)
-    return same
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3, 4])
