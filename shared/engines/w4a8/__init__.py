@@ -25,18 +25,11 @@ if TYPE_CHECKING:
 
 @functools.cache
 def _computes(path: str, stamp: float) -> bool:
-    from shared.engines.w4a8.model import GGUFFile, shape_of
+    from shared.engines.w4a8.model import GGUFFile, shape_of, weights_of
 
     try:
         file = GGUFFile(path)
-        shape_of(file)
-        names = ["token_embd.weight"] + [
-            f"blk.{i}.{part}.weight" for i in range(int(file.field(
-                f"{file.architecture()}.block_count", 0)))
-            for part in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                         "ffn_down")]
-        for name in names:
-            file.matrix(name)
+        weights_of(file, shape_of(file))  # every tensor the decoder maps, as it maps them
     except ModelSpecError:
         return False
     return True

@@ -15,7 +15,6 @@ import fcntl
 import functools
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -113,8 +112,6 @@ def main() -> None:
     path = build(force="--force" in sys.argv)
     isa = "AVX2" if library().w4a8_isa() else "portable"
     print(f"w4a8 kernels: {path} ({isa} path on this CPU)")
-    if shutil.which("g++") is None:
-        print("note: g++ is not on PATH")
 
 
 if __name__ == "__main__":

@@ -150,6 +150,26 @@ def shape_of(file: GGUFFile) -> Shape:
                  interleaved=ARCHITECTURES[arch])
 
 
+def weights_of(file: GGUFFile, s: Shape) -> tuple[Matrix, list[Layer], torch.Tensor, Matrix]:
+    """The embedding, the layers, the final norm and the output head, mapped from ``file``
+    (ModelSpecError naming the first tensor this engine cannot read)."""
+    embed = file.matrix("token_embd.weight")
+    layers = [Layer(
+        attn_norm=file.f32(f"blk.{i}.attn_norm.weight"),
+        q=file.matrix(f"blk.{i}.attn_q.weight", f"blk.{i}.attn_q.bias"),
+        k=file.matrix(f"blk.{i}.attn_k.weight", f"blk.{i}.attn_k.bias"),
+        v=file.matrix(f"blk.{i}.attn_v.weight", f"blk.{i}.attn_v.bias"),
+        out=file.matrix(f"blk.{i}.attn_output.weight", f"blk.{i}.attn_output.bias"),
+        mlp_norm=file.f32(f"blk.{i}.ffn_norm.weight"),
+        gate=file.matrix(f"blk.{i}.ffn_gate.weight"),
+        up=file.matrix(f"blk.{i}.ffn_up.weight"),
+        down=file.matrix(f"blk.{i}.ffn_down.weight")) for i in range(s.layers)]
+    norm = file.f32("output_norm.weight")
+    # tied embeddings: the file keeps no output matrix, the head is the embedding's
+    head = file.matrix("output.weight") if "output.weight" in file.tensors else embed
+    return embed, layers, norm, head
+
+
 class W4A8Decoder:
     """The mapped weights and the KV tensors; ``forward`` runs one batch of rows."""
 
@@ -157,21 +177,7 @@ class W4A8Decoder:
         self.file = file  # keeps the mapping alive
         self.lib = library()
         s = self.shape = shape_of(file)
-        self.embed = file.matrix("token_embd.weight")
-        self.layers = [Layer(
-            attn_norm=file.f32(f"blk.{i}.attn_norm.weight"),
-            q=file.matrix(f"blk.{i}.attn_q.weight", f"blk.{i}.attn_q.bias"),
-            k=file.matrix(f"blk.{i}.attn_k.weight", f"blk.{i}.attn_k.bias"),
-            v=file.matrix(f"blk.{i}.attn_v.weight", f"blk.{i}.attn_v.bias"),
-            out=file.matrix(f"blk.{i}.attn_output.weight", f"blk.{i}.attn_output.bias"),
-            mlp_norm=file.f32(f"blk.{i}.ffn_norm.weight"),
-            gate=file.matrix(f"blk.{i}.ffn_gate.weight"),
-            up=file.matrix(f"blk.{i}.ffn_up.weight"),
-            down=file.matrix(f"blk.{i}.ffn_down.weight")) for i in range(s.layers)]
-        self.norm = file.f32("output_norm.weight")
-        # tied embeddings: the file keeps no output matrix, the head is the embedding's
-        self.head = (file.matrix("output.weight") if "output.weight" in file.tensors
-                     else self.embed)
+        self.embed, self.layers, self.norm, self.head = weights_of(file, s)
         self.slot_tokens = slot_tokens
         kv = (s.layers, num_slots, s.kv_heads, slot_tokens, s.head_dim)
         self.keys = torch.empty(kv, dtype=torch.float16)  # a row reads only what was written
