@@ -78,7 +78,6 @@ FROM base AS runtime
 COPY --from=trusted /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
 RUN useradd --create-home --uid 10001 specdec && mkdir /models && chown specdec /models
 COPY --from=build /opt/venv /opt/venv
-COPY scripts /app/scripts
 ENV PATH=/opt/venv/bin:$PATH \
     PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
     PYTHONUNBUFFERED=1 \

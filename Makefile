@@ -28,7 +28,7 @@ $(RUN_STAMP): pyproject.toml Makefile scripts/llama_build.py shared/machine_cach
 	  > $(VENV)/llama-wheel.path 2> $(VENV)/llama-build.log & build=$$!; \
 	$(BIN)/pip install "torch==2.13.0" && $(BIN)/pip install -e ".$(RUN_EXTRAS)" \
 	  && { [ -z "$(FETCH_WHILE_BUILDING)" ] \
-	       || $(BIN)/python scripts/fetch_models.py --keep-gguf --no-convert; }; \
+	       || $(BIN)/python -m shared.models.fetch --keep-gguf --no-convert; }; \
 	status=$$?; \
 	if ! wait $$build; then tail -30 $(VENV)/llama-build.log; \
 	  echo "building llama-cpp-python failed: $(VENV)/llama-build.log"; exit 1; fi; \
@@ -126,7 +126,7 @@ lint: install
 	$(BIN)/mypy
 
 fetch-models: install
-	$(BIN)/python scripts/fetch_models.py
+	$(BIN)/python -m shared.models.fetch
 
 # scripts/demo.py fetches the two models it runs (once; then "ready"): on llama.cpp their GGUF
 # files and tokenizers only. A fresh install fetches them while llama.cpp builds.

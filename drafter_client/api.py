@@ -46,12 +46,12 @@ from drafter_client.speculative import (
 from drafter_client.transport import HttpVerifier, SpecDecError, Verifier
 from shared.engines import Backend, DrafterModel, resolve
 from shared.engines.drafter import Drafter
-from shared.models import (
+from shared.models.catalog import (
     ModelSpecError,
     load_tokenizer,
     tokenizer_fingerprint,
 )
-from shared.schema import PROTOCOL_VERSION, GenerateRequest
+from shared.protocol.schema import PROTOCOL_VERSION, GenerateRequest
 
 log = logging.getLogger(__name__)
 

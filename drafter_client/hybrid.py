@@ -45,7 +45,7 @@ from shared.engines.drafter import (
     TreeBuilder,
     common_prefix,
 )
-from shared.sampling import SamplingConfig
+from shared.protocol.sampling import SamplingConfig
 
 SCORE_TOKENS = 2  # the shortest lookup proposal scored in a block (free: no forward)
 LOOK_TOKENS = 32  # the longest lookup proposal looked at (what is sent is cut from it)

@@ -20,7 +20,7 @@ import torch
 
 from drafter_client.settings import DEFAULT_OPTIONS, DrafterOptions
 from shared.engines.drafter import Draft, Drafter
-from shared.sampling import SamplingConfig
+from shared.protocol.sampling import SamplingConfig
 
 
 class _Continuations:

@@ -6,8 +6,8 @@ nonsense is one clear error, never an IndexError or a silent wrong token."""
 from __future__ import annotations
 
 from drafter_client.transport import SpecDecError
-from shared.acceptance import Block, accepted_by_rule
-from shared.schema import InfoResponse, VerifyRequest, VerifyResponse, decode_logprobs
+from shared.protocol.acceptance import Block, accepted_by_rule
+from shared.protocol.schema import InfoResponse, VerifyRequest, VerifyResponse, decode_logprobs
 
 
 def _tree_problem(reply: VerifyResponse, req: VerifyRequest) -> str | None:
@@ -82,7 +82,8 @@ def check_reply(reply: VerifyResponse, req: VerifyRequest, greedy: bool,
 
 
 def check_verdict(reply: VerifyResponse, block: Block) -> int:
-    """The acceptance rule (``shared.acceptance``), applied here to the reply's scores, must
+    """The acceptance rule (``shared.protocol.acceptance``), applied here to the reply's scores,
+    must
     give the verifier's verdict on ``block``."""
     scores = (None if block.config.deterministic
               else decode_logprobs(reply.target_logprobs or []))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from shared.schema import SamplingParams
+    from shared.protocol.schema import SamplingParams
 
 MODEL_FREE_DRAFTERS = ("ngram", "prompt-lookup", "bigram")
 
@@ -59,7 +59,8 @@ class DrafterOptions:
 
 @dataclass(frozen=True)
 class Sampling:
-    """A generation's sampling and length (the verifier checks them again: shared/schema.py)."""
+    """A generation's sampling and length (the verifier checks them again:
+    shared/protocol/schema.py)."""
 
     max_new_tokens: int = 128
     temperature: float = 0.0  # 0: greedy
@@ -72,7 +73,7 @@ class Sampling:
 
     def params(self) -> SamplingParams:
         """The wire form both sides process logits by (``reproducible``: its coupling seed)."""
-        from shared.schema import SamplingParams
+        from shared.protocol.schema import SamplingParams
 
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                               coupling_seed=self.seed if self.reproducible else None)

@@ -13,8 +13,8 @@ from pydantic import BaseModel, ValidationError
 
 from drafter_client.errors import SpecDecError, checked_url
 from drafter_client.settings import DEFAULTS
-from shared.auth import bearer_header
-from shared.schema import (
+from shared.http.auth import bearer_header
+from shared.protocol.schema import (
     SESSION_HEADER,
     CreateSessionRequest,
     CreateSessionResponse,

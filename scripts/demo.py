@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from drafter_client import GenerationResult, SpecDecClient  # noqa: E402
 from drafter_client.apps.output import TextStream  # noqa: E402
 from drafter_client.settings import DEFAULTS  # noqa: E402
-from scripts.bench.common import fetch_offline_models  # noqa: E402
-from scripts.harness.process import VerifierProcess  # noqa: E402
 from shared.engines import resolve  # noqa: E402
+from shared.models.fetch import fetch_offline_models  # noqa: E402
+from verifier_service.launch import VerifierProcess  # noqa: E402
 
 SNIPPET = '''def load_scores(path):
     scores = {}

@@ -11,9 +11,9 @@ import torch
 
 from drafter_client.api import SpecDecClient
 from drafter_client.gateway import GatewaySettings, create_gateway
-from scripts.harness.servers import ThreadedServer
-from scripts.harness.tiny_models import build_tiny_set
 from tests.support.live_server import LiveServer, fp32_settings
+from tests.support.servers import ThreadedServer
+from tests.support.tiny_models import build_tiny_set
 
 # One intra-op thread per test process, and per server it starts: pytest-xdist runs a worker on
 # every core, and two OpenMP teams per core spin against each other while the tiny models gain

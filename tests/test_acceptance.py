@@ -1,4 +1,5 @@
-"""The batched device acceptance (shared/acceptance/batched.py) gives the host path's results
+"""The batched device acceptance (shared/protocol/acceptance/batched.py) gives the host path's
+results
 bit for bit: the same accepted counts, next tokens, log p_i(x_i) and rows, for every mix of
 greedy and sampled jobs, one-hot and model drafts, top-k / top-p, in one batch."""
 
@@ -9,10 +10,10 @@ import random
 import pytest
 import torch
 
-from shared.acceptance.batched import decide
-from shared.acceptance.rule import Block, verify_block
-from shared.logits import process_rows
-from shared.sampling import SamplingConfig, process_logits
+from shared.protocol.acceptance.batched import decide
+from shared.protocol.acceptance.rule import Block, verify_block
+from shared.protocol.logits import process_rows
+from shared.protocol.sampling import SamplingConfig, process_logits
 
 VOCAB = 50
 

@@ -12,7 +12,7 @@ import torch
 from shared.engines.target import ForwardItem
 from shared.engines.transformers.kv_pool import PADDED_MAX_LENGTH
 from shared.engines.transformers.target import CausalEngine
-from shared.models import load_causal_lm, load_tokenizer
+from shared.models.catalog import load_causal_lm, load_tokenizer
 
 
 @pytest.fixture(scope="module", params=["gpt2-target", "llama-target"])

@@ -11,7 +11,7 @@ import pytest
 
 from scripts.bench.__main__ import build_parser, main
 from scripts.bench.serving import report
-from scripts.harness.tiny_gguf import save_quantized_gguf
+from tests.support.tiny_gguf import save_quantized_gguf
 
 
 def args_of(*argv: str) -> object:

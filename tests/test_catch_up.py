@@ -21,7 +21,7 @@ from drafter_client.draft_length import (
 )
 from drafter_client.hybrid import HybridDrafter
 from shared.engines.drafter import FED_EVERY_BLOCK, MEASURED_FEED, LMDrafter
-from shared.sampling import SamplingConfig
+from shared.protocol.sampling import SamplingConfig
 
 STEP = {0: 0.10, 1: 0.13, 2: 0.14, 3: 0.145, 4: 0.15}  # seconds per verify call by k
 

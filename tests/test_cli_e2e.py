@@ -11,8 +11,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from scripts.harness.process import VerifierProcess, free_port
-from scripts.harness.tiny_models import hf_greedy
+from tests.support.tiny_models import hf_greedy
+from verifier_service.launch import VerifierProcess, free_port
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from drafter_client import SpecDecClient, SpecDecError
-from shared.models import load_tokenizer, tokenizer_fingerprint
+from shared.models.catalog import load_tokenizer, tokenizer_fingerprint
 from tests.support.live_server import LiveServer
 
 BIN = Path(sys.executable).parent

@@ -30,10 +30,10 @@ import yaml
 from drafter_client.api import SpecDecClient
 from drafter_client.settings import ClientSettings
 from drafter_client.speculative import GenerationResult
-from scripts.harness.process import free_port
-from scripts.harness.tiny_gguf import save_quantized_gguf
 from tests.support.containers import HealthTrigger, Podman, missing_tools
 from tests.support.live_server import LiveServer
+from tests.support.tiny_gguf import save_quantized_gguf
+from verifier_service.launch import free_port
 from verifier_service.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from drafter_client.api import SpecDecClient
-from scripts.harness.tiny_models import hf_greedy
 from shared.engines.transformers.models import attention_devices, parse_device_map
 from shared.engines.transformers.target import CausalEngine
 from tests.support.live_server import LiveServer, fp32_settings
+from tests.support.tiny_models import hf_greedy
 from verifier_service.settings import load_engine
 
 DISK_MAPS = {

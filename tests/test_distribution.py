@@ -29,12 +29,12 @@ import pytest
 import torch
 
 import drafter_client.speculative as speculative
-import shared.acceptance.batched as acceptance
-import shared.acceptance.rule as rule
-import shared.sampling as sampling
+import shared.protocol.acceptance.batched as acceptance
+import shared.protocol.acceptance.rule as rule
+import shared.protocol.sampling as sampling
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
-from shared.models import load_causal_lm
+from shared.models.catalog import load_causal_lm
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.statistics import (
@@ -196,7 +196,7 @@ def test_negative_control_fresh_resample_for_one_hot_drafts(
 
 @pytest.fixture(scope="module")
 def peaky_gguf(tiny_models: dict[str, Path]) -> Path:
-    from scripts.harness.tiny_gguf import save_tiny_gguf
+    from tests.support.tiny_gguf import save_tiny_gguf
 
     return save_tiny_gguf(tiny_models["peaky-drafter"])
 
@@ -241,7 +241,8 @@ def test_distribution_holds_with_concurrent_clients(server: LiveServer,
 
 
 # Token trees (one-hot candidates, several per position) and hybrid drafting. The tree's
-# children are tested one after another without replacement (shared/sampling.py); the naive rule
+# children are tested one after another without replacement (shared/protocol/sampling.py); the
+# naive rule
 # - every child tested against the untouched p - must fail the same test. Trees, the hybrid and
 # drafting ahead are the model drafters' common code (``LMDrafter``): these draw with the
 # drafter on llama.cpp (the same weights as a float32 GGUF; its forwards cost half of

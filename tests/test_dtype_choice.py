@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from drafter_client import SpecDecClient
-from scripts.harness.tiny_models import build_model, build_tokenizer
 from shared.engines.transformers.dtype_choice import (
     block_ms,
     cache_path,
     load_fastest,
     load_lm_auto,
 )
-from shared.models import load_causal_lm
-from shared.schema import InfoResponse
+from shared.models.catalog import load_causal_lm
+from shared.protocol.schema import InfoResponse
 from tests.support.live_server import LiveServer
+from tests.support.tiny_models import build_model, build_tokenizer
 from verifier_service.settings import Settings
 
 CPU = torch.device("cpu")

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from scripts.harness.tiny_gguf import save_quantized_gguf
 from shared.engines.choice import (
     Workload,
     choose,
@@ -15,7 +14,8 @@ from shared.engines.choice import (
     recorded_costs,
     rows_ms,
 )
-from shared.models import offline_gguf_path, offline_model_dir
+from shared.models.catalog import offline_gguf_path, offline_model_dir
+from tests.support.tiny_gguf import save_quantized_gguf
 from verifier_service.settings import Settings, load_engine
 
 # Shaped like docs/benchmarks/cpu_blocks_1204.json: llama.cpp's exact step is cheaper, its

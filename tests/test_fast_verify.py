@@ -11,8 +11,8 @@ import httpx
 import orjson
 import pytest
 
-from scripts.harness.servers import ThreadedServer
 from tests.support.live_server import fp32_settings
+from tests.support.servers import ThreadedServer
 from verifier_service import fast_verify
 from verifier_service.app import create_app, server_options
 from verifier_service.fast_verify import VERIFY_PATH

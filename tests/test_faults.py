@@ -18,8 +18,8 @@ import pytest
 
 from drafter_client import SpecDecClient
 from drafter_client.transport import SpecDecError, VerifierUnavailable
-from scripts.harness.process import VerifierProcess, free_port
 from tests.support.fault_proxy import FaultProxy
+from verifier_service.launch import VerifierProcess, free_port
 
 pytestmark = pytest.mark.faults
 PROMPT = [2, 3, 4, 5]

@@ -1,4 +1,4 @@
-"""``scripts/fetch_models.py``: which GGUF files it keeps (what ``--engine auto`` then runs on a
+"""``shared/models/fetch.py``: which GGUF files it keeps (what ``--engine auto`` then runs on a
 CPU), without downloading anything: the converted folder is faked, the GGUF fetch recorded."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts import fetch_models
-from shared.models import offline_model_dir
+from shared.models import fetch as fetch_models
+from shared.models.catalog import offline_model_dir
 
 NAME = "qwen2.5-coder-1.5b"
 
@@ -61,9 +61,14 @@ def test_no_convert_keeps_the_gguf_and_only_its_tokenizer(
     """``convert=False`` (the demo on llama.cpp): the folder holds the GGUF's tokenizer and no
     weights; the llama.cpp engine's tokenizer loads from it, transformers is told to fetch
     fully, and the full fetch later converts over it."""
-    from scripts.harness.tiny_gguf import write_llama_gguf
     from shared.engines.llama_cpp.runtime import resolve_gguf
-    from shared.models import ModelSpecError, load_tokenizer, offline_gguf_path, resolve_model_spec
+    from shared.models.catalog import (
+        ModelSpecError,
+        load_tokenizer,
+        offline_gguf_path,
+        resolve_model_spec,
+    )
+    from tests.support.tiny_gguf import write_llama_gguf
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     gguf = offline_gguf_path(NAME)

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from scripts.harness.process import one_session
 from tests.support.live_server import LiveServer, fp32_settings
+from verifier_service.launch import one_session
 
 pytestmark = pytest.mark.fuzz
 KEY = "fuzz-key-0001"

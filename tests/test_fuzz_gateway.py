@@ -25,8 +25,8 @@ from schemathesis import GenerationMode
 
 from drafter_client.api import SpecDecClient
 from drafter_client.gateway import GatewaySettings, create_gateway
-from scripts.harness.servers import ThreadedServer
 from tests.support.live_server import LiveServer, fp32_settings
+from tests.support.servers import ThreadedServer
 
 pytestmark = pytest.mark.fuzz
 KEY = "gateway-fuzz-key"

@@ -18,9 +18,9 @@ import pytest
 from drafter_client.api import SpecDecClient
 from drafter_client.apps.cli import run
 from drafter_client.gateway import GatewaySettings, create_gateway
-from scripts.harness.servers import ThreadedServer
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.prometheus import scrape, wait_for_idle
+from tests.support.servers import ThreadedServer
 
 MODEL = "tiny-gpt2"
 ROOT = Path(__file__).resolve().parent.parent

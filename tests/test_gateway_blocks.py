@@ -11,8 +11,8 @@ import openai
 import orjson
 import pytest
 
-from scripts.harness.servers import ThreadedServer
 from tests.support.live_server import LiveServer
+from tests.support.servers import ThreadedServer
 
 MODEL = "tiny-gpt2"
 KINDS = {"accepted", "recovered", "bonus", "target"}

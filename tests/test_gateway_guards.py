@@ -17,8 +17,8 @@ import pytest
 from drafter_client.api import SpecDecClient
 from drafter_client.gateway import GatewaySettings, create_gateway, server_options
 from drafter_client.gateway.engine import INLINE_TOKENIZE_CHARS
-from scripts.harness.servers import ThreadedServer
 from tests.support.live_server import LiveServer
+from tests.support.servers import ThreadedServer
 from tests.support.sockets import STILL_OPEN, read_all
 
 MODEL = "tiny-gpt2"

@@ -16,8 +16,8 @@ from drafter_client.api import SpecDecClient
 from drafter_client.gateway import GatewaySettings, create_gateway
 from drafter_client.gateway.engine import Gateway
 from drafter_client.settings import ClientSettings
-from scripts.harness.servers import ThreadedServer
 from tests.support.live_server import LiveServer
+from tests.support.servers import ThreadedServer
 
 MODEL = "tiny-gpt2"
 RTT_MS = 25.0  # each verify round trip: a generation of the whole context takes seconds

@@ -18,8 +18,8 @@ import pytest
 from drafter_client.api import SpecDecClient
 from drafter_client.gateway import GatewaySettings, create_gateway
 from drafter_client.gateway.engine import WHITESPACE, visible_chars
-from scripts.harness.servers import ThreadedServer
 from tests.support.live_server import LiveServer
+from tests.support.servers import ThreadedServer
 
 MODEL = "tiny-gpt2"
 LIMIT = 256 * 1024  # bytes: the gateway's body limit in these tests

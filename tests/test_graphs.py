@@ -18,7 +18,7 @@ import torch
 from shared.engines.target import ForwardItem
 from shared.engines.transformers.graphs import L_BUCKETS
 from shared.engines.transformers.target import CausalEngine
-from shared.models import load_causal_lm, load_tokenizer
+from shared.models.catalog import load_causal_lm, load_tokenizer
 from tests.support.live_server import LiveServer, fp32_settings
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
-from scripts.harness.tiny_models import hf_greedy
+from tests.support.tiny_models import hf_greedy
 
 PROMPTS = ["the cat sat on", "def x ( y ) :", "a big red dog ran to the", "if x = 1"]
 

@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from drafter_client import SpecDecClient
-from scripts.harness.process import VerifierProcess, free_port
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.sockets import STILL_OPEN, read_all
+from verifier_service.launch import VerifierProcess, free_port
 
 K1, K2 = "hardening-key-one", "hardening-key-two"
 AUTH1, AUTH2 = {"authorization": f"Bearer {K1}"}, {"authorization": f"Bearer {K2}"}

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from drafter_client import SpecDecClient
-from shared.schema import VerifyRequest, VerifyResponse
+from shared.protocol.schema import VerifyRequest, VerifyResponse
 from tests.support.fault_proxy import FaultProxy
 from tests.support.live_server import LiveServer, fp32_settings
 

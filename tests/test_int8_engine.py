@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from drafter_client import SpecDecClient
-from scripts.harness.tiny_models import save_perturbed, save_tiny_qwen2
 from shared.engines.int8.kernels import (
     Int8Linear,
     SharedRangeLinear,
@@ -30,10 +29,11 @@ from shared.engines.int8.kernels import (
 from shared.engines.int8.model import Int8Decoder
 from shared.engines.int8.target import Int8Engine
 from shared.engines.transformers.models import eos_ids_of
-from shared.models import load_causal_lm, load_tokenizer
+from shared.models.catalog import load_causal_lm, load_tokenizer
 from tests.support.greedy import speculative_vs_alone
 from tests.support.live_server import LiveServer
 from tests.support.row_layouts import block_layouts, rows_of
+from tests.support.tiny_models import save_perturbed, save_tiny_qwen2
 from verifier_service.settings import Settings, load_engine
 
 VOCAB = 256
@@ -175,7 +175,7 @@ def test_negative_control_a_shared_range_changes_greedy_output(qwen2: dict[str, 
 
 def test_the_engine_refuses_what_it_cannot_run(tmp_path: Path,
                                                tiny_models: dict[str, Path]) -> None:
-    from shared.models import ModelSpecError
+    from shared.models.catalog import ModelSpecError
 
     with pytest.raises(ModelSpecError, match="int8 engine runs"):
         load_engine(int8_settings(tiny_models["gpt2-target"]))

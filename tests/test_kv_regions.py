@@ -18,9 +18,9 @@ from shared.engines.transformers import kv_pool
 from shared.engines.transformers.kv_pool import KVPool
 from shared.engines.transformers.kv_regions import Regions
 from shared.engines.transformers.target import CausalEngine
-from shared.models import load_causal_lm, load_tokenizer
-from shared.schema import PROTOCOL_VERSION
-from shared.transfer import Upload
+from shared.models.catalog import load_causal_lm, load_tokenizer
+from shared.protocol.schema import PROTOCOL_VERSION
+from shared.protocol.transfer import Upload
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.prometheus import scrape
 
@@ -168,7 +168,7 @@ def test_a_full_pool_evicts_an_idle_session_for_a_growing_one(
     """A pool of 128 tokens, regions of 32 to 128: four sessions open; when the first grows
     past 64 tokens the idle ones are evicted (404 on their next call), and its answers stay the
     target's greedy ones."""
-    from scripts.harness.tiny_models import hf_greedy
+    from tests.support.tiny_models import hf_greedy
 
     monkeypatch.setattr(kv_pool, "SMALLEST_REGION", 32)
     path = tiny_models["llama-target"]
@@ -256,7 +256,7 @@ def test_on_cuda_the_pool_is_sized_from_free_memory(monkeypatch: pytest.MonkeyPa
 
     from scripts.bench.gpu import SHAPES
     from shared.engines.transformers.models import DEFAULT_KV_BUDGET, kv_budget, kv_bytes_per_token
-    from shared.models import ModelSpecError
+    from shared.models.catalog import ModelSpecError
 
     config = Qwen2Config(**SHAPES["qwen1.5b"])
     gib = 2**30

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scripts.harness.tiny_gguf import save_tiny_gguf
 from shared.engines.llama_cpp import runtime as llama_runtime
 from shared.engines.llama_cpp.runtime import GGUFWeights, LlamaModel, Segment, probe_amx
+from tests.support.tiny_gguf import save_tiny_gguf
 
 IDS = [2, 3, 4, 5, 6, 7, 8, 9]
 

@@ -1,6 +1,6 @@
 """The llama.cpp engine (verifier ``--engine llama-cpp``) and drafter (``--drafter-engine
 llama-cpp``) on tiny GGUF files written from the tiny transformers Llama pairs
-(``scripts/harness/tiny_gguf.py``).
+(``tests/support/tiny_gguf.py``).
 
 The reference for greedy exactness is llama.cpp's own greedy decoding of the same file (one
 token per decode, one sequence); for sampling, the exact distribution of the first two tokens
@@ -21,12 +21,11 @@ import torch
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
 from drafter_client.transport import VerifierHTTPError
-from scripts.harness.tiny_gguf import llama_greedy, save_tiny_gguf
 from shared.engines.drafter import common_prefix
 from shared.engines.llama_cpp.drafter import LlamaCppDrafter
 from shared.engines.llama_cpp.runtime import GGUFWeights, LlamaModel, Segment
-from shared.models import load_causal_lm
-from shared.sampling import SamplingConfig
+from shared.models.catalog import load_causal_lm
+from shared.protocol.sampling import SamplingConfig
 from tests.support.in_process import CallGroup, InProcessVerifier
 from tests.support.live_server import LiveServer
 from tests.support.statistics import (
@@ -37,6 +36,7 @@ from tests.support.statistics import (
     reference_probs,
     sample_pairs,
 )
+from tests.support.tiny_gguf import llama_greedy, save_tiny_gguf
 from verifier_service.settings import Settings
 
 PROMPTS = ["the cat sat on", "def x ( y ) :", "a big red dog ran to the"]
@@ -388,7 +388,7 @@ def test_auto_picks_llama_cpp_for_a_short_name_whose_gguf_is_kept(
     (the converted folder) without it, and on CUDA."""
     from shared.engines import resolve
     from shared.engines.llama_cpp.runtime import kept_gguf, resolve_gguf
-    from shared.models import OFFLINE_MODELS
+    from shared.models.catalog import OFFLINE_MODELS
 
     monkeypatch.setenv("SPECDEC_HOME", str(tmp_path))
     name = "qwen2.5-coder-1.5b"
@@ -410,7 +410,7 @@ def test_llama_cpp_drafter_drafts_trees_for_the_transformers_verifier(
         llama_server: LiveServer, tiny_models: dict[str, Path], ggufs: dict[str, Path]) -> None:
     """Trees are the verifier engine's limit, not the drafter's: the llama.cpp drafter's token
     trees verified on the transformers engine give the target's own greedy output."""
-    from scripts.harness.tiny_models import hf_greedy
+    from tests.support.tiny_models import hf_greedy
 
     client = SpecDecClient(llama_server.url, str(ggufs["llama-drafter"]),
                            options=DrafterOptions(engine="llama-cpp", threads=1, tree_width=2,
@@ -432,7 +432,7 @@ def test_the_openai_gateway_on_both_llama_cpp_sides(server: LiveServer,
     from concurrent.futures import ThreadPoolExecutor
 
     from drafter_client.gateway import GatewaySettings, create_gateway
-    from scripts.harness.servers import ThreadedServer
+    from tests.support.servers import ThreadedServer
 
     client = SpecDecClient(server.url, str(ggufs["llama-drafter"]),
                            options=DrafterOptions(engine="llama-cpp", threads=1))

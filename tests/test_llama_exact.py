@@ -20,11 +20,11 @@ import pytest
 
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
-from scripts.harness.tiny_gguf import save_quantized_gguf
 from shared.engines.llama_cpp import runtime
 from shared.engines.llama_cpp.runtime import GGUFWeights, LlamaModel, Segment, exact_kernels
 from tests.support.greedy import speculative_vs_alone
 from tests.support.live_server import LiveServer
+from tests.support.tiny_gguf import save_quantized_gguf
 from verifier_service.settings import Settings, load_engine
 
 NEW = 24  # new tokens per check

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from drafter_client import SpecDecClient
-from scripts.harness.process import VerifierProcess
+from verifier_service.launch import VerifierProcess
 
 pytestmark = [pytest.mark.load, pytest.mark.slow]
 CLIENTS, GENERATIONS, MAX_CONTEXT = 32, 20, 128

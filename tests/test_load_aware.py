@@ -16,10 +16,10 @@ import pytest
 
 from drafter_client.draft_length import CostModelLength, Observation
 from drafter_client.transport import HttpVerifier
-from scripts.harness.tiny_gguf import save_quantized_gguf
 from shared.engines.target import ForwardItem, Step
-from shared.schema import CreateSessionRequest, StepLoad, VerifyRequest
+from shared.protocol.schema import CreateSessionRequest, StepLoad, VerifyRequest
 from tests.support.live_server import LiveServer
+from tests.support.tiny_gguf import save_quantized_gguf
 from verifier_service.scheduling.load import RowCosts
 from verifier_service.settings import Settings
 

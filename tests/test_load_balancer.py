@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from drafter_client import SpecDecClient
-from scripts.harness.process import free_port, wait_ready
-from shared.schema import REPLICA_HEADER, SESSION_HEADER
+from shared.protocol.schema import REPLICA_HEADER, SESSION_HEADER
+from verifier_service.launch import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)

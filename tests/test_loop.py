@@ -13,10 +13,10 @@ from drafter_client import SpecDecClient
 from drafter_client.policy import BlockPlan
 from drafter_client.speculative import VerifierSession, speculative_block
 from drafter_client.transport import SpecDecError
-from scripts.harness.tiny_models import hf_greedy
-from shared.schema import SamplingParams
+from shared.protocol.schema import SamplingParams
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import fp32_settings
+from tests.support.tiny_models import hf_greedy
 
 
 @pytest.fixture(scope="module")

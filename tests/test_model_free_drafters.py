@@ -23,7 +23,7 @@ from drafter_client.model_free import (
     special_ids,
 )
 from shared.engines.drafter import Drafter
-from shared.sampling import SamplingConfig
+from shared.protocol.sampling import SamplingConfig
 
 GREEDY, GEN = SamplingConfig(), torch.Generator()
 
@@ -129,7 +129,7 @@ def test_prompt_lookup_stops_before_the_prompts_control_tokens() -> None:
 
 
 def test_special_ids_are_the_tokenizers_control_tokens(tiny_models: dict[str, Any]) -> None:
-    from shared.models import load_tokenizer
+    from shared.models.catalog import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_models["gpt2-target"]))
     ids = special_ids(tokenizer)

@@ -10,9 +10,9 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.harness.servers import ThreadedServer
 from shared.engines.transformers.target import CausalEngine
 from tests.support.live_server import fp32_settings
+from tests.support.servers import ThreadedServer
 from verifier_service import cli
 from verifier_service.app import create_app, server_options
 from verifier_service.settings import load_engine

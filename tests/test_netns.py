@@ -10,8 +10,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from scripts.harness import netns
-from scripts.harness.tiny_models import hf_greedy
+from tests.support import netns
+from tests.support.tiny_models import hf_greedy
 
 WHY_NOT = netns.available()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(WHY_NOT is not None,

@@ -12,10 +12,10 @@ import pytest
 
 from drafter_client import SpecDecClient
 from drafter_client.draft_length import PLAIN_RUN, CostModelLength, Observation
-from scripts.harness.tiny_models import hf_greedy
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.statistics import chi_square_p, exact_pair_distribution, sample_pairs
+from tests.support.tiny_models import hf_greedy
 
 
 def test_k0_greedy_in_plain_runs_equals_generate(tiny_models: dict[str, Path],

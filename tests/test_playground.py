@@ -15,10 +15,10 @@ import pytest
 
 from drafter_client.api import SpecDecClient
 from drafter_client.gateway import GatewaySettings, create_gateway
-from scripts.harness.servers import ThreadedServer
-from scripts.harness.tiny_models import save_parrot
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.prometheus import scrape, wait_for_idle
+from tests.support.servers import ThreadedServer
+from tests.support.tiny_models import save_parrot
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="Playwright is not installed")
 expect = sync_api.expect

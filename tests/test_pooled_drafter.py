@@ -12,11 +12,11 @@ import torch
 
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
-from scripts.harness.tiny_models import hf_greedy
 from shared.engines.transformers.drafter import HFDrafter
 from shared.engines.transformers.pooled_drafter import DrafterContextError, PooledDrafter
-from shared.models import load_causal_lm
-from shared.sampling import SamplingConfig
+from shared.models.catalog import load_causal_lm
+from shared.protocol.sampling import SamplingConfig
+from tests.support.tiny_models import hf_greedy
 
 PROMPT = [5, 9, 14, 3, 22, 7]
 

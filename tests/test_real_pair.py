@@ -1,4 +1,4 @@
-"""The real Qwen2.5-Coder 0.5B -> 1.5B pair (`make test-real`; needs scripts/fetch_models.py).
+"""The real Qwen2.5-Coder 0.5B -> 1.5B pair (`make test-real`; needs shared/models/fetch.py).
 
 fp32 so that greedy speculative output must equal the target's own generate() token for token.
 """
@@ -10,7 +10,7 @@ import torch
 
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
-from shared.models import ModelSpecError, load_causal_lm, resolve_model_spec
+from shared.models.catalog import ModelSpecError, load_causal_lm, resolve_model_spec
 from tests.support.live_server import LiveServer
 from verifier_service.settings import Settings
 
@@ -71,8 +71,8 @@ def test_real_pair_on_llama_cpp(llama_server):  # type: ignore[no-untyped-def]
     greedy decoding exactly; speculative greedy output is compared with it and where it first
     differs is reported (llama.cpp's multi-token decodes round differently at near-ties:
     docs/benchmarks.md, the llama.cpp section)."""
-    from scripts.harness.tiny_gguf import llama_greedy
     from shared.engines.llama_cpp.runtime import resolve_gguf
+    from tests.support.tiny_gguf import llama_greedy
 
     client = SpecDecClient(llama_server.url, "qwen2.5-coder-0.5b",
                            options=DrafterOptions(engine="llama-cpp", threads=2))

@@ -10,9 +10,9 @@ import pytest
 
 from drafter_client.reply_checks import check_reply, check_verdict
 from drafter_client.transport import SpecDecError
-from shared.acceptance import Block
-from shared.sampling import SamplingConfig
-from shared.schema import PROTOCOL_VERSION, InfoResponse, VerifyRequest, VerifyResponse
+from shared.protocol.acceptance import Block
+from shared.protocol.sampling import SamplingConfig
+from shared.protocol.schema import PROTOCOL_VERSION, InfoResponse, VerifyRequest, VerifyResponse
 
 INFO = InfoResponse(protocol_version=PROTOCOL_VERSION, model="m", vocab_size=10,
                     tokenizer_fingerprint="f", eos_token_ids=[0], max_context=64,

@@ -9,7 +9,7 @@ import torch
 
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
-from shared.sampling import SamplingConfig, coupled_tokens, gumbel_noise
+from shared.protocol.sampling import SamplingConfig, coupled_tokens, gumbel_noise
 
 PROMPTS = ["the cat sat on", "def x ( y ) :", "the cat sat on the mat the cat sat on"]
 SAMPLING = [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9},

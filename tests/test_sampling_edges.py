@@ -15,9 +15,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.acceptance.rule import verify_block
-from shared.sampling import SamplingConfig, process_logits, sample_from_probs
-from shared.schema import EncodedRow, SamplingParams, encode_logprobs
+from shared.protocol.acceptance.rule import verify_block
+from shared.protocol.sampling import SamplingConfig, process_logits, sample_from_probs
+from shared.protocol.schema import EncodedRow, SamplingParams, encode_logprobs
 
 VOCAB = 12
 TEMPERATURES = [5e-324, 1e-310, 1e-300, 1e-40, 1e-8, 0.25, 0.9999999999999999, 1.0, 7.5, 100.0]

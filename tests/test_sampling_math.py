@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shared.acceptance.rule import (
+from shared.protocol.acceptance.rule import (
     accept_drafts,
     accept_greedy,
     recover_token,
@@ -15,7 +15,7 @@ from shared.acceptance.rule import (
     residual_without_token,
     verify_block,
 )
-from shared.sampling import SamplingConfig, process_logits, sample_from_probs
+from shared.protocol.sampling import SamplingConfig, process_logits, sample_from_probs
 
 NEG = float("-inf")
 T1 = SamplingConfig(temperature=1.0)

@@ -15,9 +15,9 @@ from transformers import AutoModelForSeq2SeqLM
 
 from drafter_client import SpecDecClient
 from drafter_client.transport import SpecDecError
-from scripts.harness.servers import ThreadedServer
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
+from tests.support.servers import ThreadedServer
 from tests.support.statistics import (
     accept_everything,
     chi_square_p,
@@ -195,7 +195,7 @@ def test_drafter_keeps_the_encoding_of_the_same_source(tiny_models: dict[str, Pa
     """A new sequence on the same source reuses the drafter's encoding and cross-attention (one
     encoder run), and drafts what a fresh drafter drafts; another source is encoded anew."""
     from shared.engines.transformers.drafter import HFSeq2SeqDrafter
-    from shared.sampling import SamplingConfig
+    from shared.protocol.sampling import SamplingConfig
 
     model = AutoModelForSeq2SeqLM.from_pretrained(str(tiny_models["t5-drafter"])).eval()
     encoder = model.get_encoder()

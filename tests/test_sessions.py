@@ -7,8 +7,8 @@ import torch
 
 from shared.engines.drafter import common_prefix
 from shared.engines.transformers.drafter import HFDrafter
-from shared.models import load_causal_lm
-from shared.sampling import SamplingConfig
+from shared.models.catalog import load_causal_lm
+from shared.protocol.sampling import SamplingConfig
 from verifier_service.errors import VerifierError
 from verifier_service.scheduling.sessions import Session, SessionStore
 

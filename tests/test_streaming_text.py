@@ -18,9 +18,9 @@ from drafter_client.api import SpecDecClient
 from drafter_client.apps.cli import run
 from drafter_client.gateway import GatewaySettings, create_gateway
 from drafter_client.text import TextTracker
-from scripts.harness.servers import ThreadedServer
-from scripts.harness.tiny_models import save_byte_level
 from tests.support.live_server import LiveServer, fp32_settings
+from tests.support.servers import ThreadedServer
+from tests.support.tiny_models import save_byte_level
 
 MODEL = "tiny-bytes"
 SEEDS = range(16)

@@ -14,8 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from drafter_client.api import SpecDecClient
-from scripts.harness.process import free_port, wait_ready
-from scripts.harness.tiny_models import hf_greedy
+from tests.support.tiny_models import hf_greedy
+from verifier_service.launch import free_port, wait_ready
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 pytestmark = [pytest.mark.slow,

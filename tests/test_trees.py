@@ -12,10 +12,10 @@ import torch
 
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
-from scripts.harness.tiny_models import hf_greedy
-from shared.acceptance.rule import accept_tree, tree_depths, verify_tree
 from shared.engines.drafter import Draft, TreeBuilder
-from shared.sampling import SamplingConfig
+from shared.protocol.acceptance.rule import accept_tree, tree_depths, verify_tree
+from shared.protocol.sampling import SamplingConfig
+from tests.support.tiny_models import hf_greedy
 
 PROMPTS = ["the cat sat on", "def x ( y ) :", "a big red dog ran to the", "if x = 1",
            "the cat sat on the mat the cat sat on"]

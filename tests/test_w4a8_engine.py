@@ -19,16 +19,16 @@ import pytest
 import torch
 
 from drafter_client import SpecDecClient
-from scripts.harness.tiny_gguf import save_quantized_gguf, write_llama_gguf
 from shared.engines import resolve
 from shared.engines.w4a8.build import library
 from shared.engines.w4a8.gguf_file import MappedGGUF
 from shared.engines.w4a8.model import Q4_K, Q6_K, GGUFFile, Matrix, W4A8Decoder
 from shared.engines.w4a8.target import W4A8Engine, eos_ids
-from shared.models import ModelSpecError, load_tokenizer
+from shared.models.catalog import ModelSpecError, load_tokenizer
 from tests.support.greedy import speculative_vs_alone
 from tests.support.live_server import LiveServer
 from tests.support.row_layouts import block_layouts, rows_of
+from tests.support.tiny_gguf import save_quantized_gguf, write_llama_gguf
 from verifier_service.settings import Settings, load_engine
 
 BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}

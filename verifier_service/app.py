@@ -12,10 +12,10 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from shared.connections import guarded_protocol
 from shared.engines.target import Engine
-from shared.http_metrics import RequestMetrics
-from shared.schema import REPLICA_HEADER
+from shared.http.connections import guarded_protocol
+from shared.http.metrics import RequestMetrics
+from shared.protocol.schema import REPLICA_HEADER
 from verifier_service.errors import (
     VerifierError,
     http_error_handler,

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from shared.engines.target import Engine
 from shared.engines.transformers.tensor_parallel import TensorParallel, follow, under_torchrun
-from shared.models import ModelSpecError
+from shared.models.catalog import ModelSpecError
 from verifier_service.app import create_app, server_options
 from verifier_service.settings import Settings, SettingsError, check_against_model, load_engine
 from verifier_service.state import ModelThread

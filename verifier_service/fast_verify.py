@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from shared.schema import VerifyRequest
+from shared.protocol.schema import VerifyRequest
 from verifier_service.errors import error_response, validation_problem
 from verifier_service.guards import OWNER_KEY
 from verifier_service.scheduling.generate import verify_call

@@ -1,5 +1,5 @@
 """Pure ASGI middleware that guards the verifier: API keys, the request body's size and
-deadline (``shared.body_limit``), and an answer for calls cut off by shutdown.
+deadline (``shared.http.body_limit``), and an answer for calls cut off by shutdown.
 
 They answer with the verifier's error body (``{"error": {"code", "message", "field"}}``) before
 the request reaches FastAPI, so a rejected request costs no model time and touches no session.
@@ -13,8 +13,8 @@ import hashlib
 import hmac
 from typing import Any
 
-from shared.auth import bearer_token
-from shared.body_limit import BodyLimit
+from shared.http.auth import bearer_token
+from shared.http.body_limit import BodyLimit
 from verifier_service.errors import error_response
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # probes of orchestrators and load balancers
@@ -76,7 +76,7 @@ class ApiKeyAuth:
 
 
 def verifier_body_limit(app: Any, max_bytes: int, timeout_s: float) -> BodyLimit:
-    """``shared.body_limit.BodyLimit`` answering in the verifier's error shape."""
+    """``shared.http.body_limit.BodyLimit`` answering in the verifier's error shape."""
     return BodyLimit(app, max_bytes, lambda status, code, message: error_response(
         status, code, message, "body"), timeout_s, "SPECDEC_MAX_BODY_BYTES",
         "SPECDEC_BODY_TIMEOUT_S")

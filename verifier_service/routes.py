@@ -9,8 +9,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from shared.connections import disconnected
-from shared.schema import (
+from shared.http.connections import disconnected
+from shared.protocol.schema import (
     CreateSessionRequest,
     CreateSessionResponse,
     ErrorResponse,

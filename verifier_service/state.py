@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from shared.engines.target import Engine
-from shared.schema import PROTOCOL_VERSION, InfoResponse
+from shared.protocol.schema import PROTOCOL_VERSION, InfoResponse
 from verifier_service.scheduling.jobs import JobContext
 from verifier_service.scheduling.scheduler import Scheduler
 from verifier_service.settings import Settings

@@ -4,7 +4,7 @@ Two sources, one registry per app (tests run several apps in one process):
 
 * events, observed when they happen: HTTP requests by route and status (with the error code of
   every 4xx / 5xx), request latency, per-job queue wait and time in the verifier, batch sizes and
-  forward times - :class:`Telemetry`, fed by :class:`shared.http_metrics.RequestMetrics` and by
+  forward times - :class:`Telemetry`, fed by :class:`shared.http.metrics.RequestMetrics` and by
   the scheduler;
 * state, read when Prometheus scrapes: sessions, KV slots, evictions, replays, tokens scored and
   accepted - :class:`StateCollector` over the running
@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from shared.http_metrics import LATENCY_BUCKETS, HttpMetrics
+from shared.http.metrics import LATENCY_BUCKETS, HttpMetrics
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)

@@ -226,7 +226,7 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
     """One line naming the first bad flag, or None."""
     from pydantic import ValidationError
 
-    from shared.schema import GenerateRequest, SamplingParams
+    from shared.protocol.schema import GenerateRequest, SamplingParams
 
     if "temperature" in args:
         try:

@@ -25,7 +25,7 @@ from drafter_client.settings import DEFAULTS, ClientSettings, Sampling, replaced
 from drafter_client.speculative import GenerationResult
 from drafter_client.transport import SpecDecError
 from shared.engines.drafter import LMDrafter
-from shared.schema import SamplingParams
+from shared.protocol.schema import SamplingParams
 
 COLORS = {"accepted": "\x1b[32m", "recovered": "\x1b[33m", "bonus": "\x1b[36m", "target": "",
           "dim": "\x1b[2m"}

@@ -44,9 +44,9 @@ from drafter_client.gateway.schema import (
     OpenAIError,
     parse_request,
 )
-from shared.body_limit import BodyLimit
-from shared.connections import disconnected, guarded_protocol
-from shared.http_metrics import RequestMetrics
+from shared.http.body_limit import BodyLimit
+from shared.http.connections import disconnected, guarded_protocol
+from shared.http.metrics import RequestMetrics
 
 __all__ = ["Gateway", "GatewaySettings", "create_gateway", "server_options"]
 

@@ -32,8 +32,8 @@ from drafter_client.settings import GatewaySettings
 from drafter_client.speculative import GenerationResult
 from drafter_client.text import TextTracker
 from drafter_client.transport import SpecDecError, VerifierHTTPError, VerifierUnavailable
-from shared.auth import bearer_token
-from shared.schema import SamplingParams
+from shared.http.auth import bearer_token
+from shared.protocol.schema import SamplingParams
 
 
 @dataclass

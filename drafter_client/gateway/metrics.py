@@ -1,6 +1,6 @@
 """The gateway's Prometheus metrics: the client side of the split (tokens/s, acceptance,
 per-position acceptance, round trips), next to the request counters of
-:mod:`shared.http_metrics`. Reference: docs/metrics.md."""
+:mod:`shared.http.metrics`. Reference: docs/metrics.md."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from drafter_client.metrics import GenerationMetrics
 from drafter_client.speculative import GenerationResult
-from shared.http_metrics import LATENCY_BUCKETS, HttpMetrics
+from shared.http.metrics import LATENCY_BUCKETS, HttpMetrics
 
 
 class GatewayMetrics:

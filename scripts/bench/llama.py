@@ -38,12 +38,12 @@ from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
 from scripts.bench.common import at_once, fetch_offline_models, markdown_table, write_json
 from scripts.bench.suite import workloads
-from scripts.fetch_models import fetch_gguf
-from scripts.harness.process import VerifierProcess, free_port
 from scripts.llama_build import LLAMA_CPP_PYTHON, build_tag, cmake_args, unpack_sdist
 from shared.engines.llama_cpp.runtime import amx_works, extra_buffer_types, repacked_layouts_run
 from shared.machine_cache import specdec_home
-from shared.models import OFFLINE_MODELS, load_tokenizer
+from shared.models.catalog import OFFLINE_MODELS, load_tokenizer
+from shared.models.fetch import fetch_gguf
+from verifier_service.launch import VerifierProcess, free_port
 
 WORKLOADS = ("code", "input-grounded", "english")
 

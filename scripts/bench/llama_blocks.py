@@ -19,14 +19,14 @@ import time
 from typing import Any
 
 from scripts.bench.common import markdown_table, write_json
-from scripts.fetch_models import fetch_gguf
 from shared.engines.llama_cpp.runtime import (
     GGUFWeights,
     LlamaModel,
     Segment,
     exact_kernels,
 )
-from shared.models import OFFLINE_MODELS
+from shared.models.catalog import OFFLINE_MODELS
+from shared.models.fetch import fetch_gguf
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

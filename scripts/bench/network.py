@@ -24,7 +24,7 @@ from scripts.bench.common import (
     markdown_table,
     write_json,
 )
-from scripts.harness import netns
+from tests.support import netns
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -38,8 +38,8 @@ from scripts.bench.common import (
 from shared.engines.target import ForwardItem
 from shared.engines.transformers.drafter import HFDrafter
 from shared.engines.transformers.target import CausalEngine
-from shared.models import load_causal_lm, load_tokenizer, pick_dtype
-from shared.sampling import SamplingConfig
+from shared.models.catalog import load_causal_lm, load_tokenizer, pick_dtype
+from shared.protocol.sampling import SamplingConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

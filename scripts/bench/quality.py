@@ -14,7 +14,7 @@ VNNI, 7-bit on AVX2 alone), ``int8 outliers 8`` (``--int8-outliers 8``), ``int8 
 8`` (7-bit activations forced, to compare), ``Q4_K_M`` (the GGUF file on the llama.cpp
 engine's exact kernels) and ``w4a8`` (the same file on the w4a8 engine, the default).
 
-The converted bf16 folder is the Q4_K_M file dequantized (``scripts/fetch_models.py``): its
+The converted bf16 folder is the Q4_K_M file dequantized (``shared/models/fetch.py``): its
 weights are Q4_K_M's exactly, so Q4_K_M differs from it only by llama.cpp's arithmetic and
 activation quantization, and the int8 engine requantizes those weights.
 
@@ -44,7 +44,7 @@ from shared.engines.int8.kernels import (
 )
 from shared.engines.int8.model import Int8Decoder, Rows
 from shared.engines.target import BatchForward, ForwardItem, TargetOptions
-from shared.models import load_causal_lm, load_tokenizer
+from shared.models.catalog import load_causal_lm, load_tokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

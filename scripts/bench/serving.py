@@ -63,9 +63,9 @@ from scripts.bench.llama import (
     prompt_ids,
 )
 from scripts.bench.suite import workloads
-from scripts.harness.process import VerifierProcess
 from shared.machine_cache import cpu_name
-from shared.models import OFFLINE_MODELS, load_tokenizer
+from shared.models.catalog import OFFLINE_MODELS, load_tokenizer
+from verifier_service.launch import VerifierProcess
 
 SYSTEMS = ("llama-server", "llama-server-ngram", "alone", "lookup", "default", "alone-llama",
            "lookup-llama", "alone-fast", "lookup-fast", "lookup-selfish")

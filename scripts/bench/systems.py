@@ -25,7 +25,7 @@ from drafter_client.settings import (
     Sampling,
 )
 from scripts.bench.common import assistant_defaults, hf_generate
-from shared.models import load_causal_lm, pick_device, pick_dtype
+from shared.models.catalog import load_causal_lm, pick_device, pick_dtype
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Protocol
 
-from shared.models import ModelSpecError
+from shared.models.catalog import ModelSpecError
 
 if TYPE_CHECKING:
     from shared.engines.drafter import LMDrafter

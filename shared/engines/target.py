@@ -24,10 +24,10 @@ from typing import Any, Protocol
 
 import torch
 
-from shared.acceptance.batched import decide
-from shared.acceptance.rule import Block, Verdict
 from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
-from shared.schema import StepLoad
+from shared.protocol.acceptance.batched import decide
+from shared.protocol.acceptance.rule import Block, Verdict
+from shared.protocol.schema import StepLoad
 
 VERIFY_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # drafts per block timed at start (``verify_ms``)
 

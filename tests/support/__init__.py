@@ -1,4 +1,4 @@
-"""What only the tests use (what the benchmarks share with them is in ``scripts/harness``).
+"""What only the tests use (what the benchmarks share with them is in ``tests/support/``).
 
 * :mod:`tests.support.live_server` - the verifier app served by uvicorn in a thread;
 * :mod:`tests.support.in_process` - the client's ``Verifier`` protocol on the verifier's own

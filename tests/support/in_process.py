@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from drafter_client.transport import VerifierHTTPError
 from shared.engines.target import Engine
-from shared.schema import (
+from shared.protocol.schema import (
     CreateSessionRequest,
     CreateSessionResponse,
     GenerateRequest,

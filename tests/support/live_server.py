@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from scripts.harness.servers import ThreadedServer
 from shared.engines.target import Engine
+from tests.support.servers import ThreadedServer
 from verifier_service.app import create_app, server_options
 from verifier_service.settings import Settings
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 import transformers
 
-from scripts.harness.tiny_models import build_model, build_seq2seq
 from shared.engines.transformers.drafter import HFDrafter, HFSeq2SeqDrafter
 from shared.engines.transformers.timing import plain_step_ms
-from shared.sampling import SamplingConfig
+from shared.protocol.sampling import SamplingConfig
+from tests.support.tiny_models import build_model, build_seq2seq
 
 
 def full_argmax(model: torch.nn.Module, ids: list[int], source: list[int] | None) -> int:

@@ -19,9 +19,9 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-import shared.acceptance.rule as rule
+import shared.protocol.acceptance.rule as rule
 from drafter_client import SpecDecClient
-from shared.models import load_causal_lm
+from shared.models.catalog import load_causal_lm
 from tests.support.in_process import CallGroup, InProcessVerifier
 
 PROMPT = [2, 3, 4]  # "the cat sat"
@@ -86,7 +86,8 @@ def pair_cells(first: torch.Tensor, second: torch.Tensor,
 
 def accept_everything(monkeypatch: Any) -> None:
     """A deliberately wrong acceptance rule (every draft passes the ratio test): the negative
-    control the tests must catch. The rule is written once (``shared/acceptance/rule.py``), so
+    control the tests must catch. The rule is written once
+    (``shared/protocol/acceptance/rule.py``), so
     one patch changes it in the verifier's batched path, its reference path and the client's
     re-check alike."""
     monkeypatch.setattr(rule, "ratio_test",

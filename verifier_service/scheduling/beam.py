@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from shared.engines.target import Engine, ForwardItem, Step, StepResult
-from shared.schema import GenerateRequest, GenerateResponse
+from shared.protocol.schema import GenerateRequest, GenerateResponse
 from verifier_service.errors import VerifierError
 from verifier_service.scheduling.jobs import JobContext
 from verifier_service.scheduling.scheduler import Scheduler

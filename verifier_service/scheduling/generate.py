@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.acceptance.rule import Block
 from shared.engines.target import ForwardItem, Step, StepResult
-from shared.sampling import draw_uniforms
-from shared.schema import (
+from shared.protocol.acceptance.rule import Block
+from shared.protocol.sampling import draw_uniforms
+from shared.protocol.schema import (
     CreateSessionRequest,
     CreateSessionResponse,
     GenerateRequest,

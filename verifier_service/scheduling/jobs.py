@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.engines.target import Engine, ForwardItem, Step, StepResult
-from shared.schema import (
+from shared.protocol.schema import (
     CreateSessionRequest,
     CreateSessionResponse,
     VerifyRequest,

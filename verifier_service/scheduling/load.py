@@ -11,7 +11,7 @@ and prices each forward's drafts in a :class:`StepLoad` that goes back with ever
 from __future__ import annotations
 
 from shared.engines.target import Step
-from shared.schema import StepLoad
+from shared.protocol.schema import StepLoad
 
 
 class RowCosts:

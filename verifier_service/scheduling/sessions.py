@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.sampling import SamplingConfig
+from shared.protocol.sampling import SamplingConfig
 from verifier_service.errors import VerifierError
 
 SessionKey = tuple[str | None, str]  # (owner, session id)

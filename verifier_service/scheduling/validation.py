@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.schema import PROTOCOL_VERSION, VerifyRequest
+from shared.protocol.schema import PROTOCOL_VERSION, VerifyRequest
 from verifier_service.errors import VerifierError
 from verifier_service.scheduling.sessions import Session
 

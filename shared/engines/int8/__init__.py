@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from shared.engines import register
-from shared.models import ModelSpecError
+from shared.models.catalog import ModelSpecError
 
 if TYPE_CHECKING:
     from shared.engines.target import Engine, TargetOptions
@@ -44,7 +44,7 @@ def can_serve(spec: str) -> bool:
     from pathlib import Path
 
     from shared.engines.int8.model import ARCHITECTURES
-    from shared.models import resolve_model_spec
+    from shared.models.catalog import resolve_model_spec
 
     try:
         path, gguf_file = resolve_model_spec(spec)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from shared.engines.int8.kernels import Int8Linear, rms_norm
-from shared.models import ModelSpecError
+from shared.models.catalog import ModelSpecError
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 

@@ -30,7 +30,12 @@ from shared.engines.target import (
     device_name,
 )
 from shared.engines.transformers.models import eos_ids_of
-from shared.models import ModelSpecError, load_causal_lm, load_tokenizer, tokenizer_fingerprint
+from shared.models.catalog import (
+    ModelSpecError,
+    load_causal_lm,
+    load_tokenizer,
+    tokenizer_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shared.engines import register
-from shared.models import ModelSpecError
+from shared.models.catalog import ModelSpecError
 
 if TYPE_CHECKING:
     from shared.engines.drafter import LMDrafter
@@ -39,7 +39,7 @@ class LlamaCppBackend:
 
     def claims(self, spec: str, device: str) -> bool:
         """A .gguf file, or a short name of the offline pair whose GGUF file is kept
-        (``scripts/fetch_models.py`` keeps it where llama.cpp is installed), on a CPU where
+        (``shared/models/fetch.py`` keeps it where llama.cpp is installed), on a CPU where
         llama-cpp-python is installed: llama.cpp decoded the same file 4.5-6.5x faster than
         transformers on the 2-core CPUs of docs/benchmarks.md."""
         from shared.engines.llama_cpp.runtime import is_gguf, kept_gguf, llama_available

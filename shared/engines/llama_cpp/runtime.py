@@ -30,7 +30,12 @@ from typing import Any
 import numpy as np
 
 from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
-from shared.models import OFFLINE_MODELS, ModelSpecError, offline_gguf_path, offline_model_dir
+from shared.models.catalog import (
+    OFFLINE_MODELS,
+    ModelSpecError,
+    offline_gguf_path,
+    offline_model_dir,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +77,13 @@ def kept_gguf(short_name: str) -> Path | None:
 
 def resolve_gguf(spec: str) -> tuple[str, str]:
     """``(gguf file, tokenizer spec)`` of a .gguf path or a short name of the offline pair
-    (its GGUF kept by ``scripts/fetch_models.py``; the tokenizer from its folder, converted
+    (its GGUF kept by ``shared/models/fetch.py``; the tokenizer from its folder, converted
     or tokenizer-only, when it is there, which loads faster than the GGUF's own vocabulary)."""
     if spec in OFFLINE_MODELS:
         path = offline_gguf_path(spec)
         if not path.is_file():
             raise ModelSpecError(f"the GGUF file of {spec!r} is not kept here: run "
-                                 f"`python scripts/fetch_models.py --keep-gguf` (looked for "
+                                 f"`python shared/models/fetch.py --keep-gguf` (looked for "
                                  f"{path})")
         folder = offline_model_dir(spec)
         tokenizer = (folder / "config.json").exists() or (folder / "tokenizer.json").is_file()

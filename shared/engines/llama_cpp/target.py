@@ -43,7 +43,7 @@ from shared.engines.target import (
     PoolSlots,
     SlotAllocator,
 )
-from shared.models import load_tokenizer, tokenizer_fingerprint
+from shared.models.catalog import load_tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 MAX_SLOTS = 256  # llama.cpp's LLAMA_MAX_SEQ: a context holds at most 256 sequences

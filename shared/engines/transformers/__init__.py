@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shared.engines import register
-from shared.models import ModelSpecError
+from shared.models.catalog import ModelSpecError
 
 if TYPE_CHECKING:
     from shared.engines.drafter import LMDrafter
@@ -60,7 +60,7 @@ class TransformersBackend:
                      threads: int = 0, cuda_graphs: bool = False) -> TransformersDrafterModel:
         # threads: torch's intra-op threads are the process's (SpecDecClient sets them)
         from shared.engines.transformers.dtype_choice import load_lm_auto
-        from shared.models import pick_device
+        from shared.models.catalog import pick_device
 
         # a drafter only proposes: its auto is the fastest dtype, not the exact one
         model, chosen = load_lm_auto(spec, dtype, pick_device(device), exact=False)

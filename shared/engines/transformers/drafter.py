@@ -10,7 +10,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 
 from shared.engines.drafter import LMDrafter, align_vocab
 from shared.engines.transformers.kv_cache import crop_cache, with_cache
-from shared.sampling import SamplingConfig
+from shared.protocol.sampling import SamplingConfig
 
 
 class HFDrafter(LMDrafter):

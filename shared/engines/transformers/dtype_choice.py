@@ -32,7 +32,7 @@ import torch
 
 from shared.engines.transformers.timing import plain_step_ms
 from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
-from shared.models import load_lm, pick_dtype, resolve_model_spec
+from shared.models.catalog import load_lm, pick_dtype, resolve_model_spec
 
 log = logging.getLogger("specdec.dtype")
 

@@ -40,7 +40,7 @@ from shared.engines.transformers.kv_pool import (
     chain_mask,
     key_positions,
 )
-from shared.transfer import Upload
+from shared.protocol.transfer import Upload
 
 log = logging.getLogger(__name__)
 # A capture makes CUDA calls that other captures in the process must not interleave with (the

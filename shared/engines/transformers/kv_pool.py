@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.engines.transformers.kv_regions import Regions
-from shared.transfer import Upload
+from shared.protocol.transfer import Upload
 
 ATTENTION_NAME = "specdec_ragged"
 SMALLEST_REGION = 256  # tokens: the first region of every session

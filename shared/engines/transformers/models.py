@@ -9,7 +9,7 @@ import torch
 
 from shared.engines.target import DEFAULT_KV_BUDGET, ModelInfo
 from shared.engines.transformers.kv_pool import head_layout
-from shared.models import ModelSpecError, tokenizer_fingerprint
+from shared.models.catalog import ModelSpecError, tokenizer_fingerprint
 
 
 def eos_ids_of(model: Any, tokenizer: Any) -> list[int]:

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from shared.acceptance.rule import tree_depths
 from shared.engines.target import ForwardItem
 from shared.engines.transformers.graphs import Shaped, StaticForwards
 from shared.engines.transformers.kv_pool import KVPool, RaggedBatch, Segment
-from shared.transfer import Upload
+from shared.protocol.acceptance.rule import tree_depths
+from shared.protocol.transfer import Upload
 
 
 class PoolFullError(RuntimeError):

@@ -27,7 +27,7 @@ from shared.engines.transformers.drafter import HFDrafter
 from shared.engines.transformers.graphs import StaticForwards
 from shared.engines.transformers.kv_pool import KVPool, use_ragged_attention
 from shared.engines.transformers.pooled import pooled_forward
-from shared.sampling import SamplingConfig, greedy_tokens
+from shared.protocol.sampling import SamplingConfig, greedy_tokens
 
 
 class DrafterContextError(ValueError):

@@ -33,7 +33,7 @@ from shared.engines.transformers.models import (
 from shared.engines.transformers.pooled import pooled_forward
 from shared.engines.transformers.seq2seq import Seq2SeqEngine
 from shared.engines.transformers.tensor_parallel import TensorParallel
-from shared.models import ModelSpecError, load_tokenizer, pick_device
+from shared.models.catalog import ModelSpecError, load_tokenizer, pick_device
 
 log = logging.getLogger(__name__)
 

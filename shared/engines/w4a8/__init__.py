@@ -17,7 +17,7 @@ import shutil
 from typing import TYPE_CHECKING, Any
 
 from shared.engines import register
-from shared.models import ModelSpecError
+from shared.models.catalog import ModelSpecError
 
 if TYPE_CHECKING:
     from shared.engines.target import Engine, TargetOptions

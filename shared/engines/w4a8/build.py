@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from shared.machine_cache import specdec_home
-from shared.models import ModelSpecError
+from shared.models.catalog import ModelSpecError
 
 SOURCE = Path(__file__).with_name("kernels.cpp")
 # -ffp-contract=off: no multiply-add fused unless the source writes one, so the AVX2 and

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.models import ModelSpecError
+from shared.models.catalog import ModelSpecError
 
 # type id -> (values a block, bytes a block) for the types whose size this reader knows
 BLOCKS = {0: (1, 4), 1: (1, 2), 12: (256, 144), 14: (256, 210), 8: (32, 22), 2: (32, 18),

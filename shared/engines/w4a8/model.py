@@ -25,7 +25,7 @@ import torch
 from shared.engines.int8.model import Rows
 from shared.engines.w4a8.build import library
 from shared.engines.w4a8.gguf_file import MappedGGUF, TensorInfo
-from shared.models import ModelSpecError
+from shared.models.catalog import ModelSpecError
 
 F32, F16, Q4_K, Q6_K = 0, 1, 12, 14
 QUANTIZED = {Q4_K: "Q4_K", Q6_K: "Q6_K"}

@@ -14,7 +14,7 @@ import torch
 from shared.engines.int8.target import Int8Engine
 from shared.engines.target import DEFAULT_KV_BUDGET, TargetOptions, device_name
 from shared.engines.w4a8.model import GGUFFile, W4A8Decoder
-from shared.models import ModelSpecError, load_tokenizer
+from shared.models.catalog import ModelSpecError, load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 
-from scripts.harness.process import free_port
+from verifier_service.launch import free_port
 
 S = TypeVar("S", bound="ThreadedServer")
 

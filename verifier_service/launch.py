@@ -1,6 +1,6 @@
 """A free loopback port, the one readiness poller, and a ``specdec-verifier`` subprocess.
 
-  python -m scripts.harness.process wait-ready URL [TIMEOUT_S]   # exit 0 once URL/readyz is 200
+  python -m verifier_service.launch wait-ready URL [TIMEOUT_S]   # exit 0 once URL/readyz is 200
 """
 
 from __future__ import annotations

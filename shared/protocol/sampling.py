@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.logits import process_rows
+from shared.protocol.logits import process_rows
 
 
 @dataclass(frozen=True)

@@ -120,7 +120,7 @@ def save_quantized_gguf(folder: Path, seed: int = 0, vocab_size: int = 256) -> P
     import llama_cpp
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from scripts.harness.tiny_models import build_tokenizer
+    from tests.support.tiny_models import build_tokenizer
 
     folder.mkdir(parents=True, exist_ok=True)
     quantized = folder / "model-q4_k_m.gguf"

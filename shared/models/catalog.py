@@ -2,7 +2,7 @@
 
 A model spec is one of:
   * a short name of the offline pair (``qwen2.5-coder-0.5b``, ``qwen2.5-coder-1.5b``), fetched into
-    ``$SPECDEC_HOME/models`` by ``scripts/fetch_models.py``;
+    ``$SPECDEC_HOME/models`` by ``shared/models/fetch.py``;
   * a local folder with a transformers checkpoint (config + safetensors + tokenizer);
   * a local ``.gguf`` file (dequantized to full precision on load);
   * a Hugging Face hub id (only where the hub is reachable).
@@ -79,7 +79,7 @@ def offline_gguf_path(short_name: str) -> Path:
 
 def tokenizer_only(spec: str) -> Path | None:
     """The folder of a short name of the offline pair that holds its tokenizer and no weights
-    (``scripts/fetch_models.py --no-convert``: what the llama.cpp engine needs beside the GGUF
+    (``shared/models/fetch.py --no-convert``: what the llama.cpp engine needs beside the GGUF
     file), or None."""
     if spec not in OFFLINE_MODELS:
         return None
@@ -96,12 +96,12 @@ def resolve_model_spec(spec: str) -> tuple[str, str | None]:
         if tokenizer_only(spec) is not None:
             raise ModelSpecError(
                 f"model {spec!r} was fetched for the llama.cpp engine only (its GGUF file and "
-                f"tokenizer): run `python scripts/fetch_models.py` to convert its weights for "
+                f"tokenizer): run `python shared/models/fetch.py` to convert its weights for "
                 f"transformers (into {folder})"
             )
         if not (folder / "config.json").exists():
             raise ModelSpecError(
-                f"model {spec!r} is not fetched yet: run `python scripts/fetch_models.py` "
+                f"model {spec!r} is not fetched yet: run `python shared/models/fetch.py` "
                 f"(looked in {folder}; set SPECDEC_HOME to use another cache)"
             )
         return str(folder), None

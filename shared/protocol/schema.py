@@ -19,8 +19,8 @@ if TYPE_CHECKING:  # torch loads where a tensor is made, not with the schema (th
     # its flags against these models before it loads torch)
     import torch
 
-    from shared.acceptance.rule import Block, Verdict
-    from shared.sampling import SamplingConfig
+    from shared.protocol.acceptance.rule import Block, Verdict
+    from shared.protocol.sampling import SamplingConfig
 
 PROTOCOL_VERSION = 1
 INT32_MAX = 2**31 - 1
@@ -49,7 +49,7 @@ class SamplingParams(_Strict):
         "drafter, k or timing; null: the client's uniforms decide")
 
     def to_config(self) -> SamplingConfig:
-        from shared.sampling import SamplingConfig
+        from shared.protocol.sampling import SamplingConfig
 
         return SamplingConfig(self.temperature, self.top_k, self.top_p, self.coupling_seed)
 
@@ -150,7 +150,7 @@ class VerifyRequest(_Strict):
 
     def block(self, config: SamplingConfig) -> Block:
         """The block this request carries, under its session's sampling ``config``."""
-        from shared.acceptance.rule import Block
+        from shared.protocol.acceptance.rule import Block
 
         return Block(self.draft_ids, self.draft_logprobs, self.log_uniforms, self.final_uniform,
                      config, self.position, self.tree_parents, self.return_top_ids)

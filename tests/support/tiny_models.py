@@ -24,7 +24,7 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from shared.models import load_causal_lm
+from shared.models.catalog import load_causal_lm
 
 WORDS = ["the", "cat", "dog", "sat", "on", "mat", "a", "ran", "to", "big", "red", "def",
          "return", "(", ")", ":", "x", "y", "+", "=", "1", "2", "if", "else"]

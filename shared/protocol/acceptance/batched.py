@@ -1,6 +1,7 @@
 """Acceptance on the model's device, batched: every job of a forward in one vectorised step.
 
-The host path (``shared.acceptance.rule.verify_block``, one job at a time) copies each job's k + 1
+The host path (``shared.protocol.acceptance.rule.verify_block``, one job at a time) copies each
+job's k + 1
 logits rows to the host in float32 - 4 bytes per vocabulary entry per row - and walks
 them with per-job Python. Here the rows stay where the forward left them; what comes back is a
 handful of numbers per job, in one copy:
@@ -14,7 +15,8 @@ Everything is the host path's arithmetic in the same order (float64 shift and te
 float32 top-k / top-p / log-softmax, float64 ratio test and inverse-CDF draw), so on one device
 the results are the host path's bit for bit (``tests/test_acceptance.py`` holds them to it); the
 host path stays as the reference and for what this one does not cover: coupled (reproducible)
-sampling and sampled token trees. Terms as in ``shared.sampling``: *accepted* drafts passed the
+sampling and sampled token trees. Terms as in ``shared.protocol.sampling``: *accepted* drafts
+passed the
 ratio test, the *recovered* token comes from the residual, the *bonus* token when all passed.
 """
 
@@ -24,8 +26,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from shared.acceptance import rule
-from shared.acceptance.rule import (
+from shared.protocol.acceptance import rule
+from shared.protocol.acceptance.rule import (
     Block,
     Verdict,
     chosen_tree_verdict,
@@ -33,8 +35,8 @@ from shared.acceptance.rule import (
     verify_block,
     verify_tree,
 )
-from shared.logits import process_rows
-from shared.transfer import to_device
+from shared.protocol.logits import process_rows
+from shared.protocol.transfer import to_device
 
 
 def top_ids(rows: torch.Tensor, n: int) -> list[list[int]]:
@@ -55,7 +57,8 @@ def remove_rejected(weights: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
 
 
 def sample_rows(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """``shared.sampling.sample_from_probs`` row by row: [n, vocab] weights, [n] float64 uniforms
+    """``shared.protocol.sampling.sample_from_probs`` row by row: [n, vocab] weights, [n] float64
+    uniforms
     -> [n] ids (inverse CDF; zero-weight ids are never returned)."""
     weights = weights.double().clamp_min(0.0)
     cdf = torch.cumsum(weights, dim=-1)  # [n, vocab]
@@ -72,7 +75,8 @@ def decide(rows: list[torch.Tensor], blocks: list[Block], on_device: bool = True
 
     ``on_device``: the blocks that can be are decided batched next to the rows, the rest (and
     all of them without it) on the host, one at a time, by the reference functions of
-    ``shared.acceptance.rule``. ``together``: sampled blocks decided in one step. Default: all
+    ``shared.protocol.acceptance.rule``. ``together``: sampled blocks decided in one step. Default:
+    all
     of them on an accelerator; on a CPU as many as keep the stacked rows under ``CPU_BLOCK``
     values, because there a block that stays in cache wins over one large stack."""
     verdicts: list[Verdict | None] = [None] * len(blocks)

@@ -1,9 +1,10 @@
 """The acceptance rule, written once: which drafts of a block the target accepts, and what it
 draws next. The verifier's reference path (:func:`verify_block`, :func:`verify_tree`: one block at
-a time on the host), its batched path (``shared.acceptance.batched``) and the client's check of
+a time on the host), its batched path (``shared.protocol.acceptance.batched``) and the client's
+check of
 every verdict it gets back (:func:`accepted_by_rule`) all decide through the functions here:
 :func:`ratio_test` for sampled chains, :func:`accept_greedy` for deterministic chains,
-:func:`accept_tree` for trees. Terms as in ``shared.sampling``'s glossary.
+:func:`accept_tree` for trees. Terms as in ``shared.protocol.sampling``'s glossary.
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.sampling import SamplingConfig, choose_tokens, process_logits, sample_from_probs
+from shared.protocol.sampling import (
+    SamplingConfig,
+    choose_tokens,
+    process_logits,
+    sample_from_probs,
+)
 
 
 def ratio_test(target_logprobs: torch.Tensor, draft_logprobs: torch.Tensor | None,

@@ -1,4 +1,4 @@
-"""Logit processing row by row (temperature, top-k, top-p), for ``shared.sampling`` and the
+"""Logit processing row by row (temperature, top-k, top-p), for ``shared.protocol.sampling`` and the
 verifier's batched acceptance; top-p without sorting the vocabulary."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from shared.transfer import to_device
+from shared.protocol.transfer import to_device
 
 if TYPE_CHECKING:
-    from shared.sampling import SamplingConfig
+    from shared.protocol.sampling import SamplingConfig
 
 NEG_INF = float("-inf")
 
@@ -47,7 +47,7 @@ def _keep_while_below(probs: torch.Tensor, order: torch.Tensor,
 
 def process_rows(logits: torch.Tensor, configs: list[SamplingConfig]) -> torch.Tensor:
     """Raw logits -> processed log-probs with one config per row (none greedy): temperature,
-    then top-k, then top-p; ``shared.sampling.process_logits`` for one config.
+    then top-k, then top-p; ``shared.protocol.sampling.process_logits`` for one config.
 
     logits: [R, vocab]; configs: [R]. Returns [R, vocab] float32 log-probs, -inf off support.
     A row's answer depends on that row and its config alone, so the verifier's batched

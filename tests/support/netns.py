@@ -141,7 +141,7 @@ class NetPair:
                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         url = f"http://{self.srv_ip}:{port}"
         waited = subprocess.run([*self.exec_prefix("cli"), sys.executable, "-m",
-                                 "scripts.harness.process", "wait-ready", url,
+                                 "verifier_service.launch", "wait-ready", url,
                                  str(ready_timeout_s)], cwd=ROOT, check=False)
         if waited.returncode != 0:
             stop(procs)

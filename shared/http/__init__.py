@@ -1,0 +1,2 @@
+"""HTTP plumbing both servers (the verifier and the gateway) use: API keys, body limits, the
+connection guard and request metrics."""

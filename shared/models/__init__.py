@@ -1,0 +1,2 @@
+"""Models by name: the catalogue of short names and how a spec loads (``catalog``), and fetching
+the offline pair onto this machine (``fetch``; the ``specdec-fetch`` command)."""
