@@ -15,18 +15,17 @@ if TYPE_CHECKING:
     from drafter_client.speculative import GenerationResult, speculative_generate
     from drafter_client.transport import HttpVerifier, SpecDecError
     from shared.engines.drafter import Draft, Drafter
-    from shared.engines.transformers.drafter import HFDrafter
 
 _WHERE = {
     "SpecDecClient": "drafter_client.api", "Draft": "shared.engines.drafter",
-    "Drafter": "shared.engines.drafter", "HFDrafter": "shared.engines.transformers.drafter",
+    "Drafter": "shared.engines.drafter",
     "ClientSettings": "drafter_client.settings", "DrafterOptions": "drafter_client.settings",
     "Sampling": "drafter_client.settings", "GenerationResult": "drafter_client.speculative",
     "speculative_generate": "drafter_client.speculative",
     "HttpVerifier": "drafter_client.transport", "SpecDecError": "drafter_client.transport",
 }
 
-__all__ = ["ClientSettings", "Draft", "Drafter", "DrafterOptions", "GenerationResult", "HFDrafter",
+__all__ = ["ClientSettings", "Draft", "Drafter", "DrafterOptions", "GenerationResult",
            "HttpVerifier", "Sampling", "SpecDecClient", "SpecDecError", "speculative_generate"]
 
 

@@ -175,12 +175,10 @@ class SpecDecClient:
 
     @staticmethod
     def _drafter_backend(spec: str, options: DrafterOptions, device: str) -> Backend:
-        """The engine the drafter model runs on (``options.engine``; ``auto`` keeps
-        ``cuda_graphs`` on transformers)."""
-        engine = "transformers" if options.engine == "auto" and options.cuda_graphs \
-            else options.engine
+        """The engine the drafter model runs on (``options.engine``)."""
         try:
-            return resolve(engine, spec, device, drafter=True)
+            return resolve(options.engine, spec, device, drafter=True,
+                           cuda_graphs=options.cuda_graphs)
         except ModelSpecError as exc:
             raise SpecDecError(f"drafter engine: {exc}") from exc
 

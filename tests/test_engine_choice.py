@@ -9,8 +9,8 @@ import pytest
 
 from shared.engines.choice import (
     Workload,
-    choose,
     ms_per_token,
+    price,
     recorded_costs,
     rows_ms,
 )
@@ -32,21 +32,21 @@ def test_rows_are_priced_between_and_past_the_measured_blocks() -> None:
 
 def test_nothing_to_draft_alone_takes_the_cheaper_step() -> None:
     assert ms_per_token(LLAMA, Workload()) == (80.0, 0)
-    assert choose(["llama-cpp", "int8"], {"llama-cpp": LLAMA, "int8": INT8},
+    assert price(["llama-cpp", "int8"], {"llama-cpp": LLAMA, "int8": INT8},
                   Workload()).engine == "llama-cpp"
 
 
 def test_many_sessions_or_good_drafts_take_the_cheaper_rows() -> None:
     both = {"llama-cpp": LLAMA, "int8": INT8}
-    eight = choose(["llama-cpp", "int8"], both, Workload(sessions=8))
+    eight = price(["llama-cpp", "int8"], both, Workload(sessions=8))
     assert eight.engine == "int8"  # 8 rows: 204 / 8 = 25.5 ms a token against 443 / 8
     assert "int8 25.5 ms a token at k=0" in eight.why
-    drafts = choose(["llama-cpp", "int8"], both, Workload(acceptance=0.8))
+    drafts = price(["llama-cpp", "int8"], both, Workload(acceptance=0.8))
     assert drafts.engine == "int8" and ms_per_token(INT8, Workload(acceptance=0.8))[1] >= 3
 
 
 def test_an_engine_not_measured_yet_leaves_the_first() -> None:
-    choice = choose(["llama-cpp", "int8"], {"llama-cpp": LLAMA}, Workload(sessions=8))
+    choice = price(["llama-cpp", "int8"], {"llama-cpp": LLAMA}, Workload(sessions=8))
     assert choice.engine == "llama-cpp" and "int8 not measured here yet" in choice.why
 
 

@@ -29,7 +29,7 @@ def fetched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
 @pytest.mark.parametrize("installed", [True, False])
 def test_the_gguf_is_kept_where_llama_cpp_is_installed(
         fetched: list[str], monkeypatch: pytest.MonkeyPatch, installed: bool) -> None:
-    monkeypatch.setattr(fetch_models, "llama_available", lambda: installed)
+    monkeypatch.setattr(fetch_models, "runs_gguf", lambda: installed)
     assert fetch_models.fetch(NAME) == offline_model_dir(NAME)
     assert fetched == ([NAME] if installed else [])
 
@@ -42,7 +42,7 @@ def test_the_gguf_is_kept_where_llama_cpp_is_installed(
 def test_the_flags_decide_over_the_default(fetched: list[str], monkeypatch: pytest.MonkeyPatch,
                                            flag: str | None, installed: bool,
                                            kept: bool) -> None:
-    monkeypatch.setattr(fetch_models, "llama_available", lambda: installed)
+    monkeypatch.setattr(fetch_models, "runs_gguf", lambda: installed)
     argv = ["fetch_models.py", "--models", NAME, *([flag] if flag else [])]
     monkeypatch.setattr(sys, "argv", argv)
     fetch_models.main()
@@ -83,7 +83,7 @@ def test_no_convert_keeps_the_gguf_and_only_its_tokenizer(
     assert converted == []
     assert resolve_gguf(NAME) == (str(gguf), NAME)
     assert load_tokenizer(NAME).get_vocab() == load_tokenizer(str(gguf)).get_vocab()
-    with pytest.raises(ModelSpecError, match="fetched for the llama.cpp engine only"):
+    with pytest.raises(ModelSpecError, match="fetched as its GGUF file and tokenizer only"):
         resolve_model_spec(NAME)
     fetch_models.fetch(NAME, keep_gguf=True)  # the full fetch converts
     assert converted == [NAME]

@@ -4,6 +4,7 @@ thread that then serves every forward (verifier_service/state.py: ModelThread sa
 from __future__ import annotations
 
 import threading
+import types
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,8 @@ def test_cli_loads_the_target_on_the_thread_it_serves_from(
     loaded_on: list[int] = []
     served: list[ModelThread] = []
 
-    class Loaded:
-        pass
+    class Loaded:  # served through its engine's process hook (none for transformers)
+        info = types.SimpleNamespace(engine="transformers")
 
     def load(settings: Any) -> Loaded:
         loaded_on.append(threading.get_ident())

@@ -14,8 +14,9 @@ import torch
 import uvicorn
 from pydantic import ValidationError
 
+from shared.engines import preflight
+from shared.engines import serve as serve_on_engine
 from shared.engines.target import Engine
-from shared.engines.transformers.tensor_parallel import TensorParallel, follow, under_torchrun
 from shared.models.catalog import ModelSpecError
 from verifier_service.app import create_app, server_options
 from verifier_service.settings import Settings, SettingsError, check_against_model, load_engine
@@ -58,24 +59,18 @@ def main(argv: list[str] | None = None) -> None:
     settings = parse_settings(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if settings.tp_plan and not under_torchrun():
-        print("specdec-verifier: --tp-plan shards the model over a torchrun group: start it "
-              "with `torchrun --nproc-per-node N -m verifier_service.cli ...`", file=sys.stderr)
-        raise SystemExit(2)
+    try:
+        preflight(settings.engine_options())  # e.g. tensor parallel outside torchrun
+    except ModelSpecError as exc:
+        print(f"specdec-verifier: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     # Loaded before listening (a bad setting never serves a request), on the thread that will
     # run every forward (ModelThread says why one thread).
     model_thread = ModelThread()
     engine = model_thread.call(load_target, settings)
-    sharded = engine if isinstance(engine, TensorParallel) else None
-    if sharded is not None and not sharded.leader:
-        # ranks > 0: run rank 0's model operations on this shard until it stops
-        model_thread.call(follow, sharded)
-        return
-    try:
-        serve(settings, engine, model_thread)
-    finally:
-        if sharded is not None:
-            sharded.stop()
+    # the engine's process hook runs the server (tensor parallel: rank 0 serves, the others
+    # follow its model operations)
+    serve_on_engine(engine, lambda: serve(settings, engine, model_thread), model_thread.call)
 
 
 def serve(settings: Settings, engine: Engine, model_thread: ModelThread) -> None:

@@ -8,16 +8,28 @@ and a test checks that table against this class.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
+
+from shared.engines import ENGINES, backends, option_models
 
 if TYPE_CHECKING:
     from shared.engines.target import Engine, TargetOptions
 
 
-class Settings(BaseSettings):
+def _engine_help() -> str:
+    said = "; ".join(f"{b.name}: {b.summary}" for b in backends())
+    return (f"what runs the target: {said}; auto: the first of these, in this order, that "
+            "claims the model, or the one whose own options are set (e.g. --device-map), or "
+            "where two can serve it the one whose measured costs serve the expected work "
+            "fastest")
+
+
+class CommonSettings(BaseSettings):
+    """The settings every engine shares; :data:`Settings` adds each engine's own options."""
+
     model_config = SettingsConfigDict(
         env_prefix="SPECDEC_", extra="ignore", cli_prog_name="specdec-verifier",
         cli_kebab_case=True, cli_implicit_flags="dual", cli_avoid_json=True,
@@ -26,56 +38,10 @@ class Settings(BaseSettings):
 
     model: str = Field("qwen2.5-coder-1.5b", description="the target: short name of the "
                        "offline pair, local folder, .gguf file or hub id")
-    engine: Literal["auto", "transformers", "llama-cpp", "int8", "w4a8"] = Field(
-        "auto", description="what runs the target: transformers (any device), or llama.cpp "
-        "for a .gguf file or a short name whose GGUF is kept (CPU; needs the [llama] extra), "
-        "or int8: a Llama / Qwen2-family model transformers loads, its weights in int8 on the "
-        "CPU, or w4a8: a Qwen2 / Llama GGUF file's own Q4_K / Q6_K weights on the CPU, by one "
-        "batch-invariant kernel (int8 and w4a8: verify blocks much cheaper than their tokens "
-        "one by one, every row exact); auto: w4a8 on a CPU for a GGUF file it computes (or a "
-        "short name whose GGUF is kept), else llama.cpp for other GGUF files, else "
-        "transformers")
-    dtype: Literal["auto", "fastest", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="the transformers engine's dtype. auto: float32 on a CPU (in "
-        "bfloat16 a verify block rounds unlike one-token steps and greedy output may differ "
-        "from the target alone's), bfloat16 on CUDA. fastest: on a CPU the faster of float32 "
-        "and bfloat16 for this model, measured at its first load here and cached in "
-        "$SPECDEC_DTYPE_CACHE (default $SPECDEC_HOME/dtype-choices.json); bfloat16 on CUDA, "
-        "for GGUF files and encoder-decoders")
+    engine: str = Field("auto", description=_engine_help())
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    device_map: str = Field("", description="a target larger than one device: accelerate's "
-                            "placement (auto, balanced, sequential: over the GPUs, then CPU "
-                            "offload) or a JSON {module: device} map; empty: all on --device")
-    offload_folder: str = Field("", description="with --device-map: where modules placed on "
-                                "\"disk\" are kept")
-    tp_plan: str = Field("", description="tensor parallel: \"auto\" shards the target over "
-                         "the ranks of a torchrun group (rank 0 serves); empty: off")
     threads: int = Field(0, ge=0, description="the engine's CPU threads (torch intra-op, or "
                          "llama.cpp's); 0: torch's default, or every core llama.cpp may use")
-    kernels: Literal["exact", "fast"] = Field(
-        "exact", description="the llama-cpp engine's kernels. exact: every row of a verify "
-        "block computed as a one-token step computes it (at most 3 rows per llama_decode, "
-        "one-row kernels; prompts alone in whole batches cut at fixed positions; one KV stream "
-        "per session), so greedy output equals the target alone's token for token at any k and "
-        "load. fast: llama.cpp's whole batches (multi-row kernels, a KV stream per session, as "
-        "llama-server -np N lays them out): cheaper blocks and batches of 4 rows and more, but "
-        "greedy output may differ from the target alone's, from run to run and with load")
-    int8_outliers: int = Field(
-        0, ge=0, le=64, description="the int8 engine: each row's this many largest values "
-        "(rounded down to a power of two) are taken out before the row's activations are "
-        "quantized, so they do not set its scale (attention and MLP down projections: "
-        "multiplied in float32; output head: quantized as a row of their own); measured: "
-        "with 8, top-token agreement with bf16 97.1% -> 98.4% (Q4_K_M: 98.1%), and forwards "
-        "cost 1.04x (one token) to 1.75x (8 sessions x 16 tokens); 0: the cheapest blocks")
-    expected_sessions: int = Field(
-        1, ge=1, description="--engine auto, where llama.cpp and the int8 engine can both serve "
-        "the target: how many sessions you expect to draft at once; auto picks the engine "
-        "whose recorded verify costs (every start records them, in "
-        "$SPECDEC_HOME/engine-costs.json) give the fewest ms per output token for that work")
-    expected_acceptance: float = Field(
-        0.0, ge=0.0, lt=1.0, description="--engine auto: the acceptance you expect of a "
-        "drafted token (0: text where nothing can be drafted; a verify block then yields one "
-        "token, and the cheaper one-token step wins)")
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")
 
@@ -94,9 +60,6 @@ class Settings(BaseSettings):
                                   "least recently used idle session is evicted; 0: on CUDA what "
                                   "kv_memory_fraction of the device leaves free after the "
                                   "model, elsewhere 65536")
-    kv_memory_fraction: float = Field(0.9, gt=0, le=1, description="with kv_budget_tokens 0 "
-                                      "on CUDA: the share of the device's memory the model, "
-                                      "its activations and the KV pool may use together")
     batching: bool = Field(True, description="batch concurrent calls into one forward pass")
     max_batch_size: int = Field(16, ge=1, description="jobs per batched forward")
     max_batch_tokens: int = Field(2048, ge=1, description="tokens per batched forward")
@@ -106,12 +69,6 @@ class Settings(BaseSettings):
     acceptance: Literal["device", "host"] = Field(
         "device", description="device: decide every verify block of a batch in one vectorised "
         "step next to the logits; host: copy each block's rows to the host (the reference)")
-    attention: Literal["auto", "padded", "per-session"] = Field(
-        "auto", description="padded: a batch's short blocks attend in one call per layer; "
-        "per-session: one call per session; auto: padded on CUDA, per-session on CPU")
-    cuda_graphs: bool = Field(False, description="short batches (blocks of up to 16 drafts) "
-                              "run in static-shape buckets replayed as CUDA graphs (on CPU: the "
-                              "same layout, eagerly); one KV slot is kept for padding")
     max_new_tokens: int = Field(1024, ge=1, description="cap for /v1/generate")
     max_prompt_tokens: int = Field(0, ge=0, description="longest prompt; 0: max_context - 1")
     replica_name: str = Field("", description="sent as X-Verifier-Replica; default host:port")
@@ -142,48 +99,59 @@ class Settings(BaseSettings):
     def key_list(self) -> list[str]:
         return [key.strip() for key in self.api_keys.split(",") if key.strip()]
 
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, engine: str) -> str:
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
+        return engine
+
     def target_options(self) -> TargetOptions:
-        """What the engine loads the target with."""
+        """What every engine loads the target with (its own options apart: engine_options)."""
         from shared.engines.target import TargetOptions
 
-        static_batch = (self.max_batch_size if self.batching else 1) if self.cuda_graphs else 0
         return TargetOptions(
-            model=self.model, dtype=self.dtype, device=self.device, max_context=self.max_context,
+            model=self.model, device=self.device, max_context=self.max_context,
             kv_budget_tokens=self.kv_budget_tokens, threads=self.threads,
             acceptance=self.acceptance, max_batch_tokens=self.max_batch_tokens,
-            kernels=self.kernels, int8_outliers=self.int8_outliers, device_map=self.device_map,
-            offload_folder=self.offload_folder,
-            tp_plan=self.tp_plan, static_batch=static_batch,
-            static_length=self.max_draft_tokens + 1, attention=self.attention,
-            kv_memory_fraction=self.kv_memory_fraction)
+            max_batch_size=self.max_batch_size if self.batching else 1,
+            max_draft_tokens=self.max_draft_tokens)
 
-    def engine_name(self) -> str:
-        """``engine``, with ``auto`` kept to transformers where only it can place the model
-        (``device_map``, ``tp_plan``, ``cuda_graphs``)."""
-        placed = bool(self.device_map or self.tp_plan or self.cuda_graphs)
-        return "transformers" if self.engine == "auto" and placed else self.engine
+    def engine_options(self) -> dict[str, Any]:
+        """Each engine's own options (and auto's), from these settings' fields."""
+        return {owner: model(**{name: getattr(self, name) for name in model.model_fields})
+                for owner, model in option_models().items()}
 
     @model_validator(mode="after")
-    def _consistent(self) -> Settings:
+    def _consistent(self) -> CommonSettings:
+        from shared.engines import check
+
         if self.max_context and self.max_prompt_tokens >= self.max_context:
             raise ValueError(f"max_prompt_tokens {self.max_prompt_tokens} must be below "
                              f"max_context {self.max_context} (the prompt and at least one "
                              "new token share one KV slot)")
-        if self.engine in ("llama-cpp", "int8", "w4a8"):
-            for name in ("device_map", "tp_plan"):
-                if getattr(self, name):
-                    raise ValueError(f"{name} places a transformers target; the "
-                                     f"{self.engine} engine runs on the CPU")
-            if self.cuda_graphs:
-                raise ValueError("cuda_graphs is for the transformers engine on CUDA; the "
-                                 f"{self.engine} engine runs on the CPU")
-            if self.device not in ("auto", "cpu"):
-                raise ValueError(f"device {self.device!r}: the {self.engine} engine runs on "
-                                 "the CPU")
-        if self.tp_plan and self.device_map:
-            raise ValueError("tp_plan and device_map are two ways to place one model: choose "
-                             "one")
+        check(self.engine, self.target_options(), self.engine_options())
         return self
+
+
+def _with_engine_options() -> type[CommonSettings]:
+    """The verifier's settings: the common fields, then each engine's options (their flags and
+    ``SPECDEC_*`` variables come from the engines' own models)."""
+    fields: dict[str, Any] = {}
+    for owner, model in option_models().items():
+        for name, info in model.model_fields.items():
+            if name in fields or name in CommonSettings.model_fields:
+                raise AssertionError(f"the {owner} engine's option {name} is taken")
+            fields[name] = (info.annotation, info)
+    return create_model("Settings", __base__=CommonSettings, __module__=__name__,
+                        __doc__="The verifier's settings: every option, each written once.",
+                        **fields)
+
+
+if TYPE_CHECKING:
+    Settings = CommonSettings  # what the verifier reads; engines read their own options
+else:
+    Settings = _with_engine_options()
 
 
 class SettingsError(ValueError):
@@ -194,31 +162,15 @@ class SettingsError(ValueError):
         self.field = field
 
 
-def load_engine(settings: Settings) -> Engine:
+def load_engine(settings: CommonSettings) -> Engine:
     """The target of ``settings``, on the engine they resolve to (``shared/engines``), loaded,
-    warmed up and ready to serve; its verify costs are kept for ``--engine auto``'s choice."""
-    from dataclasses import replace
+    warmed up and ready to serve."""
+    from shared.engines import load_target
 
-    from shared.engines import backend, resolve
-    from shared.engines.choice import Workload, choose, record_costs, recorded_costs
-    from shared.engines.int8 import can_serve
-
-    name, why = settings.engine_name(), ""
-    if name == "auto":
-        name = resolve("auto", settings.model, settings.device).name
-        if name == "llama-cpp" and can_serve(settings.model):
-            choice = choose(["llama-cpp", "int8"],
-                            recorded_costs(settings.model, settings.threads),
-                            Workload(settings.expected_sessions, settings.expected_acceptance))
-            name, why = choice.engine, choice.why
-    engine = backend(name).load_target(settings.target_options())
-    if name in ("llama-cpp", "int8", "w4a8"):
-        record_costs(settings.model, settings.threads, name, engine.info.verify_ms)
-    engine.info = replace(engine.info, engine=name, engine_choice=why)
-    return engine
+    return load_target(settings.engine, settings.target_options(), settings.engine_options())
 
 
-def check_against_model(settings: Settings, max_context: int, model_limit: int) -> None:
+def check_against_model(settings: CommonSettings, max_context: int, model_limit: int) -> None:
     """Refuse settings the loaded model cannot honour (``max_context``: the effective one)."""
     if settings.max_prompt_tokens and settings.max_prompt_tokens >= max_context:
         raise SettingsError("max_prompt_tokens", f"{settings.max_prompt_tokens} must be below "

@@ -14,8 +14,6 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-# Only light imports here: the parser, --help and the flag checks run before torch and
-# transformers load (they take seconds); each command imports what it runs.
 from drafter_client.settings import (
     DEFAULTS,
     ClientSettings,
@@ -23,6 +21,10 @@ from drafter_client.settings import (
     GatewaySettings,
     Sampling,
 )
+
+# Only light imports here: the parser, --help and the flag checks run before torch and
+# transformers load (they take seconds); each command imports what it runs.
+from shared.engines import DRAFTING_ENGINES
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -115,12 +117,10 @@ def _drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=DEFAULTS.dtype,
                    choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default=DEFAULTS.device, help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--drafter-engine", default=OPTIONS.engine,
-                   choices=["auto", "transformers", "llama-cpp"],
-                   help="what runs a model drafter: transformers, or llama.cpp for a .gguf "
-                   "file or a short name whose GGUF is kept (the [llama] extra); auto: "
-                   "llama.cpp on a CPU where it is installed, for a .gguf file or a short "
-                   "name whose GGUF is kept")
+    p.add_argument("--drafter-engine", default=OPTIONS.engine, choices=DRAFTING_ENGINES,
+                   help="what runs a model drafter (shared/engines); auto: the first engine "
+                   "that claims the model (on a CPU with the [llama] extra, llama.cpp for a "
+                   ".gguf file or a short name whose GGUF is kept; else transformers)")
     p.add_argument("--threads", type=int, default=OPTIONS.threads,
                    help="CPU threads of the drafter (torch's, or llama.cpp's); 0: the default")
 

@@ -21,9 +21,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import BaseModel, Field
+
 from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
 
 MAX_K = 16
+
+
+class AutoOptions(BaseModel):
+    """``--engine auto``'s own settings: the work it prices the candidates for."""
+
+    expected_sessions: int = Field(
+        1, ge=1, description="--engine auto, where two engines can serve the target (llama.cpp "
+        "on its GGUF file and int8 on its converted folder): how many sessions you expect to "
+        "draft at once; auto picks the engine whose recorded verify costs (every start records "
+        "them, in $SPECDEC_HOME/engine-costs.json) give the fewest ms per output token for "
+        "that work")
+    expected_acceptance: float = Field(
+        0.0, ge=0.0, lt=1.0, description="--engine auto: the acceptance you expect of a "
+        "drafted token (0: text where nothing can be drafted; a verify block then yields one "
+        "token, and the cheaper one-token step wins)")
 
 
 @dataclass(frozen=True)
@@ -94,7 +111,7 @@ class Choice:
     why: str
 
 
-def choose(candidates: list[str], costs: dict[str, list[tuple[int, float]]],
+def price(candidates: list[str], costs: dict[str, list[tuple[int, float]]],
            work: Workload) -> Choice:
     """The candidate with the fewest ms per output token for ``work``; the first candidate
     where any has no costs recorded."""

@@ -67,27 +67,19 @@ DEFAULT_KV_BUDGET = 65536  # tokens, where the cache is not sized from free devi
 
 @dataclass(frozen=True)
 class TargetOptions:
-    """How to load a target, whatever the engine (each reads what applies to it; the
-    verifier's ``Settings.target_options`` fills it)."""
+    """How to load a target: the settings every engine reads (the verifier's
+    ``Settings.target_options`` fills it), and the chosen engine's own options."""
 
     model: str  # short name, folder, .gguf file or hub id
-    dtype: str = "auto"
     device: str = "auto"
     max_context: int = 0  # tokens a session may hold; 0: the model's own limit
-    kv_budget_tokens: int = 32768  # 0: sized from the device's free memory (CUDA)
-    threads: int = 0  # llama.cpp's threads; 0: every core this process may use
+    kv_budget_tokens: int = 32768  # 0: the engine's default (sized from free memory on CUDA)
+    threads: int = 0  # the engine's CPU threads; 0: every core this process may use
     acceptance: str = "device"  # "device": batched next to the rows; "host": the reference
-    max_batch_tokens: int = 2048
-    kernels: str = "exact"  # llama.cpp: "exact" or "fast" (Settings.kernels)
-    int8_outliers: int = 0  # the int8 engine: a row's values kept out of its quantization
-    # transformers only
-    device_map: str = ""
-    offload_folder: str = ""
-    tp_plan: str = ""
-    static_batch: int = 0  # > 0: batches of up to this many jobs through static shapes
-    static_length: int = 17  # the longest segment a static-shape bucket holds
-    attention: str = "auto"
-    kv_memory_fraction: float = 0.9
+    max_batch_tokens: int = 2048  # tokens per batched forward
+    max_batch_size: int = 16  # jobs per batched forward (1 without batching)
+    max_draft_tokens: int = 16  # the longest block a verify call may send
+    engine_options: Any = None  # the engine's own options model (``Backend.options``)
 
 
 @dataclass(frozen=True)

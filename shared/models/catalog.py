@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from shared.machine_cache import specdec_home
+from shared.models import ModelSpecError
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -64,10 +65,6 @@ OFFLINE_MODELS: dict[str, OfflineModel] = {
 _LOAD_LOCK = threading.RLock()
 
 
-class ModelSpecError(ValueError):
-    """The model spec names nothing that can be loaded here."""
-
-
 def offline_model_dir(short_name: str) -> Path:
     return specdec_home() / "models" / short_name
 
@@ -95,9 +92,8 @@ def resolve_model_spec(spec: str) -> tuple[str, str | None]:
         folder = offline_model_dir(spec)
         if tokenizer_only(spec) is not None:
             raise ModelSpecError(
-                f"model {spec!r} was fetched for the llama.cpp engine only (its GGUF file and "
-                f"tokenizer): run `python shared/models/fetch.py` to convert its weights for "
-                f"transformers (into {folder})"
+                f"model {spec!r} was fetched as its GGUF file and tokenizer only: run "
+                f"`specdec-fetch --models {spec}` to convert its weights (into {folder})"
             )
         if not (folder / "config.json").exists():
             raise ModelSpecError(

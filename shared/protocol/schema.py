@@ -81,7 +81,7 @@ class InfoResponse(_Strict):
     # How the target computes a block's rows: "exact" (as one-token steps: greedy speculation
     # equals the target alone's), "fast" (llama.cpp's multi-row kernels), or "inexact: <why>".
     kernels: str | None = None
-    # The engine that runs the target (transformers, llama-cpp, int8) and, under --engine
+    # The engine that runs the target (its name in shared/engines) and, under --engine
     # auto, why it was chosen.
     engine: str | None = None
     engine_choice: str | None = None

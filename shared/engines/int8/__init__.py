@@ -7,34 +7,47 @@ transformers or llama.cpp."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from shared.engines import register
+from pydantic import BaseModel, Field
+
+from shared.engines import Backend, register
 from shared.models.catalog import ModelSpecError
 
 if TYPE_CHECKING:
     from shared.engines.target import Engine, TargetOptions
 
 
-class Int8Backend:
+class Int8Options(BaseModel):
+    int8_outliers: int = Field(
+        0, ge=0, le=64, description="the int8 engine: each row's this many largest values "
+        "(rounded down to a power of two) are taken out before the row's activations are "
+        "quantized, so they do not set its scale (attention and MLP down projections: "
+        "multiplied in float32; output head: quantized as a row of their own); measured: "
+        "with 8, top-token agreement with bf16 97.1% -> 98.4% (Q4_K_M: 98.1%), and forwards "
+        "cost 1.04x (one token) to 1.75x (8 sessions x 16 tokens); 0: the cheapest blocks")
+
+
+class Int8Backend(Backend):
     name = "int8"
-    drafts = False
+    summary = ("a Llama / Qwen2-family model transformers loads, its weights in int8 on the "
+               "CPU (verify blocks much cheaper than their tokens one by one, every row exact)")
+    options = Int8Options
+    cpu_only = True
 
-    def claims(self, spec: str, device: str) -> bool:
-        return False  # chosen by name (--engine int8), never by auto's order
+    # never claims a model by auto's order: chosen by name, or priced against llama.cpp
 
-    def tokenizer_spec(self, spec: str) -> str:
-        return spec
+    def challenges(self, claimant: str, spec: str) -> bool:
+        """Where llama.cpp claims a short name whose converted folder this engine computes."""
+        return claimant == "llama-cpp" and can_serve(spec)
 
-    def load_target(self, options: TargetOptions) -> Engine:
+    def placement(self, options: Int8Options) -> list[str]:
+        return ["int8_outliers"] if options.int8_outliers else []
+
+    def load_target(self, target: TargetOptions) -> Engine:
         from shared.engines.int8.target import load_int8_engine
 
-        return load_int8_engine(options)
-
-    def load_drafter(self, spec: str, dtype: str = "auto", device: str = "auto",
-                     threads: int = 0, cuda_graphs: bool = False) -> Any:
-        raise ModelSpecError("the int8 engine serves targets; draft with the transformers or "
-                             "llama-cpp engine")
+        return load_int8_engine(target, target.engine_options or Int8Options())
 
 
 def can_serve(spec: str) -> bool:

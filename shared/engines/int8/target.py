@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from shared.engines.int8 import Int8Options
 from shared.engines.int8.kernels import activation_bits, quantized_engine
 from shared.engines.int8.model import Int8Decoder, Rows
 from shared.engines.target import (
@@ -31,7 +32,6 @@ from shared.engines.target import (
 )
 from shared.engines.transformers.models import eos_ids_of
 from shared.models.catalog import (
-    ModelSpecError,
     load_causal_lm,
     load_tokenizer,
     tokenizer_fingerprint,
@@ -120,12 +120,10 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def load_int8_engine(o: TargetOptions) -> Int8Engine:
+def load_int8_engine(o: TargetOptions, own: Int8Options) -> Int8Engine:
     """The target of ``o`` in int8: loaded through transformers (a folder, a short name of the
     offline pair once converted, a hub id), its linear layers quantized; slots of
     ``max_context`` tokens (0: the model's limit), as many as ``kv_budget_tokens`` holds."""
-    if o.device not in ("auto", "cpu"):
-        raise ModelSpecError(f"device {o.device!r}: the int8 engine runs on the CPU")
     started = time.perf_counter()
     quantized = quantized_engine()
     if o.threads:
@@ -135,18 +133,18 @@ def load_int8_engine(o: TargetOptions) -> Int8Engine:
     budget = o.kv_budget_tokens or DEFAULT_KV_BUDGET
     context = min(o.max_context or limit, limit, budget)
     num_slots = max(1, budget // context)
-    decoder = Int8Decoder(model, num_slots, context, outliers=o.int8_outliers)
+    decoder = Int8Decoder(model, num_slots, context, outliers=own.int8_outliers)
     tokenizer = load_tokenizer(o.model)
     engine = Int8Engine(decoder, tokenizer, eos_ids_of(model, tokenizer), o.model, num_slots,
                         o.acceptance)
     del model
     release_freed_memory()  # the checkpoint's bfloat16 weights, gone now: 3.5 GB for a 1.5B
     key = (f"int8|{o.model}|{quantized}|{device_name('cpu')}|threads={torch.get_num_threads()}"
-           f"|torch={torch.__version__}|context={context}|outliers={o.int8_outliers}")
+           f"|torch={torch.__version__}|context={context}|outliers={own.int8_outliers}")
     engine.warm_up_and_time(key)
     log.info("loaded target %s in int8 (%s, %d-bit activations, %d outliers a row, %d "
              "threads): %d slots x %d tokens (%.0f MiB of weights, %.0f MiB of KV) in %.1f s",
-             o.model, quantized, activation_bits(), o.int8_outliers, torch.get_num_threads(),
+             o.model, quantized, activation_bits(), own.int8_outliers, torch.get_num_threads(),
              num_slots, context, decoder.weight_bytes / 2**20, decoder.nbytes / 2**20,
              time.perf_counter() - started)
     return engine

@@ -5,9 +5,11 @@ probes), ``target.py`` serves the verifier's sessions, ``drafter.py`` drafts on 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from shared.engines import register
+from pydantic import BaseModel, Field
+
+from shared.engines import Backend, register
 from shared.models.catalog import ModelSpecError
 
 if TYPE_CHECKING:
@@ -33,9 +35,23 @@ class GGUFDrafterModel:
                                name=self.spec, min_prob=min_prob, tree_width=tree_width)
 
 
-class LlamaCppBackend:
+class LlamaCppOptions(BaseModel):
+    kernels: Literal["exact", "fast"] = Field(
+        "exact", description="the llama-cpp engine's kernels. exact: every row of a verify "
+        "block computed as a one-token step computes it (at most 3 rows per llama_decode, "
+        "one-row kernels; prompts alone in whole batches cut at fixed positions; one KV stream "
+        "per session), so greedy output equals the target alone's token for token at any k and "
+        "load. fast: llama.cpp's whole batches (multi-row kernels, a KV stream per session, as "
+        "llama-server -np N lays them out): cheaper blocks and batches of 4 rows and more, but "
+        "greedy output may differ from the target alone's, from run to run and with load")
+
+
+class LlamaCppBackend(Backend):
     name = "llama-cpp"
-    drafts = True
+    summary = ("llama.cpp, for a .gguf file or a short name whose GGUF is kept (CPU; needs the "
+               "[llama] extra)")
+    options = LlamaCppOptions
+    cpu_only = True
 
     def claims(self, spec: str, device: str) -> bool:
         """A .gguf file, or a short name of the offline pair whose GGUF file is kept
@@ -50,19 +66,27 @@ class LlamaCppBackend:
 
         return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
+    def runs_gguf(self) -> bool:
+        from shared.engines.llama_cpp.runtime import llama_available
+
+        return llama_available()
+
     def tokenizer_spec(self, spec: str) -> str:
         from shared.engines.llama_cpp.runtime import resolve_gguf
 
         return resolve_gguf(spec)[1]
 
-    def load_target(self, options: TargetOptions) -> Engine:
+    def placement(self, options: LlamaCppOptions) -> list[str]:
+        return ["kernels"] if options.kernels != "exact" else []
+
+    def load_target(self, target: TargetOptions) -> Engine:
         from shared.engines.llama_cpp.target import load_llama_engine
         from shared.engines.target import DEFAULT_KV_BUDGET
 
-        return load_llama_engine(options.model, options.max_context,
-                                 options.kv_budget_tokens or DEFAULT_KV_BUDGET, options.threads,
-                                 options.max_batch_tokens, options.acceptance,
-                                 options.kernels)
+        own = target.engine_options or LlamaCppOptions()
+        return load_llama_engine(target.model, target.max_context,
+                                 target.kv_budget_tokens or DEFAULT_KV_BUDGET, target.threads,
+                                 target.max_batch_tokens, target.acceptance, own.kernels)
 
     def load_drafter(self, spec: str, dtype: str = "auto", device: str = "auto",
                      threads: int = 0, cuda_graphs: bool = False) -> GGUFDrafterModel:

@@ -20,6 +20,7 @@ from shared.engines.target import (
     TargetOptions,
     device_name,
 )
+from shared.engines.transformers import TransformersOptions
 from shared.engines.transformers.dtype_choice import cache_key, load_lm_auto
 from shared.engines.transformers.graphs import StaticForwards
 from shared.engines.transformers.kv_pool import KVPool, attention_kernels, use_ragged_attention
@@ -118,24 +119,25 @@ class CausalEngine(PoolSlots, BatchForward):
                  attention_kernels(self.model.config, self.dtype, self.device))
 
 
-def load(o: TargetOptions) -> Engine:
+def load(o: TargetOptions, own: TransformersOptions) -> Engine:
     """A transformers target. ``device_map``: place the model over several devices
     (accelerate's "auto", "balanced", "sequential", or a JSON {module: device} map, "disk"
     offloading to ``offload_folder``); each layer's KV slots live where that layer's attention
     runs. ``static_batch``: serve batches of up to that many jobs through static-shape buckets
     (``--cuda-graphs``). ``kv_budget_tokens`` 0: sized from the device's free memory on CUDA
     (``kv_memory_fraction``; ``models.kv_budget``)."""
-    spec, device_map, tp_plan, static_batch = o.model, o.device_map, o.tp_plan, o.static_batch
+    spec, device_map, tp_plan = o.model, own.device_map, own.tp_plan
+    static_batch = o.max_batch_size if own.cuda_graphs else 0
     kv_budget_tokens = o.kv_budget_tokens
     started = time.perf_counter()
-    model, chosen = load_lm_auto(spec, o.dtype, pick_device(o.device),
+    model, chosen = load_lm_auto(spec, own.dtype, pick_device(o.device),
                                  device_map=parse_device_map(device_map),
-                                 offload_folder=o.offload_folder or None, tp_plan=tp_plan or None)
+                                 offload_folder=own.offload_folder or None, tp_plan=tp_plan or None)
     log.info("target dtype: %s", chosen)
     if device_map or tp_plan:  # the pool spreads over devices: no one device's free memory
         kv_budget_tokens = kv_budget_tokens or DEFAULT_KV_BUDGET
     kv_budget_tokens = kv_budget(model.config, next(model.parameters()).dtype,
-                                 input_device(model), kv_budget_tokens, o.kv_memory_fraction,
+                                 input_device(model), kv_budget_tokens, own.kv_memory_fraction,
                                  o.max_batch_tokens)
     tokenizer = load_tokenizer(spec)
     engine: CausalEngine | Seq2SeqEngine
@@ -148,8 +150,8 @@ def load(o: TargetOptions) -> Engine:
         engine = CausalEngine(model, tokenizer, spec, o.max_context, kv_budget_tokens,
                               tp_size=dist.get_world_size() if tp_plan else 1,
                               acceptance=o.acceptance)
-        if o.attention != "auto":
-            engine.attention = o.attention
+        if own.attention != "auto":
+            engine.attention = own.attention
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     engine.info = replace(engine.info, kernels=f"inexact: torch's {dtype} matrix kernels round "
                           "by row count" + ("" if dtype == "float32" else
@@ -158,7 +160,7 @@ def load(o: TargetOptions) -> Engine:
     if static_batch and isinstance(engine, CausalEngine):
         if tp_plan:
             raise ModelSpecError("--cuda-graphs serves a target on one device")
-        engine.enable_static_forwards(static_batch, max_length=o.static_length)
+        engine.enable_static_forwards(static_batch, max_length=o.max_draft_tokens + 1)
     log.info("loaded target %s (%s, %s) in %.1f s", spec, engine.info.dtype, engine.info.device,
              time.perf_counter() - started)
     return TensorParallel(engine) if tp_plan else engine

@@ -14,9 +14,9 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from shared.engines import register
+from shared.engines import Backend, register
 from shared.models.catalog import ModelSpecError
 
 if TYPE_CHECKING:
@@ -44,15 +44,17 @@ def computes(path: str) -> bool:
         return False
 
 
-class W4A8Backend:
+class W4A8Backend(Backend):
     name = "w4a8"
-    drafts = False
+    summary = ("a Qwen2 / Llama GGUF file's own Q4_K / Q6_K weights on the CPU, by one "
+               "batch-invariant kernel (verify blocks much cheaper than their tokens one by "
+               "one, every row exact)")
+    cpu_only = True
 
     def claims(self, spec: str, device: str) -> bool:
         """A GGUF file this engine computes (or a short name whose GGUF is kept), on a CPU,
         where a C++ compiler can build the kernels or they are built already."""
         from shared.engines.llama_cpp.runtime import is_gguf, kept_gguf
-        from shared.engines.w4a8.build import library_path
 
         path = spec if is_gguf(spec) else kept_gguf(spec)
         if path is None or not computes(str(path)):
@@ -61,6 +63,12 @@ class W4A8Backend:
 
         if not (device == "cpu" or (device == "auto" and not torch.cuda.is_available())):
             return False
+        return self.runs_gguf()
+
+    def runs_gguf(self) -> bool:
+        """Where a C++ compiler can build the kernels, or they are built already."""
+        from shared.engines.w4a8.build import library_path
+
         return shutil.which(os.environ.get("CXX", "g++")) is not None \
             or library_path().is_file()
 
@@ -69,15 +77,10 @@ class W4A8Backend:
 
         return resolve_gguf(spec)[1]
 
-    def load_target(self, options: TargetOptions) -> Engine:
+    def load_target(self, target: TargetOptions) -> Engine:
         from shared.engines.w4a8.target import load_w4a8_engine
 
-        return load_w4a8_engine(options)
-
-    def load_drafter(self, spec: str, dtype: str = "auto", device: str = "auto",
-                     threads: int = 0, cuda_graphs: bool = False) -> Any:
-        raise ModelSpecError("the w4a8 engine serves targets; draft with the llama-cpp or "
-                             "transformers engine")
+        return load_w4a8_engine(target)
 
 
 register(W4A8Backend())

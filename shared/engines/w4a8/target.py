@@ -14,7 +14,7 @@ import torch
 from shared.engines.int8.target import Int8Engine
 from shared.engines.target import DEFAULT_KV_BUDGET, TargetOptions, device_name
 from shared.engines.w4a8.model import GGUFFile, W4A8Decoder
-from shared.models.catalog import ModelSpecError, load_tokenizer
+from shared.models.catalog import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,6 @@ def load_w4a8_engine(o: TargetOptions) -> W4A8Engine:
     holds."""
     from shared.engines.llama_cpp.runtime import resolve_gguf
 
-    if o.device not in ("auto", "cpu"):
-        raise ModelSpecError(f"device {o.device!r}: the w4a8 engine runs on the CPU")
     started = time.perf_counter()
     if o.threads:
         torch.set_num_threads(o.threads)
