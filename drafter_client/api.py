@@ -51,7 +51,7 @@ from shared.models.catalog import (
     load_tokenizer,
     tokenizer_fingerprint,
 )
-from shared.protocol.schema import PROTOCOL_VERSION, GenerateRequest
+from shared.protocol.schema import PROTOCOL_VERSION, GenerateRequest, InfoResponse
 
 log = logging.getLogger(__name__)
 
@@ -102,41 +102,14 @@ class SpecDecClient:
                                  timeout_s=timeout_s, options=options,
                                  simulated_rtt_ms=simulated_rtt_ms,
                                  retry_budget_s=retry_budget_s)
-        dtype, device = self.settings.dtype, self.settings.device
-        options, retry_budget_s = self.settings.options, self.settings.retry_budget_s
-        if options.threads:
-            torch.set_num_threads(options.threads)
-        if api_key is None:
-            api_key = os.environ.get("SPECDEC_API_KEY") or None
-        self.verifier: Verifier
-        if isinstance(verifier_url, str):
-            self.verifier = HttpVerifier(verifier_url, self.settings.timeout_s, http_client,
-                                         self.settings.simulated_rtt_ms / 1e3,
-                                         retry_budget_s=retry_budget_s,
-                                         api_key=api_key)
-        else:
-            self.verifier = verifier_url
-        # The first contact gives up sooner: a wrong URL should not take the whole budget.
-        self.info = self.verifier.info(budget_s=min(retry_budget_s, 10.0))
-        if self.info.protocol_version != PROTOCOL_VERSION:
-            raise SpecDecError(f"verifier speaks protocol {self.info.protocol_version}, this "
-                               f"client {PROTOCOL_VERSION}")
-        if any(t >= self.info.vocab_size for t in self.info.eos_token_ids):
-            raise SpecDecError("the verifier sent an invalid reply: eos_token_ids outside its "
-                               f"vocabulary of {self.info.vocab_size}")
+        if self.options.threads:
+            torch.set_num_threads(self.options.threads)
+        self.verifier, self.info = self._connect(verifier_url, http_client, api_key)
         model_spec = (drafter if isinstance(drafter, str) and drafter not in MODEL_FREE_DRAFTERS
                       else None)
-        backend = self._drafter_backend(model_spec, options, device) if model_spec else None
-        try:
-            if isinstance(tokenizer, str):
-                tokenizer = load_tokenizer(tokenizer)
-            elif tokenizer is None:
-                tokenizer = load_tokenizer(backend.tokenizer_spec(model_spec)
-                                           if backend is not None and model_spec is not None
-                                           else self.info.model)
-        except (ModelSpecError, OSError) as exc:
-            raise SpecDecError(f"cannot load a tokenizer: {exc}") from exc
-        self.tokenizer = tokenizer
+        backend = self._drafter_backend(model_spec, self.options, self.settings.device) \
+            if model_spec else None
+        self.tokenizer = self._tokenizer(tokenizer, backend, model_spec)
         self.drafter_name = (drafter if isinstance(drafter, str) or drafter is None
                              else getattr(drafter, "name", None))
         self._check_tokenizer()
@@ -144,30 +117,71 @@ class SpecDecClient:
         self._new_drafter: Callable[[], Drafter] | None = None
         self._drafter_model: DrafterModel | None = None  # a model drafter's, loaded once
         self.drafter_dtype: str | None = None  # a model drafter's dtype, and why
+        self.drafter: Drafter | None = self._first_drafter(drafter, backend, model_spec)
+
+    def _connect(self, verifier_url: str | Verifier, http_client: httpx.Client | None,
+                 api_key: str | None) -> tuple[Verifier, InfoResponse]:
+        """The verifier (over HTTP for a URL) and its ``/v1/info``, checked."""
+        s = self.settings
+        verifier: Verifier = verifier_url if not isinstance(verifier_url, str) else HttpVerifier(
+            verifier_url, s.timeout_s, http_client, s.simulated_rtt_ms / 1e3,
+            retry_budget_s=s.retry_budget_s,
+            api_key=api_key if api_key is not None else os.environ.get("SPECDEC_API_KEY") or None)
+        # The first contact gives up sooner: a wrong URL should not take the whole budget.
+        info = verifier.info(budget_s=min(s.retry_budget_s, 10.0))
+        if info.protocol_version != PROTOCOL_VERSION:
+            raise SpecDecError(f"verifier speaks protocol {info.protocol_version}, this "
+                               f"client {PROTOCOL_VERSION}")
+        if any(t >= info.vocab_size for t in info.eos_token_ids):
+            raise SpecDecError("the verifier sent an invalid reply: eos_token_ids outside its "
+                               f"vocabulary of {info.vocab_size}")
+        return verifier, info
+
+    def _tokenizer(self, tokenizer: Any, backend: Backend | None, model_spec: str | None) -> Any:
+        """The tokenizer given (an object, or a spec to load), else the drafter model's, else
+        the verifier's model's."""
+        try:
+            if isinstance(tokenizer, str):
+                return load_tokenizer(tokenizer)
+            if tokenizer is None:
+                return load_tokenizer(backend.tokenizer_spec(model_spec)
+                                      if backend is not None and model_spec is not None
+                                      else self.info.model)
+        except (ModelSpecError, OSError) as exc:
+            raise SpecDecError(f"cannot load a tokenizer: {exc}") from exc
+        return tokenizer
+
+    def _first_drafter(self, drafter: str | Drafter | None, backend: Backend | None,
+                       model_spec: str | None) -> Drafter | None:
+        """The drafter this client starts with: a model-free one by name, a model drafter on
+        its engine (loaded once, warmed up), or the ready Drafter given."""
+        options = self.options
         if isinstance(drafter, str) and drafter in MODEL_FREE_DRAFTERS:
             name = drafter
             self._new_drafter = lambda: build_model_free(name, options,
                                                          special_ids(self.tokenizer))
             try:
-                drafter = self._new_drafter()
+                return self._new_drafter()
             except ValueError as exc:
                 raise SpecDecError(f"drafter {drafter}: {exc}") from exc
-        elif backend is not None and model_spec is not None:
+        if backend is not None and model_spec is not None:
             try:
-                model = backend.load_drafter(model_spec, dtype, device, options.threads,
+                model = backend.load_drafter(model_spec, self.settings.dtype,
+                                             self.settings.device, options.threads,
                                              options.cuda_graphs)
             except ModelSpecError as exc:
                 raise SpecDecError(str(exc)) from exc
             log.info("drafter dtype: %s", model.dtype)
             self._check_drafter_model(model, options)
             self._drafter_model, self.drafter_dtype = model, model.dtype
-            drafter = self._build_model_drafter(options)
-            drafter.warm_up()  # type: ignore[attr-defined]  # LMDrafter or HybridDrafter
-        elif drafter is not None and not isinstance(drafter, Drafter):
+            made = self._build_model_drafter(options)
+            made.warm_up()  # type: ignore[attr-defined]  # LMDrafter or HybridDrafter
+            return made
+        if drafter is not None and not isinstance(drafter, Drafter):
             raise SpecDecError(f"drafter must be a model, a model-free drafter's name or a "
                                f"drafter_client.Drafter (got {type(drafter).__name__}: "
                                "subclass Drafter)")
-        self.drafter: Drafter | None = drafter
+        return drafter
 
     @property
     def options(self) -> DrafterOptions:

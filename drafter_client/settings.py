@@ -17,6 +17,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from shared.http.limits import HTTP_LIMITS
+from shared.protocol import GREEDY_TEMPERATURE, NO_TOP_K, NO_TOP_P
+
 if TYPE_CHECKING:
     from shared.protocol.schema import SamplingParams
 
@@ -63,9 +66,9 @@ class Sampling:
     shared/protocol/schema.py)."""
 
     max_new_tokens: int = 128
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
+    temperature: float = GREEDY_TEMPERATURE  # 0: greedy
+    top_k: int = NO_TOP_K  # 0: off
+    top_p: float = NO_TOP_P  # 1: off
     seed: int = 0
     # sampled output identical to the target alone's with the same seed (Gumbel-max noise
     # shared by drafter and target), whatever the drafter, k or timing
@@ -91,10 +94,12 @@ class GatewaySettings:
     chat_template: str | None = None  # overrides the tokenizer's
     api_key: str | None = None  # clients must send it as a Bearer token
     completion_max_tokens: int = 16  # OpenAI's default max_tokens for /v1/completions
-    max_body_bytes: int = 1 << 20  # larger request bodies get 413 before they are parsed
-    body_timeout_s: float = 15.0  # a body must arrive within this, or 408
-    header_timeout_s: float = 10.0  # a request head must arrive within this, or 408 and close
-    keep_alive_s: float = 5.0  # an idle keep-alive connection is closed after this
+    # shared/http/limits.py: larger bodies get 413, slower bodies 408, slower heads 408 and
+    # close, idle keep-alive connections close
+    max_body_bytes: int = HTTP_LIMITS.max_body_bytes
+    body_timeout_s: float = HTTP_LIMITS.body_timeout_s
+    header_timeout_s: float = HTTP_LIMITS.header_timeout_s
+    keep_alive_s: float = HTTP_LIMITS.keep_alive_s
     # Prompts longer than INLINE_TOKENIZE_CHARS are tokenized on one worker thread, at most
     # this many at once or waiting for it; beyond: 429. Shorter ones (a millisecond or two)
     # are tokenized where they arrive, so they never wait behind a long one.

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
-from shared.engines import ENGINES, backends, option_models
+from shared.engines import DEFAULT_KV_BUDGET, ENGINES, backends, option_models
+from shared.http.limits import HTTP_LIMITS
 
 if TYPE_CHECKING:
     from shared.engines.target import Engine, TargetOptions
@@ -59,7 +60,7 @@ class CommonSettings(BaseSettings):
                                   "max_context tokens, grown as it needs); when it is full the "
                                   "least recently used idle session is evicted; 0: on CUDA what "
                                   "kv_memory_fraction of the device leaves free after the "
-                                  "model, elsewhere 65536")
+                                  f"model, elsewhere {DEFAULT_KV_BUDGET}")
     batching: bool = Field(True, description="batch concurrent calls into one forward pass")
     max_batch_size: int = Field(16, ge=1, description="jobs per batched forward")
     max_batch_tokens: int = Field(2048, ge=1, description="tokens per batched forward")
@@ -79,22 +80,26 @@ class CommonSettings(BaseSettings):
         "one as 'Authorization: Bearer KEY' (or X-API-Key); /healthz and /readyz stay open")
     max_sessions_per_key: int = Field(0, ge=0, description="open sessions one API key may "
                                       "hold (0: only max_sessions applies); beyond it 429")
-    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest request body; "
-                                "beyond it 413")
+    max_body_bytes: int = Field(
+        HTTP_LIMITS.max_body_bytes, ge=1024, description="largest request body; "
+        "beyond it 413")
     shutdown_grace_s: float = Field(30.0, ge=0, description="on SIGTERM: stop accepting, "
                                     "let calls in flight finish for up to this long, then exit")
     max_connections: int = Field(512, ge=1, description="open connections; a new one beyond "
                                  "it closes the one that waited longest for a request head "
                                  "(503 when all are busy)")
-    header_timeout_s: float = Field(10.0, gt=0, description="a connection must send a "
-                                    "complete request head within this long of connecting or of "
-                                    "its last response; else 408 and closed")
-    body_timeout_s: float = Field(15.0, gt=0, description="a request body must arrive within "
-                                  "this long; else 408 and closed")
+    header_timeout_s: float = Field(
+        HTTP_LIMITS.header_timeout_s, gt=0, description="a connection must send a "
+        "complete request head within this long of connecting or of "
+        "its last response; else 408 and closed")
+    body_timeout_s: float = Field(
+        HTTP_LIMITS.body_timeout_s, gt=0, description="a request body must arrive within "
+        "this long; else 408 and closed")
     http_parser: Literal["auto", "httptools", "h11"] = Field(
         "auto", description="the HTTP/1.1 parser: httptools (C) where installed, else h11")
-    keep_alive_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is "
-                                "closed after this long")
+    keep_alive_s: float = Field(
+        HTTP_LIMITS.keep_alive_s, gt=0, description="an idle keep-alive connection is "
+        "closed after this long")
 
     def key_list(self) -> list[str]:
         return [key.strip() for key in self.api_keys.split(",") if key.strip()]

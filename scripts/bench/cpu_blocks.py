@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from scripts.bench.common import markdown_table, write_json
-from shared.engines import backend
-from shared.engines.target import BatchForward, ForwardItem, TargetOptions
+from shared.engines import load_target
+from shared.engines.target import BatchForward, ForwardItem
 from shared.machine_cache import cpu_name
+from verifier_service.settings import Settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,12 +69,13 @@ def load(name: str, args: argparse.Namespace) -> tuple[Any, float, int]:
     before = resident()
     started = time.perf_counter()
     context = args.context + max(args.news) + 1
-    options = TargetOptions(args.target, max_context=context,
-                            kv_budget_tokens=context * max(args.sessions), threads=args.threads,
-                            kernels="fast" if name.endswith("fast") else "exact",
-                            int8_outliers=args.int8_outliers if name == "int8" else 0)
-    engine = backend("int8" if name.startswith("int8") else
-                     "w4a8" if name == "w4a8" else "llama-cpp").load_target(options)
+    settings = Settings(model=args.target, max_context=context,
+                        kv_budget_tokens=context * max(args.sessions), threads=args.threads,
+                        kernels="fast" if name.endswith("fast") else "exact",
+                        int8_outliers=args.int8_outliers if name == "int8" else 0)
+    engine = load_target("int8" if name.startswith("int8") else
+                         "w4a8" if name == "w4a8" else "llama-cpp", settings.target_options(),
+                         settings.engine_options())
     assert isinstance(engine, BatchForward)
     seconds = time.perf_counter() - started
     grown = resident() - before

@@ -35,7 +35,7 @@ import torch
 from scripts.bench.common import markdown_table, write_json
 from scripts.bench.llama import prompt_ids
 from scripts.bench.suite import WORKLOADS, workloads
-from shared.engines import backend
+from shared.engines import load_target
 from shared.engines.int8.kernels import (
     OUTLIERS,
     Int8Linear,
@@ -43,8 +43,9 @@ from shared.engines.int8.kernels import (
     quantized_engine,
 )
 from shared.engines.int8.model import Int8Decoder, Rows
-from shared.engines.target import BatchForward, ForwardItem, TargetOptions
+from shared.engines.target import BatchForward, ForwardItem
 from shared.models.catalog import load_causal_lm, load_tokenizer
+from verifier_service.settings import Settings
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,9 +83,9 @@ def int8_scorer(model: Any, context: int, reduce_range: bool | None,
 
 def gguf_scorer(args: argparse.Namespace, context: int, engine_name: str) -> Any:
     """The GGUF file on an engine that reads it (llama.cpp's exact kernels, or w4a8)."""
-    engine = backend(engine_name).load_target(TargetOptions(
-        args.target, max_context=context, kv_budget_tokens=context, threads=args.threads,
-        kernels="exact"))
+    settings = Settings(model=args.target, max_context=context, kv_budget_tokens=context,
+                        threads=args.threads)
+    engine = load_target(engine_name, settings.target_options(), settings.engine_options())
     assert isinstance(engine, BatchForward)
     slot = engine.allocate()
 

@@ -7,7 +7,8 @@ part in ``--engine auto`` (:meth:`Backend.claims`, :meth:`Backend.challenges`,
 :meth:`Backend.placement`) and any process hooks (:meth:`Backend.preflight`,
 :meth:`Backend.serve`). Nothing outside ``shared/engines`` names an engine::
 
-    target = load_target("auto", TargetOptions("qwen2.5-coder-1.5b"), options)  # verifier
+    settings = Settings(model="qwen2.5-coder-1.5b")                           # verifier
+    target = load_target("auto", settings.target_options(), settings.engine_options())
     model = resolve("auto", "qwen2.5-coder-0.5b", "cpu", drafter=True).load_drafter(...)
     drafter = model.new_drafter(vocab_size, context_tokens)                   # client
 
@@ -48,6 +49,7 @@ BUILT_IN = (
     Plugin("int8", "shared.engines.int8", drafts=False),
     Plugin("transformers", "shared.engines.transformers", drafts=True),
 )
+DEFAULT_KV_BUDGET = 65536  # KV tokens where the cache is not sized from free device memory
 ENGINES = ("auto", *(plugin.name for plugin in BUILT_IN))
 DRAFTING_ENGINES = ("auto", *(plugin.name for plugin in BUILT_IN if plugin.drafts))
 

@@ -1,16 +1,16 @@
 """``--engine auto`` on a CPU where two engines can serve the target: the one whose measured
 costs serve the expected work fastest.
 
-Every start of an engine records its verify costs (``/v1/info``'s ``verify_ms``: a forward of
-k drafts, k = 0..16, one session) under the model and this machine
-(:func:`engine_costs_path`). Where llama.cpp (the GGUF file) and the int8 engine (the
-converted folder) both have costs recorded, auto prices the work the verifier expects: with
-``sessions`` sessions at once, each drafting k tokens accepted at rate ``acceptance``, a
-forward holds ``sessions * (k + 1)`` rows and yields ``sessions * (1 - a^(k+1)) / (1 - a)``
-tokens (Leviathan et al. 2023); the engine with the fewer milliseconds per output token at its
-best k wins. A forward of several sessions' rows is priced as one session's block of as many
-rows (within 10% on both engines in docs/benchmarks/cpu_blocks_1204.json), and past the
-sweep's 17 rows linearly from its last two points.
+Every start of an engine records its verify costs (``/v1/info``'s ``verify_ms``: a forward of k
+drafts, k = 0..16, one session) under the model and this machine (:func:`engine_costs_path`: the
+verify costs' own file). Where llama.cpp (the GGUF file) and the int8 engine (the converted
+folder) both have costs recorded, auto prices the work the verifier expects: with ``sessions``
+sessions at once, each drafting k tokens accepted at rate ``acceptance``, a forward holds
+``sessions * (k + 1)`` rows and yields ``sessions * (1 - a^(k+1)) / (1 - a)`` tokens (Leviathan
+et al. 2023); the engine with the fewer milliseconds per output token at its best k wins. A
+forward of several sessions' rows is priced as one session's block of as many rows (within 10%
+on both engines in docs/benchmarks/cpu_blocks_1204.json), and past the sweep's 17 rows linearly
+from its last two points.
 
 Where a candidate has no costs recorded yet, auto takes the first engine that claims the model
 (llama.cpp) and says so: ``/v1/info``'s ``engine_choice`` names what to run once to measure.
@@ -23,9 +23,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
+from shared.engines.target import VERIFY_KS, verify_costs_path
+from shared.machine_cache import cpu_name, read_json, write_json
 
-MAX_K = 16
+MAX_K = VERIFY_KS[-1]  # the longest block each start times
 
 
 class AutoOptions(BaseModel):
@@ -35,7 +36,7 @@ class AutoOptions(BaseModel):
         1, ge=1, description="--engine auto, where two engines can serve the target (llama.cpp "
         "on its GGUF file and int8 on its converted folder): how many sessions you expect to "
         "draft at once; auto picks the engine whose recorded verify costs (every start records "
-        "them, in $SPECDEC_HOME/engine-costs.json) give the fewest ms per output token for "
+        "them, in $SPECDEC_HOME/verify-costs.json) give the fewest ms per output token for "
         "that work")
     expected_acceptance: float = Field(
         0.0, ge=0.0, lt=1.0, description="--engine auto: the acceptance you expect of a "
@@ -52,11 +53,13 @@ class Workload:
 
 
 def engine_costs_path() -> Path:
-    return specdec_home() / "engine-costs.json"
+    """The one cache of measured costs (``verify_costs_path``): each engine's start times its
+    blocks there under its own keys, and records them here under the model's."""
+    return verify_costs_path()
 
 
 def _key(model: str, threads: int) -> str:
-    return f"{model}|{cpu_name()}|threads={threads}"
+    return f"auto|{model}|{cpu_name()}|threads={threads}"
 
 
 def record_costs(model: str, threads: int, engine: str,

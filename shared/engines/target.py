@@ -62,23 +62,23 @@ class ForwardItem:
     keep_from: int = 0  # with keep_logits: the rows of token_ids[keep_from:] only
 
 
-DEFAULT_KV_BUDGET = 65536  # tokens, where the cache is not sized from free device memory
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TargetOptions:
     """How to load a target: the settings every engine reads (the verifier's
     ``Settings.target_options`` fills it), and the chosen engine's own options."""
 
+    # No defaults: the verifier's Settings hold them (``Settings(model=...).target_options()``)
     model: str  # short name, folder, .gguf file or hub id
-    device: str = "auto"
-    max_context: int = 0  # tokens a session may hold; 0: the model's own limit
-    kv_budget_tokens: int = 32768  # 0: the engine's default (sized from free memory on CUDA)
-    threads: int = 0  # the engine's CPU threads; 0: every core this process may use
-    acceptance: str = "device"  # "device": batched next to the rows; "host": the reference
-    max_batch_tokens: int = 2048  # tokens per batched forward
-    max_batch_size: int = 16  # jobs per batched forward (1 without batching)
-    max_draft_tokens: int = 16  # the longest block a verify call may send
+    device: str
+    max_context: int  # tokens a session may hold; 0: the model's own limit
+    kv_budget_tokens: int  # 0: DEFAULT_KV_BUDGET, or sized from free memory on CUDA
+    threads: int  # the engine's CPU threads; 0: every core this process may use
+    acceptance: str  # "device": batched next to the rows; "host": the reference
+    max_batch_tokens: int  # tokens per batched forward
+    max_batch_size: int  # jobs per batched forward (1 without batching)
+    max_draft_tokens: int  # the longest block a verify call may send
     engine_options: Any = None  # the engine's own options model (``Backend.options``)
 
 

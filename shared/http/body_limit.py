@@ -21,7 +21,7 @@ Reject = Callable[[int, str, str], Response]
 
 
 class BodyLimit:
-    def __init__(self, app: Any, max_bytes: int, reject: Reject, timeout_s: float = 15.0,
+    def __init__(self, app: Any, max_bytes: int, reject: Reject, timeout_s: float,
                  limit_name: str = "max_body_bytes", timeout_name: str = "body_timeout_s"
                  ) -> None:
         self.app, self.max_bytes, self.reject, self.timeout_s = app, max_bytes, reject, timeout_s

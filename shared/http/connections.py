@@ -37,6 +37,8 @@ except ImportError:  # httptools is not installed: h11 serves
 MAX_HEAD_BYTES = 16 * 1024  # h11's (and uvicorn's) bound on an incomplete request head
 
 # (status, code, message) -> the JSON body of the server's error answer
+from shared.http.limits import HTTP_LIMITS  # noqa: E402
+
 ErrorBody = Callable[[int, str, str], bytes]
 
 
@@ -48,7 +50,7 @@ class HeadGuard:
     """The guards, mixed into one of uvicorn's protocol classes (which supplies ``cycle``,
     ``transport``, ``loop`` and ``connections``)."""
 
-    header_timeout_s = 10.0
+    header_timeout_s = HTTP_LIMITS.header_timeout_s
     max_connections = 0  # 0: no bound
     timeout_name = "SPECDEC_HEADER_TIMEOUT_S"  # the setting named in a timeout's message
     error_body: ErrorBody = staticmethod(verifier_error_body)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.protocol import GREEDY_TEMPERATURE, NO_TOP_K, NO_TOP_P
 from shared.protocol.logits import process_rows
 
 
@@ -35,9 +36,9 @@ class SamplingConfig:
     temperature 0 means greedy; top_k 0 and top_p 1.0 mean "no truncation".
     """
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    temperature: float = GREEDY_TEMPERATURE
+    top_k: int = NO_TOP_K
+    top_p: float = NO_TOP_P
     # Reproducible sampling: every position's token is the Gumbel-max choice under noise drawn
     # from (coupling_seed, position), shared by drafter and target (see ``coupled_tokens``).
     coupling_seed: int | None = None

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from shared.protocol import GREEDY_TEMPERATURE, NO_TOP_K, NO_TOP_P
+
 if TYPE_CHECKING:  # torch loads where a tensor is made, not with the schema (the CLI checks
     # its flags against these models before it loads torch)
     import torch
@@ -36,11 +38,11 @@ class _Strict(BaseModel):
 
 
 class SamplingParams(_Strict):
-    temperature: float = Field(0.0, ge=0.0, le=100.0, allow_inf_nan=False,
+    temperature: float = Field(GREEDY_TEMPERATURE, ge=0.0, le=100.0, allow_inf_nan=False,
                                description="0 means greedy; any value > 0 is exact, tiny ones "
                                "tend to greedy")
-    top_k: int = Field(0, ge=0, le=INT32_MAX, description="0 disables top-k")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False,
+    top_k: int = Field(NO_TOP_K, ge=0, le=INT32_MAX, description="0 disables top-k")
+    top_p: float = Field(NO_TOP_P, gt=0.0, le=1.0, allow_inf_nan=False,
                          description="1.0 disables top-p; the best token is always kept")
     coupling_seed: int | None = Field(
         None, ge=0, le=2**63 - 1, description="reproducible sampling: each position's token is "

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from shared.engines import DEFAULT_KV_BUDGET
 from shared.engines.int8 import Int8Options
 from shared.engines.int8.kernels import activation_bits, quantized_engine
 from shared.engines.int8.model import Int8Decoder, Rows
 from shared.engines.target import (
-    DEFAULT_KV_BUDGET,
     BatchForward,
     ForwardItem,
     ModelInfo,

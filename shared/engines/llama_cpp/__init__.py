@@ -80,8 +80,8 @@ class LlamaCppBackend(Backend):
         return ["kernels"] if options.kernels != "exact" else []
 
     def load_target(self, target: TargetOptions) -> Engine:
+        from shared.engines import DEFAULT_KV_BUDGET
         from shared.engines.llama_cpp.target import load_llama_engine
-        from shared.engines.target import DEFAULT_KV_BUDGET
 
         own = target.engine_options or LlamaCppOptions()
         return load_llama_engine(target.model, target.max_context,

@@ -123,9 +123,8 @@ class LlamaCppEngine(PoolSlots, BatchForward):
         self.warm_up_and_time(f"llama.cpp|{cost_key(self.model)}")
 
 
-def load_llama_engine(spec: str, max_context: int = 0, kv_budget_tokens: int = 32768,
-                      threads: int = 0, max_batch_tokens: int = 2048,
-                      acceptance: str = "device", kernels: str = "exact") -> LlamaCppEngine:
+def load_llama_engine(spec: str, max_context: int, kv_budget_tokens: int, threads: int,
+                      max_batch_tokens: int, acceptance: str, kernels: str) -> LlamaCppEngine:
     """A GGUF target on llama.cpp: slots of ``max_context`` tokens (0: the model's context),
     as many as ``kv_budget_tokens`` holds; ``kernels``: "exact" (one-row kernels, a KV stream
     per slot) or "fast" (llama.cpp's whole-batch kernels, also a KV stream per slot)."""

@@ -62,7 +62,8 @@ class TransformersOptions(BaseModel):
     attention: Literal["auto", "padded", "per-session"] = Field(
         "auto", description="padded: a batch's short blocks attend in one call per layer; "
         "per-session: one call per session; auto: padded on CUDA, per-session on CPU")
-    cuda_graphs: bool = Field(False, description="short batches (blocks of up to 16 drafts) "
+    cuda_graphs: bool = Field(False, description="short batches (blocks of up to "
+                              "--max-draft-tokens drafts) "
                               "run in static-shape buckets replayed as CUDA graphs (on CPU: the "
                               "same layout, eagerly); one KV slot is kept for padding")
     kv_memory_fraction: float = Field(0.9, gt=0, le=1, description="with kv_budget_tokens 0 "

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from shared.engines.target import DEFAULT_KV_BUDGET, ModelInfo
+from shared.engines import DEFAULT_KV_BUDGET
+from shared.engines.target import ModelInfo
 from shared.engines.transformers.kv_pool import head_layout
 from shared.models.catalog import ModelSpecError, tokenizer_fingerprint
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, EncoderDecoderCache
 
+from shared.engines import DEFAULT_KV_BUDGET
 from shared.engines.target import BatchForward, ForwardItem, PoolSlots, SlotAllocator
 from shared.engines.transformers.kv_cache import crop_cache, with_cache
 from shared.engines.transformers.models import describe_model, input_device
@@ -79,7 +80,7 @@ class Seq2SeqEngine(PoolSlots, BatchForward):
     trees = False
 
     def __init__(self, model: Any, tokenizer: Any, name: str, max_context: int = 0,
-                 kv_budget_tokens: int = 32768, acceptance: str = "device") -> None:
+                 kv_budget_tokens: int = DEFAULT_KV_BUDGET, acceptance: str = "device") -> None:
         self.model = model
         self.acceptance = acceptance
         self.device = input_device(model)

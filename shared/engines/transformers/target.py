@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shared.engines import DEFAULT_KV_BUDGET
 from shared.engines.target import (
-    DEFAULT_KV_BUDGET,
     BatchForward,
     Engine,
     ForwardItem,
@@ -45,7 +45,7 @@ class CausalEngine(PoolSlots, BatchForward):
     trees = True
 
     def __init__(self, model: Any, tokenizer: Any, name: str, max_context: int = 0,
-                 kv_budget_tokens: int = 32768, tp_size: int = 1,
+                 kv_budget_tokens: int = DEFAULT_KV_BUDGET, tp_size: int = 1,
                  acceptance: str = "device") -> None:
         self.model = model
         self.acceptance = acceptance

@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
+from shared.engines import DEFAULT_KV_BUDGET
 from shared.engines.int8.target import Int8Engine
-from shared.engines.target import DEFAULT_KV_BUDGET, TargetOptions, device_name
+from shared.engines.target import TargetOptions, device_name
 from shared.engines.w4a8.model import GGUFFile, W4A8Decoder
 from shared.models.catalog import load_tokenizer
 
