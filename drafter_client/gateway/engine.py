@@ -80,10 +80,17 @@ def block_event(index: int, outcome: BlockOutcome, pieces: list[str]) -> dict[st
                        in zip(pieces, outcome.kinds()[:len(pieces)], strict=True)]}
 
 
-def _text_chars(body: CompletionRequest | ChatCompletionRequest) -> int:
-    """Characters of text the request asks to tokenize (0 for token ids)."""
+# What the chat template adds per message, in characters of work: a chat of many empty
+# messages costs the template and the tokenizer as much as a long text does.
+TEMPLATE_CHARS_PER_MESSAGE = 32
+
+
+def tokenize_cost(body: CompletionRequest | ChatCompletionRequest) -> int:
+    """The request's tokenizing work in characters: its text (0 for token ids), and for a
+    chat :data:`TEMPLATE_CHARS_PER_MESSAGE` more per message."""
     if isinstance(body, ChatCompletionRequest):
-        return sum(len(message.text()) for message in body.messages)
+        return sum(len(message.text()) + TEMPLATE_CHARS_PER_MESSAGE
+                   for message in body.messages)
     prompt = body.prompt
     if isinstance(prompt, str):
         return len(prompt)
@@ -118,8 +125,8 @@ def longest_token_chars(tokenizer: Any) -> int:
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
 
 
-# Text up to this many characters is tokenized on the event loop (about 1-2 ms); longer text on
-# the gateway's tokenizer thread (tokenizers release the GIL: the loop keeps serving).
+# Work up to this many characters (``tokenize_cost``) is tokenized on the event loop (about 1-2
+# ms); more on the gateway's tokenizer thread (tokenizers release the GIL: the loop keeps serving).
 INLINE_TOKENIZE_CHARS = 8192
 
 # Every character for which str.isspace() is true.
@@ -155,7 +162,7 @@ class Gateway:
         """The request's job. A long prompt is tokenized off the event loop, on the tokenizer
         thread, with at most ``max_tokenizing`` long prompts there at once (else 429)."""
         make = self.chat_job if isinstance(body, ChatCompletionRequest) else self.completion_job
-        if _text_chars(body) <= INLINE_TOKENIZE_CHARS:
+        if tokenize_cost(body) <= INLINE_TOKENIZE_CHARS:
             return make(body)  # type: ignore[arg-type]
         with self._lock:
             if self._tokenizing >= self.settings.max_tokenizing:
