@@ -86,10 +86,12 @@ def _is_name_error(exc: Exception) -> bool:
 class HttpVerifier:
     """Talks to one verifier. Pass ``client`` to reuse an httpx.Client (or a TestClient).
 
-    Every call is safe to repeat (verify names its step, sessions are created under an id we
-    choose), so connection errors, timeouts, 429 and 502/503/504 are retried with jittered
+    The session calls are safe to repeat (verify names its step, sessions are created under an
+    id we choose), so connection errors, timeouts, 429 and 502/503/504 are retried with jittered
     exponential backoff (Retry-After when the verifier sends one) until ``retry_budget_s`` has
-    passed since the call's first failure."""
+    passed since the call's first failure. ``/v1/generate`` is not: a timeout or a proxy's
+    502/504 may leave the first run going, so it is retried only where the verifier cannot have
+    started it (the connection refused, or 429/503: turned away)."""
 
     def __init__(self, url: str, timeout_s: float = DEFAULTS.timeout_s,
                  client: httpx.Client | None = None, simulated_rtt_s: float = 0.0,
@@ -111,7 +113,7 @@ class HttpVerifier:
 
     def _call(self, method: str, path: str, body: BaseModel | None,
               response_model: type[M] | None, session_id: str | None = None,
-              budget_s: float | None = None) -> M | None:
+              budget_s: float | None = None, repeatable: bool = True) -> M | None:
         content = orjson.dumps(body.model_dump()) if body is not None else None
         headers = {"content-type": "application/json", **self.auth} if content else {**self.auth}
         if session_id is not None:
@@ -128,11 +130,16 @@ class HttpVerifier:
             except httpx.TransportError as exc:
                 if _is_name_error(exc):
                     raise SpecDecError(f"cannot reach the verifier at {self.url}: {exc}") from exc
+                if not repeatable and not isinstance(exc, httpx.ConnectError):
+                    raise SpecDecError(f"{method} {path} to {self.url} failed after it was "
+                                       f"sent ({type(exc).__name__}: {exc}); not repeated, "
+                                       "since the verifier may still be running it") from exc
                 why = f"{type(exc).__name__}: {exc}"
             else:
                 self.bytes_sent += len(content or b"")
                 self.bytes_received += len(response.content)
-                if response.status_code not in RETRY_STATUSES:
+                turned_away = response.status_code in (429, 503)
+                if response.status_code not in RETRY_STATUSES or not (repeatable or turned_away):
                     break
                 retry_after = response.headers.get("retry-after")
                 why = f"HTTP {response.status_code}"
@@ -188,7 +195,7 @@ class HttpVerifier:
 
     def generate(self, req: GenerateRequest) -> GenerateResponse:
         return self._call("POST", "/v1/generate", req,  # type: ignore[return-value]
-                          GenerateResponse)
+                          GenerateResponse, repeatable=False)
 
     def clone(self) -> HttpVerifier:
         """The same verifier over the same connection pool, with its own counters (one per

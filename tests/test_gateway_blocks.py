@@ -94,19 +94,42 @@ def test_blocks_with_a_stop_string_end_at_the_stop(gateway: ThreadedServer) -> N
 
 
 def test_target_alone_and_plain_answers_with_blocks(gateway: ThreadedServer) -> None:
-    """``target_alone`` answers from the verifier's /v1/generate: the same greedy text, one
-    block of plain steps; a plain (non-streamed) answer carries its blocks too."""
+    """``target_alone`` answers from plain steps on the verifier (runs of them per call, no
+    drafts): the same greedy text, blocks of k = 0 of the target's own tokens; a plain
+    (non-streamed) answer carries its blocks too."""
     body = {"model": MODEL, "prompt": "def f ( x ) :", "max_tokens": 25, "temperature": 0}
     spec = answer(gateway, {**body, "specdec": {"blocks": True, "k": 3}})
     alone = answer(gateway, {**body, "specdec": {"blocks": True, "target_alone": True}})
     assert alone["choices"][0]["text"] == spec["choices"][0]["text"]
-    assert alone["specdec"]["verify_calls"] == 0 and spec["specdec"]["verify_calls"] > 0
-    [block] = alone["specdec_blocks"]
-    assert block["k"] == 0 and {kind for _, kind in block["tokens"]} == {"target"}
-    assert len(block["tokens"]) == alone["usage"]["completion_tokens"]
+    assert alone["specdec"]["drafted_tokens"] == 0 and spec["specdec"]["drafted_tokens"] > 0
+    blocks = alone["specdec_blocks"]
+    assert {b["k"] for b in blocks} == {0}
+    assert {kind for b in blocks for _, kind in b["tokens"]} == {"target"}
+    assert sum(len(b["tokens"]) for b in blocks) == alone["usage"]["completion_tokens"]
     assert "".join(p for b in spec["specdec_blocks"] for p, _ in b["tokens"]) == \
         spec["choices"][0]["text"]
     assert "specdec_blocks" not in answer(gateway, body)
+
+
+def test_a_stop_string_ends_the_targets_work_too(gateway: ThreadedServer,
+                                                 gpt2_server: LiveServer) -> None:
+    """The target alone stops at a stop string within one run of plain steps, as a
+    speculative answer does (#57: a 3-token stop cost 1,999 steps of /v1/generate)."""
+    body = {"model": MODEL, "prompt": "def f ( x ) :", "temperature": 0,
+            "specdec": {"target_alone": True}}
+    opening = answer(gateway, {**body, "max_tokens": 3})["choices"][0]["text"]
+    assert opening.strip()
+
+    def scored(bound: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        before = httpx.get(gpt2_server.url + "/v1/metrics").json()["scored_tokens"]
+        reply = answer(gateway, bound)
+        return httpx.get(gpt2_server.url + "/v1/metrics").json()["scored_tokens"] - before, reply
+
+    work, stopped = scored({**body, "max_tokens": 120, "stop": [opening.strip()[-2:]]})
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert work <= 2 * 17  # at most a run in flight past the stop (1 + 16 steps a call)
+    unstopped, _ = scored({**body, "max_tokens": 120})
+    assert unstopped > 100  # the control: without the stop the target runs on
 
 
 def test_seeded_sampling_target_alone_equals_speculation(gateway: ThreadedServer) -> None:

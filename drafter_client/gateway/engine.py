@@ -47,7 +47,7 @@ class Job:
     # follows timings) - coupled sampling, as ``SpecDecClient.generate(reproducible=True)``.
     reproducible: bool = False
     k: int | str | None = None  # the k policy; None: the client's
-    target_alone: bool = False  # the verifier's /v1/generate, no drafter (a race's reference)
+    target_alone: bool = False  # plain steps on the verifier, no drafts (a race's reference)
     blocks: bool = False  # describe every verified block (``block_event``)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -208,8 +208,8 @@ class Gateway:
         except ValidationError as exc:
             error = exc.errors()[0]
             raise OpenAIError(400, error["msg"], str(error["loc"][0])) from None
-        # No max_tokens on a chat: up to the context limit (the loop stops there).
-        max_tokens = body.max_tokens or default_max_tokens or info.max_context
+        # No max_tokens on a chat: up to the context limit (what the session can still hold).
+        max_tokens = body.max_tokens or default_max_tokens or info.max_context - len(prompt_ids)
         seed = secrets.randbits(62) if body.seed is None else body.seed % 2**63
         options = body.specdec
         if isinstance(options.k, int) and options.k > info.max_draft_tokens:
@@ -311,14 +311,12 @@ class Gateway:
             return tracker.stopped or job.cancelled.is_set()
 
         try:
-            if job.target_alone:
-                result = client.baseline(
-                    job.prompt_ids, max_new_tokens=job.max_tokens,
+            if job.target_alone:  # plain steps through a session, in runs: no drafts at all
+                result = client.generate(
+                    job.prompt_ids, num_draft_tokens=0, max_new_tokens=job.max_tokens,
                     temperature=job.sampling.temperature, top_k=job.sampling.top_k,
-                    top_p=job.sampling.top_p, seed=job.seed, reproducible=job.reproducible)
-                m = result.metrics
-                on_block(BlockOutcome([], 0, result.token_ids, result.finish_reason == "stop",
-                                      0.0, m.wall_s, m.verify_forward_s))
+                    top_p=job.sampling.top_p, seed=job.seed, reproducible=job.reproducible,
+                    on_block=on_block)
             else:
                 result = client.generate(
                     job.prompt_ids, num_draft_tokens=job.k,  # None: the client's settings

@@ -23,7 +23,12 @@ from shared.protocol.schema import (
 )
 from verifier_service.errors import VerifierError
 from verifier_service.scheduling.beam import beam_generate, check_beam_request
-from verifier_service.scheduling.jobs import CreateSessionJob, JobContext, VerifyJob
+from verifier_service.scheduling.jobs import (
+    CreateSessionJob,
+    JobContext,
+    VerifyJob,
+    request_digest,
+)
 from verifier_service.scheduling.scheduler import Scheduler
 from verifier_service.scheduling.sessions import busy_error
 
@@ -110,10 +115,45 @@ async def verify_call(ctx: JobContext, scheduler: Scheduler, session_id: str,
     """A verify call: one job, then for a plain run one more plain step per entry of
     ``more_uniforms`` (each an ordinary job, batched with other sessions' work), stopping
     after an EOS id or at the context's end. The answer is remembered for the whole call, so
-    the same call again gets it again."""
+    the same call again gets it again - while the run is still going, once it is whole."""
+    if not req.more_uniforms:
+        return await scheduler.submit(VerifyJob(ctx, session_id, req, owner))  # type: ignore[no-any-return]
+    key = (owner, session_id, request_digest(req))
+    running = ctx.plain_runs.get(key)
+    if running is not None:  # a retry of a run in progress (its first answer was lost)
+        answer: asyncio.Future[VerifyResponse | None] = \
+            asyncio.get_running_loop().create_future()
+        running.append(answer)
+        whole = await answer
+        if whole is not None:
+            return whole
+        # the first call was cancelled before its run was whole: run this one on its own
+    waiters: list[asyncio.Future[VerifyResponse | None]] = []
+    ctx.plain_runs[key] = waiters
+    whole = None
+    try:
+        whole = await _plain_run(ctx, scheduler, session_id, req, eos_token_ids, owner)
+        return whole
+    except Exception as exc:
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(exc)
+        waiters.clear()
+        raise
+    finally:
+        if ctx.plain_runs.get(key) is waiters:
+            del ctx.plain_runs[key]
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(whole)
+
+
+async def _plain_run(ctx: JobContext, scheduler: Scheduler, session_id: str,
+                     req: VerifyRequest, eos_token_ids: list[int],
+                     owner: str | None) -> VerifyResponse:
     job = VerifyJob(ctx, session_id, req, owner)
     first: VerifyResponse = await scheduler.submit(job)
-    if not req.more_uniforms or job.replay is not None:
+    if job.replay is not None:
         return first
     assert first.next_token is not None  # a step without drafts draws its token
     last, position, forward_ms = first.next_token, first.position, first.forward_ms

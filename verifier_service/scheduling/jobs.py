@@ -8,6 +8,7 @@ validator, the engine's slots and the counters - never the app or the scheduler 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import secrets
 import time
@@ -42,6 +43,10 @@ class JobContext:
     validator: RequestValidator
     engine: Engine
     counters: VerifyCounters = field(default_factory=VerifyCounters)
+    # plain runs in progress, by (owner, session, request digest), with the calls waiting for
+    # their whole answer: the same call again while one runs (``generate.verify_call``)
+    plain_runs: dict[tuple[str | None, str, str], list[asyncio.Future[Any]]] = field(
+        default_factory=dict)
 
     def claim_slot(self, owner: str | None, busy: set[Any], own_only: bool = False) -> int:
         """A free KV slot; when none is left a session is evicted by the store's fair policy
