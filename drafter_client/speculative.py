@@ -121,8 +121,9 @@ class VerifierSession:
     """The committed sequence, mirrored in a session on the verifier (position = len(committed)).
 
     When the verifier loses the session (restart, eviction, expiry), ``verify`` reopens it with
-    every committed token and sends the very same request again (same position, same uniforms),
-    so the output is what an undisturbed run gives.
+    every committed token - saying how many were the prompt, so an engine writes the generated
+    rest as its steps wrote it - and sends the very same request again (same position, same
+    uniforms), so the output is what an undisturbed run gives.
     """
 
     def __init__(self, verifier: Verifier, sampling: SamplingParams,
@@ -130,6 +131,7 @@ class VerifierSession:
         self.verifier, self.sampling, self.encoder_ids = verifier, sampling, encoder_ids
         self.config = sampling.to_config()  # how both sides process logits
         self.committed = list(prompt_ids)
+        self.prompt_length = len(prompt_ids)
         self.session_id: str | None = None
         self.reopens = 0
 
@@ -138,9 +140,10 @@ class VerifierSession:
         return len(self.committed)
 
     def open(self) -> None:
+        reopened = len(self.committed) > self.prompt_length
         self.session_id = self.verifier.create_session(CreateSessionRequest(
-            prompt_ids=self.committed, sampling=self.sampling,
-            encoder_ids=self.encoder_ids)).session_id
+            prompt_ids=self.committed, sampling=self.sampling, encoder_ids=self.encoder_ids,
+            prompt_length=self.prompt_length if reopened else None)).session_id
 
     def verify(self, req: VerifyRequest) -> VerifyResponse:
         for _ in range(MAX_REOPENS_PER_BLOCK):

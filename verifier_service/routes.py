@@ -79,7 +79,8 @@ async def create_session(body: CreateSessionRequest, state: StateDep,
                          owner: OwnerDep) -> CreateSessionResponse:
     """Open a session and prefill its prompt. Idempotent under a client-chosen
     ``session_id``: the same request again answers the same while the session is unused."""
-    state.jobs.validator.check_create(body.protocol_version, body.prompt_ids, body.encoder_ids)
+    state.jobs.validator.check_create(body.protocol_version, body.prompt_ids, body.encoder_ids,
+                                      body.prompt_length)
     return await state.scheduler.submit(CreateSessionJob(state.jobs, body, owner))  # type: ignore[no-any-return]
 
 

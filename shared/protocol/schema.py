@@ -104,6 +104,11 @@ class CreateSessionRequest(_Strict):
     encoder_ids: list[TokenId] | None = Field(
         None, min_length=1, description="encoder-decoder targets only (required there): the "
         "encoder's input; prompt_ids is then the decoder's prompt")
+    prompt_length: Positive | None = Field(
+        None, description="a reopened session (its first lost to eviction, expiry, a restart "
+        "or a failover): how many of prompt_ids were the generation's prompt; the rest it "
+        "generated, and an engine whose prompts round otherwise than its steps writes them as "
+        "its steps did, so the session continues exactly as the lost one would have")
 
 
 class CreateSessionResponse(_Strict):

@@ -132,15 +132,21 @@ class CreateSessionJob:
             return CreateSessionResponse(session_id=self.replay.id,
                                          position=self.replay.position, prefill_ms=0.0)
         deferred = self.req.prompt_ids[:-1] if self.req.encoder_ids is None else []
-        return self.open(len(self.req.prompt_ids), pending=deferred)
+        # a reopen: the original prompt less its last token was written as a prompt, the rest
+        # as verify blocks
+        length = self.req.prompt_length
+        steps_from = length - 1 if length is not None and length < len(self.req.prompt_ids) \
+            else None
+        return self.open(len(self.req.prompt_ids), pending=deferred, steps_from=steps_from)
 
-    def open(self, position: int, pending: list[int] | None = None) -> CreateSessionResponse:
+    def open(self, position: int, pending: list[int] | None = None,
+             steps_from: int | None = None) -> CreateSessionResponse:
         """The session joins the table, its cache filled up to ``position`` once ``pending``
         is written."""
         assert self.slot is not None
         session = Session(slot=self.slot, position=position, config=self.req.sampling.to_config(),
                           id=self.session_id, owner=self.owner, create_digest=self.digest,
-                          pending=list(pending or []))
+                          pending=list(pending or []), steps_from=steps_from)
         self.ctx.sessions.add(session)
         self.reserved = False
         self.ctx.counters.prefill_tokens += self.num_tokens
@@ -193,8 +199,8 @@ class VerifyJob:
         self.ctx.validator.check_verify(session, req)
         self.ctx.hold(session.slot, session.position + len(req.draft_ids), self.owner,
                       busy | {self.session_key})
-        prefill = (ForwardItem(session.slot, 0, session.pending, keep_logits=False)
-                   if session.pending else None)
+        prefill = (ForwardItem(session.slot, 0, session.pending, keep_logits=False,
+                               steps_from=session.steps_from) if session.pending else None)
         return Step(
             ForwardItem(session.slot, session.position - 1, [req.last_token, *req.draft_ids],
                         keep_logits=True, tree_parents=req.tree_parents),
@@ -207,7 +213,7 @@ class VerifyJob:
             return self.replay
         session, req, verdict = self.session, self.req, result.decided()
         assert session is not None
-        session.pending = []  # the forward wrote the deferred prompt, if any
+        session.pending, session.steps_from = [], None  # the forward wrote the deferred prompt
         # The slot holds position + k tokens now (a tree's accepted path already where a chain
         # would have put it); the session keeps the last token and the accepted drafts.
         session.position += verdict.num_accepted + 1

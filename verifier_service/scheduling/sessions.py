@@ -42,6 +42,9 @@ class Session:
     # Prompt tokens accepted by the create but not yet in the slot: the session's first verify
     # writes them in the same forward as its block (one forward fewer per generation).
     pending: list[int] = field(default_factory=list)
+    # A reopened session: ``pending[steps_from:]`` were generated, one block at a time, before
+    # the session was lost; the engine writes them as its steps did (``ForwardItem.steps_from``)
+    steps_from: int | None = None
     id: str = field(default_factory=lambda: secrets.token_urlsafe(12))
     last_used: float = 0.0
     mean_gap: float | None = None  # running mean of the time between its calls

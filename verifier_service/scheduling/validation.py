@@ -38,10 +38,15 @@ class RequestValidator:
                                 f"tokens; the limit is {self.max_prompt}", "prompt_ids")
 
     def check_create(self, protocol_version: int, prompt_ids: list[int],
-                     encoder_ids: list[int] | None = None) -> None:
+                     encoder_ids: list[int] | None = None,
+                     prompt_length: int | None = None) -> None:
         """What a create (or /v1/generate) can be refused for before it is queued."""
         self.check_protocol(protocol_version)
         self.check_prompt(prompt_ids)
+        if prompt_length is not None and prompt_length > len(prompt_ids):
+            raise VerifierError(422, "invalid_prompt_length", f"prompt_length {prompt_length} "
+                                f"is more than the {len(prompt_ids)} tokens of prompt_ids",
+                                "prompt_length")
         if self.encoder_decoder and encoder_ids is None:
             raise VerifierError(422, "encoder_ids_required", "this target is an "
                                 "encoder-decoder model: send the source as encoder_ids (and the "

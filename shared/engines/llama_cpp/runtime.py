@@ -51,12 +51,15 @@ Token = tuple[int, int, int, bool]  # sequence, position, id, whether its logits
 @dataclass(frozen=True)
 class Segment:
     """New tokens for one sequence, at positions ``start``, ``start + 1``, ...; ``rows_from``:
-    return the logits at ``token_ids[rows_from:]`` (None: no rows)."""
+    return the logits at ``token_ids[rows_from:]`` (None: no rows); ``steps_from``: under
+    ``exact``, ``token_ids[steps_from:]`` are written in the layout of rows, as the steps that
+    generated them wrote them, not as a prompt (a reopened session's history)."""
 
     seq: int
     start: int
     token_ids: list[int]
     rows_from: int | None = None
+    steps_from: int | None = None
 
 
 def is_gguf(spec: str) -> bool:
@@ -514,9 +517,10 @@ class LlamaModel:
 
 
 def _prompt_length(segment: Segment) -> int:
-    """The tokens at the front of ``segment`` that ask for no row: its prompt."""
-    return len(segment.token_ids) if segment.rows_from is None else min(
-        segment.rows_from, len(segment.token_ids))
+    """The tokens at the front of ``segment`` that ask for no row and were not written by
+    steps: its prompt."""
+    ends = [len(segment.token_ids), segment.rows_from, segment.steps_from]
+    return min(end for end in ends if end is not None)
 
 
 def _aligned(written: list[Token], size: int) -> list[list[Token]]:

@@ -111,7 +111,8 @@ class LlamaCppEngine(PoolSlots, BatchForward):
             raise ValueError("the llama-cpp engine runs causal chains only")
         rows = self.model.decode([
             Segment(item.slot, item.start, item.token_ids,
-                    item.keep_from if item.keep_logits else None) for item in items])
+                    item.keep_from if item.keep_logits else None, item.steps_from)
+            for item in items])
         return [None if block is None else torch.from_numpy(block) for block in rows]
 
     def keep_path(self, slot: int, root: int, path: list[int]) -> None:
