@@ -8,10 +8,9 @@
   (one block), commit, until ``max_new_tokens``, EOS or the context limit. The policy
   (``policy.py``) chooses each block's shape and learns from its outcome.
 
-Terms (as in ``shared/protocol/sampling.py``): *accepted* drafts passed the ratio test, the
-*recovered*
-token is drawn from norm(max(0, p - q)) at the first rejection, the *bonus* token from p after a
-fully accepted block; output tokens per block = accepted + 1.
+Terms (as in ``shared/protocol/acceptance.py``): *accepted* drafts passed the ratio test, the
+*recovered* token is drawn from norm(max(0, p - q)) at the first rejection, the *bonus* token
+from p after a fully accepted block; output tokens per block = accepted + 1.
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from drafter_client.policy import BlockOutcome, BlockPlan, BlockPolicy
 from drafter_client.reply_checks import check_reply, check_verdict
 from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
 from shared.engines.drafter import Draft, Drafter
-from shared.protocol.acceptance.rule import Block, recover_token
+from shared.protocol.acceptance import Block, recover_token
 from shared.protocol.sampling import SamplingConfig, draw_uniforms
 from shared.protocol.schema import (
     CreateSessionRequest,

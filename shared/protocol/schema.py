@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # torch loads where a tensor is made, not with the schema (th
     # its flags against these models before it loads torch)
     import torch
 
-    from shared.protocol.acceptance.rule import Block, Verdict
+    from shared.protocol.acceptance import Block, Verdict
     from shared.protocol.sampling import SamplingConfig
 
 PROTOCOL_VERSION = 1
@@ -150,7 +150,7 @@ class VerifyRequest(_Strict):
 
     def block(self, config: SamplingConfig) -> Block:
         """The block this request carries, under its session's sampling ``config``."""
-        from shared.protocol.acceptance.rule import Block
+        from shared.protocol.acceptance import Block
 
         return Block(self.draft_ids, self.draft_logprobs, self.log_uniforms, self.final_uniform,
                      config, self.position, self.tree_parents, self.return_top_ids)
