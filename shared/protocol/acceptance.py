@@ -218,28 +218,30 @@ def recover_token(
     return sample_from_probs(residual_probs(target_row, draft_row), final_uniform)
 
 
-def accepted_by_rule(block: Block, target_logprobs: torch.Tensor | None,
-                     target_argmax: list[int] | None) -> tuple[int, list[int] | None]:
-    """The rule applied to ``block`` and the scores its verdict carries (what the client gets
-    back: the target's log p of every draft when sampling, its choice at every row in the
-    deterministic modes): (the number accepted, a tree's accepted path)."""
-    config = block.config
-    if block.tree_parents is not None:
-        path, _ = accept_tree(
-            block.tree_parents, block.draft_ids,
-            None if config.deterministic else block.log_uniforms,
-            None if config.deterministic or target_logprobs is None
-            else target_logprobs.tolist(),
-            target_argmax if config.deterministic else None)
-        return len(path), path
-    ids = torch.tensor(block.draft_ids, dtype=torch.long)  # [k]
+def accepted_by_rule(block: Block,
+                     verdict: Verdict) -> tuple[int, list[int] | None, int | None]:
+    """The rule applied to ``block`` and the scores ``verdict`` carries (the target's log p of
+    every draft when sampling, its choice at every row in the deterministic modes): (the number
+    accepted, a tree's accepted path, and in the deterministic modes the next token - the
+    target's choice where the walk stopped; None when sampling, where it is a draw)."""
+    config, argmax = block.config, verdict.target_argmax
     if config.deterministic:
-        return accept_greedy(ids, torch.tensor(target_argmax or [], dtype=torch.long)), None
-    scores = target_logprobs if target_logprobs is not None else torch.empty(0)
+        assert argmax is not None
+        if block.tree_parents is not None:
+            path, _ = accept_tree(block.tree_parents, block.draft_ids, None,
+                                  target_argmax=argmax.tolist())
+            return len(path), path, int(argmax[path[-1] + 1 if path else 0].item())
+        accepted = accept_greedy(torch.tensor(block.draft_ids, dtype=torch.long), argmax)
+        return accepted, None, int(argmax[accepted].item())
+    scores = verdict.target_logprobs if verdict.target_logprobs is not None else torch.empty(0)
+    if block.tree_parents is not None:
+        path, _ = accept_tree(block.tree_parents, block.draft_ids, block.log_uniforms,
+                              scores.tolist())
+        return len(path), path, None
     draft_lp = (torch.tensor(block.draft_logprobs, dtype=torch.float64)
                 if block.draft_logprobs is not None else None)
     return accept_drafts(scores, draft_lp,
-                         torch.tensor(block.log_uniforms, dtype=torch.float64)), None
+                         torch.tensor(block.log_uniforms, dtype=torch.float64)), None, None
 
 
 # -- 4. token trees ----------------------------------------------------------------------------

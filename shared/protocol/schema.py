@@ -259,6 +259,22 @@ class VerifyResponse(_Strict):
             position=position, forward_ms=forward_ms, top_ids=verdict.top_ids,
             accepted_path=verdict.path)
 
+    def verdict(self, vocab_size: int) -> Verdict:
+        """The verdict this reply carries (the inverse of :meth:`of`); ValueError for a row that
+        is not a distribution over ``vocab_size`` ids."""
+        import torch
+
+        from shared.protocol.acceptance import Verdict
+
+        return Verdict(
+            self.num_accepted,
+            decode_logprobs(self.target_logprobs) if self.target_logprobs is not None else None,
+            (torch.tensor(self.target_argmax, dtype=torch.long)
+             if self.target_argmax is not None else None),
+            self.next_token,
+            self.row.decode(vocab_size) if self.row is not None else None,
+            self.accepted_path, self.top_ids)
+
 
 class GenerateRequest(_Strict):
     protocol_version: Count = PROTOCOL_VERSION
