@@ -1,13 +1,13 @@
 """What the loop reads from a verify reply, checked before it is used: the reply's shape against
-the request (:func:`check_reply`), and the verdict against the client's own copy of the
-acceptance rule (:func:`check_verdict`). A verifier (or anything at its URL) that answers
-nonsense is one clear error, never an IndexError or a silent wrong token."""
+the request (:func:`check_reply`), then the verdict it carries against the acceptance rule
+(:func:`check_verdict`); :func:`read_verdict` does both. A verifier (or anything at its URL)
+that answers nonsense is one clear error, never an IndexError or a silent wrong token."""
 
 from __future__ import annotations
 
 from drafter_client.transport import SpecDecError
-from shared.protocol.acceptance import Block, accepted_by_rule
-from shared.protocol.schema import InfoResponse, VerifyRequest, VerifyResponse, decode_logprobs
+from shared.protocol.acceptance import Block, Verdict, accepted_by_rule
+from shared.protocol.schema import InfoResponse, VerifyRequest, VerifyResponse
 
 
 def _tree_problem(reply: VerifyResponse, req: VerifyRequest) -> str | None:
@@ -81,17 +81,36 @@ def check_reply(reply: VerifyResponse, req: VerifyRequest, greedy: bool,
         raise SpecDecError(f"the verifier sent an invalid reply: {problem}")
 
 
-def check_verdict(reply: VerifyResponse, block: Block) -> int:
-    """The acceptance rule (``shared.protocol.acceptance``), applied here to the reply's scores,
-    must
-    give the verifier's verdict on ``block``."""
-    scores = (None if block.config.deterministic
-              else decode_logprobs(reply.target_logprobs or []))
-    accepted, path = accepted_by_rule(block, scores, reply.target_argmax)
-    if block.tree_parents is not None and path != reply.accepted_path:
-        raise SpecDecError(f"verifier accepted the path {reply.accepted_path} where the "
+def check_verdict(verdict: Verdict, block: Block) -> int:
+    """The verdict must follow from the scores it carries by the acceptance rule
+    (``shared.protocol.acceptance``): the number accepted, a tree's path, and in the
+    deterministic modes the next token. Returns the number accepted."""
+    # Why the client decides again: the verifier alone holds the target, so the scores it sends
+    # are the client's only hold on it. A verdict that does not follow from them (a verifier on
+    # another version of the rule, a bug, a reply altered on the way) would bias the output
+    # without a trace; k comparisons catch it. A sampled bonus or recovered token is a draw the
+    # client cannot redo without the target's row, so it is taken as sent.
+    accepted, path, next_token = accepted_by_rule(block, verdict)
+    if block.tree_parents is not None and path != verdict.path:
+        raise SpecDecError(f"verifier accepted the path {verdict.path} where the "
                            f"acceptance rule gives {path}: protocol mismatch")
-    if accepted != reply.num_accepted:
-        raise SpecDecError(f"verifier accepted {reply.num_accepted} drafts where the acceptance "
-                           f"rule gives {accepted}: protocol mismatch")
+    if accepted != verdict.num_accepted:
+        raise SpecDecError(f"verifier accepted {verdict.num_accepted} drafts where the "
+                           f"acceptance rule gives {accepted}: protocol mismatch")
+    if next_token is not None and next_token != verdict.next_token:
+        raise SpecDecError(f"verifier drew {verdict.next_token} where the target's choice is "
+                           f"{next_token}: protocol mismatch")
     return accepted
+
+
+def read_verdict(reply: VerifyResponse, req: VerifyRequest, block: Block,
+                 info: InfoResponse) -> Verdict:
+    """The verdict ``reply`` carries on ``block`` (sent as ``req``), checked: its shape, its
+    row, and the rule."""
+    check_reply(reply, req, block.config.deterministic, info)
+    try:
+        verdict = reply.verdict(info.vocab_size)
+    except ValueError as exc:
+        raise SpecDecError(f"the verifier sent an invalid reply: row: {exc}") from exc
+    check_verdict(verdict, block)
+    return verdict

@@ -8,10 +8,9 @@
   (one block), commit, until ``max_new_tokens``, EOS or the context limit. The policy
   (``policy.py``) chooses each block's shape and learns from its outcome.
 
-Terms (as in ``shared/protocol/sampling.py``): *accepted* drafts passed the ratio test, the
-*recovered*
-token is drawn from norm(max(0, p - q)) at the first rejection, the *bonus* token from p after a
-fully accepted block; output tokens per block = accepted + 1.
+Terms (as in ``shared/protocol/acceptance.py``): *accepted* drafts passed the ratio test, the
+*recovered* token is drawn from norm(max(0, p - q)) at the first rejection, the *bonus* token
+from p after a fully accepted block; output tokens per block = accepted + 1.
 """
 
 from __future__ import annotations
@@ -27,10 +26,10 @@ import torch
 from drafter_client.draft_length import DraftLength, FixedLength
 from drafter_client.metrics import GenerationMetrics, MetricsRecorder
 from drafter_client.policy import BlockOutcome, BlockPlan, BlockPolicy
-from drafter_client.reply_checks import check_reply, check_verdict
+from drafter_client.reply_checks import read_verdict
 from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
 from shared.engines.drafter import Draft, Drafter
-from shared.protocol.acceptance.rule import Block, recover_token
+from shared.protocol.acceptance import Block, recover_token
 from shared.protocol.sampling import SamplingConfig, draw_uniforms
 from shared.protocol.schema import (
     CreateSessionRequest,
@@ -207,38 +206,34 @@ def speculative_block(session: VerifierSession, drafter: Drafter, plan: BlockPla
         in_flight.work(draft)
         reply = call.result()
     t2 = time.perf_counter()
-    check_reply(reply, req, config.deterministic, info)
-    accepted = check_verdict(reply, block)
+    verdict = read_verdict(reply, req, block, info)  # its shape, its row, the rule
+    accepted = verdict.num_accepted
     # 4. The recovered or bonus token: drawn by the verifier when it could, else here from
     #    norm(max(0, p_j - q_j)) with p_j from the reply and our own q_j.
-    if reply.next_token is not None:
-        next_token = reply.next_token
-    elif reply.row is not None and draft.probs is not None:
-        try:
-            row = reply.row.decode(info.vocab_size)  # [vocab]
-        except ValueError as exc:
-            raise SpecDecError(f"the verifier sent an invalid reply: row: {exc}") from exc
-        next_token = recover_token(row, draft.probs[accepted], float(uniforms[k]))
+    if verdict.next_token is not None:
+        next_token = verdict.next_token
+    elif verdict.row is not None and draft.probs is not None:
+        next_token = recover_token(verdict.row, draft.probs[accepted], float(uniforms[k]))
     else:
         raise SpecDecError("the verifier sent an invalid reply: a row for a one-hot draft")
     # 5. Output: accepted drafts (a tree: along the accepted path) + one token, cut after an EOS.
-    path = reply.accepted_path if draft.parents is not None else list(range(accepted))
+    path = verdict.path if draft.parents is not None else list(range(accepted))
     assert path is not None
     tokens = [*(draft.ids[node] for node in path), next_token, *(reply.more_tokens or [])]
     eos_at = next((i for i, t in enumerate(tokens) if t in info.eos_token_ids), None)
     if eos_at is not None:
         tokens = tokens[: eos_at + 1]
     # 6. NASD filler: the target's top ids at every position it scored on the kept path.
-    if reply.top_ids is not None:
+    if verdict.top_ids is not None:
         kept = [draft.ids[node] for node in path]
         scored = [0, *(node + 1 for node in path)]  # row 0 follows the root, row i + 1 node i
         for i, at in enumerate(scored):
-            drafter.observe_top_k([*session.committed, *kept[:i]], reply.top_ids[at])
+            drafter.observe_top_k([*session.committed, *kept[:i]], verdict.top_ids[at])
     return BlockOutcome(draft.ids, accepted, tokens, eos_at is not None,
                         drafting_s=t1 - t0, round_trip_s=t2 - t1,
                         verifier_s=reply.forward_ms / 1e3,
                         depth=draft.depth,
-                        parents=draft.parents, accepted_path=reply.accepted_path,
+                        parents=draft.parents, accepted_path=verdict.path,
                         drafted_ahead=drafted is not None,
                         draft_price_s=reply.load.draft_price_ms / 1e3 if reply.load else 0.0)
 

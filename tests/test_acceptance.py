@@ -1,7 +1,6 @@
-"""The batched device acceptance (shared/protocol/acceptance/batched.py) gives the host path's
-results
-bit for bit: the same accepted counts, next tokens, log p_i(x_i) and rows, for every mix of
-greedy and sampled jobs, one-hot and model drafts, top-k / top-p, in one batch."""
+"""The batched device acceptance (``decide`` in shared/protocol/acceptance.py) gives the host
+path's results bit for bit: the same accepted counts, next tokens, log p_i(x_i) and rows, for
+every mix of greedy and sampled jobs, one-hot and model drafts, top-k / top-p, in one batch."""
 
 from __future__ import annotations
 
@@ -10,10 +9,8 @@ import random
 import pytest
 import torch
 
-from shared.protocol.acceptance.batched import decide
-from shared.protocol.acceptance.rule import Block, verify_block
-from shared.protocol.logits import process_rows
-from shared.protocol.sampling import SamplingConfig, process_logits
+from shared.protocol.acceptance import Block, decide, verify_block
+from shared.protocol.sampling import SamplingConfig, process_logits, process_rows
 
 VOCAB = 50
 

@@ -29,8 +29,7 @@ import pytest
 import torch
 
 import drafter_client.speculative as speculative
-import shared.protocol.acceptance.batched as acceptance
-import shared.protocol.acceptance.rule as rule
+import shared.protocol.acceptance as acceptance
 import shared.protocol.sampling as sampling
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
@@ -181,7 +180,7 @@ def test_negative_control_fresh_resample_for_one_hot_drafts(
     verifier's batched device acceptance and in its host path."""
     monkeypatch.setattr(verifier.engine, "acceptance", path)
     if path == "host":
-        monkeypatch.setattr(rule, "residual_without_token", lambda probs, token: probs)
+        monkeypatch.setattr(acceptance, "residual_without_token", lambda probs, token: probs)
     else:
         monkeypatch.setattr(acceptance, "remove_rejected", lambda weights, tokens: weights)
     client = model_free_client(verifier, "ngram-simple", tiny_models)
@@ -241,7 +240,7 @@ def test_distribution_holds_with_concurrent_clients(server: LiveServer,
 
 
 # Token trees (one-hot candidates, several per position) and hybrid drafting. The tree's
-# children are tested one after another without replacement (shared/protocol/sampling.py); the
+# children are tested one after another without replacement (shared/protocol/acceptance.py); the
 # naive rule
 # - every child tested against the untouched p - must fail the same test. Trees, the hybrid and
 # drafting ahead are the model drafters' common code (``LMDrafter``): these draw with the
@@ -313,7 +312,7 @@ def test_trees_and_hybrid_follow_the_target(name: str, verifier: InProcessVerifi
 def naive_accept_tree(parents, draft_ids, log_uniforms, node_logprobs=None,  # type: ignore[no-untyped-def]
                       target_argmax=None):
     """The wrong multi-draft rule: each child tested against the untouched p."""
-    children = rule.tree_children(parents)
+    children = acceptance.tree_children(parents)
     path, here = [], -1
     while True:
         rejected = []
@@ -329,7 +328,8 @@ def naive_accept_tree(parents, draft_ids, log_uniforms, node_logprobs=None,  # t
 def test_negative_control_naive_tree_rule(verifier: InProcessVerifier,
                                           tiny_models: dict[str, Path],
                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rule, "accept_tree", naive_accept_tree)  # one rule: verifier and client
+    # one rule: the verifier and the client
+    monkeypatch.setattr(acceptance, "accept_tree", naive_accept_tree)
     options, params, _ = TREES["tree3,T=1"]
     client = tree_client(verifier, options, tiny_models)
     exact = exact_pair_distribution(tiny_models["peaky-target"], params,

@@ -1,6 +1,7 @@
 """A verify reply is checked before the loop reads it (drafter_client/reply_checks.py): every
 field that does not fit the request is one clear SpecDecError naming it, and a reply that fits
-passes. Each case below breaks one thing in an otherwise valid reply."""
+passes; the verdict it carries must follow from its own scores by the acceptance rule. Each case
+below breaks one thing in an otherwise valid reply."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from drafter_client.reply_checks import check_reply, check_verdict
+from drafter_client.reply_checks import check_reply, check_verdict, read_verdict
 from drafter_client.transport import SpecDecError
-from shared.protocol.acceptance import Block
+from shared.protocol.acceptance import Block, Verdict
 from shared.protocol.sampling import SamplingConfig
 from shared.protocol.schema import PROTOCOL_VERSION, InfoResponse, VerifyRequest, VerifyResponse
 
@@ -75,7 +76,7 @@ def test_a_tree_reply_must_walk_down_the_tree() -> None:
     req = VerifyRequest.of(block, 2, [])
     good = greedy_reply(target_argmax=[3, 4, 5, 1], accepted_path=[0, 1])
     check_reply(good, req, True, INFO)
-    assert check_verdict(good, block) == 2
+    assert check_verdict(good.verdict(INFO.vocab_size), block) == 2
     for path, message in (([0, 2], "is not a path down the tree"), (None, "is missing"),
                           ([0], "has 1 nodes for num_accepted 2")):
         with pytest.raises(SpecDecError, match=message):
@@ -83,15 +84,41 @@ def test_a_tree_reply_must_walk_down_the_tree() -> None:
                         INFO)
 
 
+def verdict_of(reply: VerifyResponse) -> Verdict:
+    return reply.verdict(INFO.vocab_size)
+
+
 def test_a_verdict_against_the_rule_is_a_protocol_mismatch() -> None:
     """The client applies the acceptance rule to the reply's own scores: a verifier that
     accepts a draft its scores reject (or the reverse) is caught, in both modes."""
     greedy = Block([3, 4], None, [-0.5, -0.5], 0.5, GREEDY, 5, None, 0)
-    assert check_verdict(greedy_reply(), greedy) == 2
+    assert check_verdict(verdict_of(greedy_reply()), greedy) == 2
     with pytest.raises(SpecDecError, match="protocol mismatch"):
-        check_verdict(greedy_reply(target_argmax=[3, 7, 5]), greedy)  # the rule gives 1
+        check_verdict(verdict_of(greedy_reply(target_argmax=[3, 7, 5])), greedy)  # rule: 1
     sampled = Block([3, 4], None, [-0.05, -0.5], 0.5, SAMPLED, 5, None, 0)
     # log u = -0.05 < log p = -0.1 fails: the rule accepts none of the drafts
     with pytest.raises(SpecDecError, match="accepted 2 drafts where the acceptance rule gives 0"):
-        check_verdict(sampled_reply(), sampled)
-    assert check_verdict(sampled_reply(num_accepted=0, position=6), sampled) == 0
+        check_verdict(verdict_of(sampled_reply()), sampled)
+    assert check_verdict(verdict_of(sampled_reply(num_accepted=0, position=6)), sampled) == 0
+
+
+def test_a_greedy_next_token_must_be_the_targets_choice() -> None:
+    """In the deterministic modes the next token follows from the scores too: the argmax where
+    the block stopped (a chain's, and a tree's)."""
+    greedy = Block([3, 4], None, [-0.5, -0.5], 0.5, GREEDY, 5, None, 0)
+    with pytest.raises(SpecDecError, match="verifier drew 6 where the target's choice is 5"):
+        check_verdict(verdict_of(greedy_reply(next_token=6)), greedy)
+    tree = Block([3, 4, 6], None, [-0.5] * 3, 0.5, GREEDY, 5, [-1, 0, -1], 0)
+    stopped = greedy_reply(target_argmax=[3, 4, 5, 1], accepted_path=[0, 1], next_token=1)
+    with pytest.raises(SpecDecError, match="verifier drew 1 where the target's choice is 5"):
+        check_verdict(verdict_of(stopped), tree)
+
+
+def test_read_verdict_checks_the_shape_then_the_rule() -> None:
+    block = Block([3, 4], None, [-0.5, -0.5], 0.5, GREEDY, 5, None, 0)
+    req = VerifyRequest.of(block, 2, [])
+    assert read_verdict(greedy_reply(), req, block, INFO).num_accepted == 2
+    with pytest.raises(SpecDecError, match="invalid reply: num_accepted 3 for 2 drafts"):
+        read_verdict(greedy_reply(num_accepted=3, position=9), req, block, INFO)
+    with pytest.raises(SpecDecError, match="protocol mismatch"):
+        read_verdict(greedy_reply(target_argmax=[3, 7, 5]), req, block, INFO)

@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared.protocol.acceptance.rule import verify_block
+from shared.protocol.acceptance import verify_block
 from shared.protocol.sampling import SamplingConfig, process_logits, sample_from_probs
 from shared.protocol.schema import EncodedRow, SamplingParams, encode_logprobs
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from shared.protocol.acceptance.rule import (
+from shared.protocol.acceptance import (
     accept_drafts,
     accept_greedy,
     recover_token,

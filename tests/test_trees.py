@@ -13,7 +13,7 @@ import torch
 from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
 from shared.engines.drafter import Draft, TreeBuilder
-from shared.protocol.acceptance.rule import accept_tree, tree_depths, verify_tree
+from shared.protocol.acceptance import accept_tree, tree_depths, verify_tree
 from shared.protocol.sampling import SamplingConfig
 from tests.support.tiny_models import hf_greedy
 

@@ -57,8 +57,7 @@ from shared.engines.transformers.drafter import HFDrafter
 from shared.engines.transformers.pooled_drafter import PooledDrafter
 from shared.engines.transformers.target import CausalEngine
 from shared.models.catalog import load_causal_lm, load_tokenizer, pick_dtype
-from shared.protocol.acceptance.batched import decide
-from shared.protocol.acceptance.rule import Block
+from shared.protocol.acceptance import Block, decide
 from shared.protocol.sampling import SamplingConfig
 from shared.protocol.schema import CreateSessionRequest, GenerateRequest, VerifyRequest
 from tests.support.tiny_models import build_tokenizer

@@ -39,7 +39,7 @@ from shared.engines.target import ForwardItem, Step
 from shared.engines.transformers.kv_pool import attention_kernels
 from shared.engines.transformers.target import CausalEngine
 from shared.models.catalog import load_causal_lm, load_tokenizer
-from shared.protocol.acceptance.rule import Block
+from shared.protocol.acceptance import Block
 from shared.protocol.sampling import SamplingConfig
 from shared.protocol.transfer import Upload
 from tests.support.tiny_models import build_tokenizer, save_perturbed

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from shared.protocol.acceptance.rule import tree_depths
+from shared.protocol.acceptance import tree_depths
 from shared.protocol.sampling import (
     SamplingConfig,
     choose_tokens,
@@ -63,7 +63,7 @@ class Draft:
     logprobs: torch.Tensor | None  # [k] log q_i(x_i); None for deterministic (one-hot) drafts
     probs: torch.Tensor | None  # [k, vocab] processed q rows; None for deterministic drafts
     # A token tree instead of a chain: each draft's parent (-1: the last committed token; see
-    # shared/protocol/sampling.py); tree drafts are one-hot (logprobs and probs None).
+    # shared/protocol/acceptance.py); tree drafts are one-hot (logprobs and probs None).
     parents: list[int] | None = None
 
     def limited(self, max_depth: int, max_nodes: int) -> Draft:

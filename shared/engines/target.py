@@ -25,8 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
-from shared.protocol.acceptance.batched import decide
-from shared.protocol.acceptance.rule import Block, Verdict
+from shared.protocol.acceptance import Block, Verdict, decide
 from shared.protocol.schema import StepLoad
 
 VERIFY_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # drafts per block timed at start (``verify_ms``)

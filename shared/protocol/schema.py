@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # torch loads where a tensor is made, not with the schema (th
     # its flags against these models before it loads torch)
     import torch
 
-    from shared.protocol.acceptance.rule import Block, Verdict
+    from shared.protocol.acceptance import Block, Verdict
     from shared.protocol.sampling import SamplingConfig
 
 PROTOCOL_VERSION = 1
@@ -157,7 +157,7 @@ class VerifyRequest(_Strict):
 
     def block(self, config: SamplingConfig) -> Block:
         """The block this request carries, under its session's sampling ``config``."""
-        from shared.protocol.acceptance.rule import Block
+        from shared.protocol.acceptance import Block
 
         return Block(self.draft_ids, self.draft_logprobs, self.log_uniforms, self.final_uniform,
                      config, self.position, self.tree_parents, self.return_top_ids)
@@ -265,6 +265,22 @@ class VerifyResponse(_Strict):
             row=EncodedRow.encode(verdict.row) if verdict.row is not None else None,
             position=position, forward_ms=forward_ms, top_ids=verdict.top_ids,
             accepted_path=verdict.path)
+
+    def verdict(self, vocab_size: int) -> Verdict:
+        """The verdict this reply carries (the inverse of :meth:`of`); ValueError for a row that
+        is not a distribution over ``vocab_size`` ids."""
+        import torch
+
+        from shared.protocol.acceptance import Verdict
+
+        return Verdict(
+            self.num_accepted,
+            decode_logprobs(self.target_logprobs) if self.target_logprobs is not None else None,
+            (torch.tensor(self.target_argmax, dtype=torch.long)
+             if self.target_argmax is not None else None),
+            self.next_token,
+            self.row.decode(vocab_size) if self.row is not None else None,
+            self.accepted_path, self.top_ids)
 
 
 class GenerateRequest(_Strict):

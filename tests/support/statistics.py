@@ -19,7 +19,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-import shared.protocol.acceptance.rule as rule
+import shared.protocol.acceptance as rule
 from drafter_client import SpecDecClient
 from shared.models.catalog import load_causal_lm
 from tests.support.in_process import CallGroup, InProcessVerifier
@@ -86,9 +86,8 @@ def pair_cells(first: torch.Tensor, second: torch.Tensor,
 
 def accept_everything(monkeypatch: Any) -> None:
     """A deliberately wrong acceptance rule (every draft passes the ratio test): the negative
-    control the tests must catch. The rule is written once
-    (``shared/protocol/acceptance/rule.py``), so
-    one patch changes it in the verifier's batched path, its reference path and the client's
+    control the tests must catch. The rule is written once (``shared/protocol/acceptance.py``),
+    so one patch changes it in the verifier's batched path, its reference path and the client's
     re-check alike."""
     monkeypatch.setattr(rule, "ratio_test",
                         lambda target_lp, draft_lp, log_u: torch.ones_like(log_u, dtype=torch.bool))

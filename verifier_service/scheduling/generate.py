@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.engines.target import ForwardItem, Step, StepResult
-from shared.protocol.acceptance.rule import Block
+from shared.protocol.acceptance import Block
 from shared.protocol.sampling import draw_uniforms
 from shared.protocol.schema import (
     CreateSessionRequest,

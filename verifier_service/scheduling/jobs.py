@@ -201,11 +201,11 @@ class VerifyJob:
                       busy | {self.session_key})
         prefill = (ForwardItem(session.slot, 0, session.pending, keep_logits=False,
                                steps_from=session.steps_from) if session.pending else None)
+        block = req.block(session.config)  # the request is its codec: read once, here
         return Step(
-            ForwardItem(session.slot, session.position - 1, [req.last_token, *req.draft_ids],
-                        keep_logits=True, tree_parents=req.tree_parents),
-            req.block(session.config),
-            prefill)
+            ForwardItem(session.slot, session.position - 1, [req.last_token, *block.draft_ids],
+                        keep_logits=True, tree_parents=block.tree_parents),
+            block, prefill)
 
     def finish(self, result: StepResult) -> VerifyResponse:
         if self.replay is not None:

@@ -15,7 +15,7 @@ import torch
 from shared.engines.target import ForwardItem
 from shared.engines.transformers.graphs import Shaped, StaticForwards
 from shared.engines.transformers.kv_pool import KVPool, RaggedBatch, Segment
-from shared.protocol.acceptance.rule import tree_depths
+from shared.protocol.acceptance import tree_depths
 from shared.protocol.transfer import Upload
 
 
