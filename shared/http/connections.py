@@ -137,9 +137,13 @@ class GuardedH11Protocol(HeadGuard, H11Protocol):
 if HttpToolsProtocol is not None:
     class GuardedHttpToolsProtocol(HeadGuard, HttpToolsProtocol):  # type: ignore[misc,valid-type]
         _head_bytes = 0
+        # from a head's end to its message's end: bytes arriving then are a body's, even after
+        # the answer (a 413 sent on the Content-Length alone, the body still coming), never
+        # the next head's
+        _in_body = False
 
         def data_received(self, data: bytes) -> None:
-            waiting = self._head_timer is not None
+            waiting = self._head_timer is not None and not self._in_body
             if waiting:
                 self._head_bytes += len(data)
             super().data_received(data)
@@ -150,6 +154,11 @@ if HttpToolsProtocol is not None:
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
             self._disarm()
+            self._in_body = True
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._in_body = False
 
         def _arm(self) -> None:
             super()._arm()
