@@ -178,6 +178,38 @@ class Engine(Protocol):
         """Engine-specific counts for ``/metrics`` (e.g. static-shape replays)."""
 
 
+# The most prompt tokens one forward writes: a longer prompt is written ahead in pieces of this
+# many (cut at absolute positions that are multiples of it, so a prompt is cut in the same
+# places however it comes: llama.cpp's exact prompts are cut at multiples of 512), bounding a
+# forward's activations whatever the prompt's length.
+PREFILL_CHUNK = 2048
+
+
+def written_ahead(item: ForwardItem, chunk: int = PREFILL_CHUNK
+                  ) -> tuple[list[ForwardItem], ForwardItem]:
+    """The prompt pieces of ``item`` to write first, each alone in a forward, and what is left
+    of it: the tokens before its first kept row, cut at multiples of ``chunk``. Trees and
+    encoder inputs are left whole."""
+    head = item.keep_from if item.keep_logits else len(item.token_ids)
+    if item.tree_parents or item.encoder_ids is not None:
+        return [], item
+    cut = (item.start + head) // chunk * chunk - item.start  # the last cut before the rows
+    if cut < chunk:
+        return [], item
+    pieces, at, steps = [], 0, item.steps_from
+    while at < cut:
+        end = min(cut, (item.start + at) // chunk * chunk + chunk - item.start)
+        pieces.append(ForwardItem(item.slot, item.start + at, item.token_ids[at:end], False,
+                                  steps_from=None if steps is None or steps >= end
+                                  else max(0, steps - at)))
+        at = end
+    rest = replace(item, start=item.start + cut, token_ids=item.token_ids[cut:],
+                   keep_from=max(0, item.keep_from - cut),
+                   steps_from=None if item.steps_from is None
+                   else max(0, item.steps_from - cut))
+    return pieces, rest
+
+
 def needs_forward(item: ForwardItem) -> bool:
     """New tokens, or a new encoder-decoder session's encoder input."""
     return bool(item.token_ids) or item.encoder_ids is not None
@@ -250,6 +282,7 @@ class BatchForward:
     the reference path)."""
 
     acceptance = "device"
+    prefill_chunk = PREFILL_CHUNK  # the most prompt tokens one forward writes
     info: ModelInfo
 
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
@@ -263,6 +296,7 @@ class BatchForward:
         raise NotImplementedError
 
     def run(self, steps: list[Step]) -> list[StepResult]:
+        steps = [self._write_long_prompts(step) for step in steps]
         # A step's prefill goes just before its item: every layer writes all new keys and values
         # into their slots before any segment attends, so the item sees them.
         items = [item for step in steps
@@ -288,6 +322,23 @@ class BatchForward:
                 self.keep_path(item.slot, item.start, verdict.path)
             results[j] = StepResult(verdict=verdict)
         return results
+
+    def _write_long_prompts(self, step: Step) -> Step:
+        """A prompt longer than PREFILL_CHUNK is written ahead, a piece per forward; the step
+        keeps the rest (memory bounded whatever the prompt's length)."""
+        pieces: list[ForwardItem] = []
+        prefill = step.prefill
+        if prefill is not None:
+            pieces, prefill = written_ahead(prefill, self.prefill_chunk)
+            if pieces and not prefill.token_ids:
+                prefill = None
+        item = step.item
+        if prefill is None:  # else the item follows the prefill's last piece, as it is
+            ahead, item = written_ahead(item, self.prefill_chunk)
+            pieces += ahead
+        for piece in pieces:
+            self.forward([piece])
+        return step if not pieces else replace(step, prefill=prefill, item=item)
 
     def warm_up_and_time(self, key: str) -> None:
         """One small forward on a free slot (buffers allocated before the first client), then
