@@ -76,7 +76,11 @@ FROM base AS runtime
 # The builds' CA bundle (with deploy/build-extra/ca/*.crt where given): the models service's pip
 # downloads through the same proxy as the build.
 COPY --from=trusted /etc/ssl/certs/ca-certificates.crt /etc/ssl/certs/ca-certificates.crt
-RUN useradd --create-home --uid 10001 specdec && mkdir /models && chown specdec /models
+# /models: what specdec-fetch fetched (compose mounts it read-only but for its models service);
+# /var/cache/specdec: what the verifier measured (a volume of its own in compose). Compose runs
+# every container on a read-only root: nothing else here is written.
+RUN useradd --create-home --uid 10001 specdec && mkdir /models /var/cache/specdec \
+    && chown specdec /models /var/cache/specdec
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PIP_CERT=/etc/ssl/certs/ca-certificates.crt \

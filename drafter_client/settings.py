@@ -93,6 +93,11 @@ class GatewaySettings:
     max_waiting: int = 64  # admitted requests waiting for a worker; beyond: 429
     chat_template: str | None = None  # overrides the tokenizer's
     api_key: str | None = None  # clients must send it as a Bearer token
+    # Host names served beyond the loopback names and the bind address ("name" any port,
+    # "name:port"; "*": any); bound to 0.0.0.0 with none set, any Host (shared/http/cross_site.py)
+    allowed_hosts: tuple[str, ...] = ()
+    # Origins whose pages may call the API (CORS); none: no CORS headers at all
+    cors_origins: tuple[str, ...] = ()
     completion_max_tokens: int = 16  # OpenAI's default max_tokens for /v1/completions
     # shared/http/limits.py: larger bodies get 413, slower bodies 408, slower heads 408 and
     # close, idle keep-alive connections close

@@ -64,7 +64,7 @@ def test_services_keep_their_promises(compose: dict[str, Any]) -> None:
     assert "/readyz" in " ".join(probe)
     assert not any(" " in arg for arg in probe)  # Podman's API splits arguments on spaces
     assert verifier["depends_on"]["models"]["condition"] == "service_completed_successfully"
-    assert "models:/models" in verifier["volumes"] and "models" in compose["volumes"]
+    assert "models:/models:ro" in verifier["volumes"] and "models" in compose["volumes"]
     assert verifier["restart"] == "unless-stopped"
     # what a deployer sets: engine, threads, context, KV budget, API keys, quotas
     for name in ("MODEL", "ENGINE", "KERNELS", "DTYPE", "DEVICE", "THREADS", "PORT",
@@ -104,3 +104,77 @@ def test_build_arguments_are_the_dockerfiles(compose: dict[str, Any]) -> None:
             assert set(service["build"]["args"]) <= declared, name
     llama = dockerfile.split("AS llama", 1)[1].split("\nFROM ", 1)[0]
     assert 'CMAKE_ARGS="${LLAMA_CMAKE_ARGS}"' in llama and "scripts.llama_build wheel" in llama
+
+
+# -- closed by default ---------------------------------------------------------------------
+
+WRITES_MODELS = {"models", "models-gpu"}  # specdec-fetch fills /models; nothing else writes it
+
+
+def test_every_port_is_published_on_loopback_only(compose: dict[str, Any]) -> None:
+    published = {name: service["ports"] for name, service in compose["services"].items()
+                 if "ports" in service}
+    assert set(published) == {"verifier", "verifier-gpu", "gateway", "lb"}
+    for name, ports in published.items():
+        for port in ports:
+            assert isinstance(port, str) and port.startswith("127.0.0.1:"), (name, port)
+    raw = (ROOT / "docker-compose.yml").read_text()
+    # one variable opens them all, and replicas keep the address with ephemeral host ports
+    assert raw.count("${SPECDEC_BIND:-127.0.0.1}:") == len(published)
+    [spec] = yaml.safe_load(raw)["services"]["verifier"]["ports"]
+    replicas = VARIABLE.sub(lambda m: {"SPECDEC_VERIFIER_PUBLISH": ":8000"}.get(
+        m.group(1), m.group(2) or ""), spec)
+    assert replicas == "127.0.0.1::8000"  # docs/deploy.md's scale-out: ephemeral host ports
+
+
+def test_models_is_read_only_but_where_it_is_fetched(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        mounts = [v for v in service.get("volumes", []) if v.split(":")[1] == "/models"]
+        if name in WRITES_MODELS:
+            assert mounts == ["models:/models"], name
+        elif name != "lb":  # nginx mounts no models
+            assert mounts == ["models:/models:ro"], name
+    # what the verifier measures lives in a volume only the verifiers mount
+    for name, service in compose["services"].items():
+        measured = "measurements:/var/cache/specdec" in service.get("volumes", [])
+        assert measured == name.startswith("verifier"), name
+        if measured:
+            assert all(service["environment"][f"SPECDEC_{v}"].startswith("/var/cache/specdec/")
+                       for v in ("VERIFY_COSTS", "DTYPE_CACHE", "LLAMA_AMX_CACHE"))
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "chown specdec /models /var/cache/specdec" in dockerfile
+
+
+def test_every_container_is_locked_down(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        assert service["read_only"] is True, name
+        assert service["cap_drop"] == ["ALL"], name
+        assert service["security_opt"] == ["no-new-privileges:true"], name
+        assert "/tmp" in service["tmpfs"], name
+        assert re.fullmatch(r"[0-9]+[mg]", service["mem_limit"]), name
+    # nginx's master only switches its workers' user and owns their temporary folders
+    assert set(compose["services"]["lb"]["cap_add"]) == {"CHOWN", "SETGID", "SETUID"}
+    assert all("cap_add" not in s for n, s in compose["services"].items() if n != "lb")
+
+
+def test_the_gateway_is_closed_and_keeps_its_key_off_the_command_line(
+        compose: dict[str, Any]) -> None:
+    gateway = compose["services"]["gateway"]
+    assert not any("api-key" in arg for arg in gateway["command"])
+    assert "--serve-api-key" not in (ROOT / "docker-compose.yml").read_text()
+    env = gateway["environment"]
+    assert "SPECDEC_SERVE_API_KEY" in env  # from the environment, where ps does not show it
+    # bound to 0.0.0.0 in its container: the allow-list is what refuses a rebound name
+    assert env["SPECDEC_SERVE_ALLOWED_HOSTS"] == "localhost,127.0.0.1,[::1]"
+    assert env["SPECDEC_SERVE_CORS_ORIGINS"] == ""
+
+
+def test_the_load_balancer_limits_request_rates(compose: dict[str, Any]) -> None:
+    template = (ROOT / "deploy/nginx/specdec.conf.template").read_text()
+    assert "limit_req_zone $binary_remote_addr" in template
+    assert "limit_req zone=" in template and "limit_req_status 429;" in template
+    # every variable the template names is set by compose (or the upstreams script)
+    lb = compose["services"]["lb"]["environment"]
+    named = set(re.findall(r"\$\{([A-Z0-9_]+)\}", template))
+    assert named - set(lb) == {"SPECDEC_UPSTREAMS"}
+    assert int(lb["SPECDEC_LB_RATE"]) >= 100 and int(lb["SPECDEC_LB_BURST"]) >= 100

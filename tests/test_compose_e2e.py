@@ -194,7 +194,7 @@ def test_compose_end_to_end(podman: Podman, images: dict[str, str], models: Path
                 # the replicas once, when it starts)
                 compose("--profile", "openai", "down", timeout=300)
                 compose("--profile", "scale", "up", "-d", "lb",
-                        extra_env={"SPECDEC_REPLICAS": "2", "SPECDEC_VERIFIER_PUBLISH": "8000"})
+                        extra_env={"SPECDEC_REPLICAS": "2", "SPECDEC_VERIFIER_PUBLISH": ":8000"})
                 lb = f"http://127.0.0.1:{ports[2]}"
                 wait_healthy(lb + "/lb-healthz")
                 wait_healthy(lb + "/readyz")

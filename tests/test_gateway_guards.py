@@ -107,7 +107,8 @@ def test_idle_and_slow_request_heads_get_408_and_are_closed(gateway: ThreadedSer
     host, port = "127.0.0.1", gateway.port
     idle = socket.create_connection((host, port))
     slowloris = socket.create_connection((host, port))
-    slowloris.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+    # the head never ends
+    slowloris.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n".encode())
     assert httpx.get(gateway.url + "/health", timeout=10).status_code == 200
     for sock in (idle, slowloris):  # 1 s deadline: answered and closed, not held
         answer = read_all(sock, timeout_s=15)
@@ -119,7 +120,7 @@ def test_idle_and_slow_request_heads_get_408_and_are_closed(gateway: ThreadedSer
 
 def test_an_idle_keep_alive_connection_is_closed(gateway: ThreadedServer) -> None:
     sock = socket.create_connection(("127.0.0.1", gateway.port))
-    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.sendall(f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{gateway.port}\r\n\r\n".encode())
     answer = read_all(sock, timeout_s=15)  # the answer, then the close after 1 s idle
     assert answer.startswith(b"HTTP/1.1 200") and not answer.endswith(STILL_OPEN)
     sock.close()

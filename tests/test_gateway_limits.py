@@ -155,8 +155,9 @@ def test_a_body_that_stalls_gets_408(gateway: ThreadedServer) -> None:
     import socket
 
     with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
-                     b"application/json\r\ncontent-length: 100\r\n\r\n{\"model\": ")
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1:{gateway.port}\r\n"
+                     "content-type: application/json\r\ncontent-length: 100\r\n\r\n"
+                     "{\"model\": ".encode())
         chunks = []
         while chunk := sock.recv(65536):  # the gateway closes the connection after the 408
             chunks.append(chunk)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from drafter_client import SpecDecClient
 from shared.protocol.schema import REPLICA_HEADER, SESSION_HEADER
@@ -26,6 +28,49 @@ ROOT = Path(__file__).resolve().parents[1]
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
 pytestmark = [pytest.mark.nginx,
               pytest.mark.skipif(NGINX is None, reason="nginx is not installed")]
+
+
+def lb_defaults() -> dict[str, str]:
+    """The load balancer's variables as compose sets them, with nothing set here."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    env = compose["services"]["lb"]["environment"]
+    return {name: re.sub(r"\$\{[A-Z0-9_]+:-([^}]*)\}", r"\1", str(value))
+            for name, value in env.items()}
+
+
+def render_site(upstreams: str, listen: str, **values: str) -> str:
+    """deploy/nginx/specdec.conf.template as the image's entrypoint renders it: compose's
+    variables, then ``values`` over them."""
+    site = (ROOT / "deploy/nginx/specdec.conf.template").read_text()
+    variables = {**lb_defaults(), "SPECDEC_UPSTREAMS": upstreams, "SPECDEC_LB_PORT": listen,
+                 **values}
+    for name, value in variables.items():
+        site = site.replace("${" + name + "}", value)
+    left = re.findall(r"\$\{[A-Z0-9_]+\}", site)
+    assert not left, f"variables compose does not set: {left}"
+    return site
+
+
+@contextlib.contextmanager
+def run_nginx(root: Path, site: str) -> Iterator[subprocess.Popen[bytes]]:
+    """nginx with ``site`` in its http block, in ``root`` (its process; wait for it to
+    answer)."""
+    (root / "logs").mkdir()
+    (root / "nginx.conf").write_text(
+        f"pid {root}/nginx.pid;\nerror_log {root}/logs/error.log;\nworker_processes 1;\n"
+        "events { worker_connections 256; }\n"
+        f"http {{\n  access_log {root}/logs/access.log;\n"
+        f"  client_body_temp_path {root}/body;\n  proxy_temp_path {root}/proxy;\n"
+        f"  fastcgi_temp_path {root}/fcgi;\n  uwsgi_temp_path {root}/uwsgi;\n"
+        f"  scgi_temp_path {root}/scgi;\n{site}\n}}\n")
+    nginx = subprocess.Popen([str(NGINX), "-p", str(root), "-c", str(root / "nginx.conf"),
+                              "-g", "daemon off;"], stderr=subprocess.PIPE)
+    try:
+        yield nginx
+    finally:
+        if nginx.poll() is None:
+            nginx.terminate()
+        nginx.wait(timeout=30)
 
 
 @contextlib.contextmanager
@@ -45,31 +90,48 @@ def nginx_cluster(model: Path, root: Path) -> Iterator[tuple[dict[str, str],
         urls[name] = f"http://127.0.0.1:{port}"
     lb_port = free_port()
     upstreams = " ".join(f"server {u.removeprefix('http://')};" for u in urls.values())
-    template = (ROOT / "deploy/nginx/specdec.conf.template").read_text()
-    site = template.replace("${SPECDEC_UPSTREAMS}", upstreams).replace(
-        "${SPECDEC_LB_PORT}", f"127.0.0.1:{lb_port}")
-    (root / "logs").mkdir()
-    (root / "nginx.conf").write_text(
-        f"pid {root}/nginx.pid;\nerror_log {root}/logs/error.log;\nworker_processes 1;\n"
-        "events { worker_connections 256; }\n"
-        f"http {{\n  access_log {root}/logs/access.log;\n"
-        f"  client_body_temp_path {root}/body;\n  proxy_temp_path {root}/proxy;\n"
-        f"  fastcgi_temp_path {root}/fcgi;\n  uwsgi_temp_path {root}/uwsgi;\n"
-        f"  scgi_temp_path {root}/scgi;\n{site}\n}}\n")
-    nginx = subprocess.Popen([str(NGINX), "-p", str(root), "-c", str(root / "nginx.conf"),
-                              "-g", "daemon off;"], stderr=subprocess.PIPE)
     try:
-        for name in ("replica-a", "replica-b"):
-            wait_ready(urls[name], procs[name])
-        urls["lb"] = f"http://127.0.0.1:{lb_port}"
-        wait_ready(urls["lb"], nginx, path="/lb-healthz")
-        yield urls, procs
+        with run_nginx(root, render_site(upstreams, f"127.0.0.1:{lb_port}")) as nginx:
+            for name in ("replica-a", "replica-b"):
+                wait_ready(urls[name], procs[name])
+            urls["lb"] = f"http://127.0.0.1:{lb_port}"
+            wait_ready(urls["lb"], nginx, path="/lb-healthz")
+            yield urls, procs
     finally:
-        for proc in (*procs.values(), nginx):
+        for proc in procs.values():
             if proc.poll() is None:
                 proc.terminate()
-        for proc in (*procs.values(), nginx):
+        for proc in procs.values():
             proc.wait(timeout=30)
+
+
+def test_the_balancer_limits_each_addresss_request_rate(tmp_path: Path) -> None:
+    """A flood from one address gets 429 with Retry-After (which the client retries) once
+    past the burst; the health probe is never limited. No verifier: the calls that pass get
+    nginx's 502."""
+    port, nowhere = free_port(), free_port()
+    site = render_site(f"server 127.0.0.1:{nowhere};", f"127.0.0.1:{port}",
+                       SPECDEC_LB_RATE="1", SPECDEC_LB_BURST="3")
+    with run_nginx(tmp_path, site) as nginx, httpx.Client(
+            base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+        wait_ready(f"http://127.0.0.1:{port}", nginx, path="/lb-healthz")
+        answers = [http.get("/v1/info") for _ in range(12)]
+        assert [a.status_code for a in answers[:4]] == [502] * 4  # the burst passes
+        limited = [a for a in answers if a.status_code == 429]
+        assert len(limited) >= 6
+        assert limited[0].headers["retry-after"] == "1"
+        assert limited[0].json()["error"]["code"] == "rate_limited"
+        assert all(http.get("/lb-healthz").status_code == 200 for _ in range(10))
+
+
+def test_the_default_rate_lets_a_client_through(tmp_path: Path) -> None:
+    """Negative control: the same flood at compose's default rate is never limited."""
+    port, nowhere = free_port(), free_port()
+    site = render_site(f"server 127.0.0.1:{nowhere};", f"127.0.0.1:{port}")
+    with run_nginx(tmp_path, site) as nginx, httpx.Client(
+            base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+        wait_ready(f"http://127.0.0.1:{port}", nginx, path="/lb-healthz")
+        assert {http.get("/v1/info").status_code for _ in range(12)} == {502}
 
 
 @pytest.fixture(scope="module")

@@ -233,6 +233,81 @@ def test_a_wrong_api_key_shows_the_gateways_error(browser: Any, gpt2_server: Liv
         assert page.is_enabled("#send")
 
 
+# -- closed to other sites (issue #57) -------------------------------------------------------
+
+# A page on another origin tries what a web page can: "simple" requests (no preflight, sent
+# blind in no-cors mode: text/plain, a Blob without a type, a form) and a JSON request (which
+# needs a CORS preflight the gateway does not grant).
+ATTACK = """<!doctype html><title>elsewhere</title><script>
+const body = JSON.stringify({model: "%s", messages: [{role: "user", content: "the cat"}],
+                             max_tokens: 4, temperature: 0});
+const tries = [
+  ["text", {method: "POST", mode: "no-cors", headers: {"Content-Type": "text/plain"}, body}],
+  ["blob", {method: "POST", mode: "no-cors", body: new Blob([body])}],
+  ["form", {method: "POST", mode: "no-cors", body: new URLSearchParams({[body]: ""})}],
+  ["json", {method: "POST", headers: {"Content-Type": "application/json"}, body}],
+];
+(async () => {
+  const results = [];
+  for (const [name, init] of tries) {
+    try {
+      const answer = await fetch("%s/v1/chat/completions", init);
+      results.push(name + " " + answer.type + " " + answer.status);
+    } catch (error) {
+      results.push(name + " refused");
+    }
+  }
+  window.results = results;
+})();
+</script>"""
+
+
+def work(gateway: ThreadedServer) -> tuple[float, float]:
+    samples = scrape(gateway.url)
+    return (samples["specdec_gateway_prompt_tokens_total"][()],
+            samples["specdec_gateway_generated_tokens_total"][()])
+
+
+def test_a_page_on_another_origin_cannot_drive_the_gateway(browser: Any,
+                                                           gateway: ThreadedServer) -> None:
+    from starlette.applications import Starlette
+    from starlette.responses import HTMLResponse
+    from starlette.routing import Route
+
+    page_html = ATTACK % (MODEL, gateway.url)
+    elsewhere = Starlette(routes=[Route("/", lambda _: HTMLResponse(page_html))])
+    before = work(gateway)
+    with ThreadedServer(elsewhere) as site:
+        page = browser.new_context().new_page()
+        page.goto(site.url)
+        page.wait_for_function("window.results !== undefined", timeout=60_000)
+        results = page.evaluate("window.results")
+    # the blind ones were sent (an opaque answer) and refused; the JSON one never left
+    assert results == ["text opaque 0", "blob opaque 0", "form opaque 0", "json refused"]
+    assert work(gateway) == before  # nothing generated for any of them
+
+
+def test_a_rebound_name_is_refused_and_the_page_works_by_its_own(
+        browser: Any, gateway: ThreadedServer) -> None:
+    """DNS rebinding: a name the attacker controls resolves to 127.0.0.1 (here by the
+    browser's resolver rules); the gateway refuses the page and the API under that name. The
+    playground under localhost still works (its own origin)."""
+    rebinding = browser.browser_type.launch(
+        executable_path=CHROMIUM,
+        args=["--no-sandbox", "--host-resolver-rules=MAP rebound.test 127.0.0.1"])
+    try:
+        page = rebinding.new_context().new_page()
+        answer = page.goto(f"http://rebound.test:{gateway.port}/")
+        assert answer is not None and answer.status == 421
+        assert "DNS rebinding" in page.content()
+        page = open_page(rebinding, f"http://localhost:{gateway.port}/")
+        page.fill("#max-tokens", "4")
+        assert ask(page, "the cat").get_attribute("data-done") in ("stop", "length")
+        assert page.errors == []
+    finally:
+        rebinding.close()
+
+
 @pytest.mark.parametrize(("width", "height"), [(1280, 800), (390, 844)])
 def test_the_page_fits_desktop_and_phone(browser: Any, gateway: ThreadedServer, width: int,
                                          height: int) -> None:

@@ -165,9 +165,24 @@ def build_parser() -> argparse.ArgumentParser:
                        default=GATEWAY.header_timeout_s,
                        help="a request head must arrive within this many seconds of connecting "
                        "or of the last response, or 408 and closed")
-    serve.add_argument("--serve-api-key", default=os.environ.get("SPECDEC_SERVE_API_KEY"),
-                       help="require this Bearer key from the server's own clients (default: "
-                       "$SPECDEC_SERVE_API_KEY; none: open)")
+    # The key itself never on the command line (it would show in ps): --serve-api-key is
+    # refused (run), SPECDEC_SERVE_API_KEY or a file holds it.
+    serve.add_argument("--serve-api-key-file", metavar="PATH",
+                       default=os.environ.get("SPECDEC_SERVE_API_KEY_FILE"),
+                       help="require the Bearer key in this file (its first line) from the "
+                       "server's own clients (default: $SPECDEC_SERVE_API_KEY_FILE; or the key "
+                       "in $SPECDEC_SERVE_API_KEY; neither: open)")
+    serve.add_argument("--allowed-hosts", metavar="HOSTS",
+                       default=os.environ.get("SPECDEC_SERVE_ALLOWED_HOSTS", ""),
+                       help="comma-separated Host names to answer to besides 127.0.0.1, "
+                       "localhost, [::1] and --host (name: any port, name:port; *: any Host); "
+                       "other Hosts get 421 (DNS rebinding). With --host 0.0.0.0 and none set, "
+                       "any Host (default: $SPECDEC_SERVE_ALLOWED_HOSTS)")
+    serve.add_argument("--cors-origins", metavar="ORIGINS",
+                       default=os.environ.get("SPECDEC_SERVE_CORS_ORIGINS", ""),
+                       help="comma-separated origins (https://app.example.com) whose web pages "
+                       "may call this API; none: no CORS headers, pages on other sites cannot "
+                       "(default: $SPECDEC_SERVE_CORS_ORIGINS)")
     chat = sub.add_parser("chat", help="an interactive console against a verifier")
     _connection(chat)
     _drafter(chat)
@@ -212,6 +227,44 @@ def _print_json(result: GenerationResult, error: str | None = None) -> None:
     if error is not None:
         body.update(partial=True, error=error)
     sys.stdout.write(orjson.dumps(body).decode() + "\n")
+
+
+def _listed(value: str) -> tuple[str, ...]:
+    """A comma-separated flag's entries."""
+    return tuple(entry.strip() for entry in value.split(",") if entry.strip())
+
+
+# argparse takes a flag's prefix for the flag: each of these would reach --serve-api-key-file.
+KEY_FLAG = "--serve-api-key"
+
+
+def _key_on_command_line(argv: list[str]) -> bool:
+    """``--serve-api-key`` (or a prefix argparse would take for ``--serve-api-key-file``) with
+    a key, which ``ps`` would show to every user of the machine."""
+    return any(KEY_FLAG.startswith(name) and name.startswith("--serve-a")
+               for name in (arg.split("=", 1)[0] for arg in argv if arg.startswith("--")))
+
+
+def serve_api_key(args: argparse.Namespace) -> str | None:
+    """The gateway's key: the first line of ``--serve-api-key-file`` or
+    ``$SPECDEC_SERVE_API_KEY``; None (open) without either. ValueError, one line, for a file
+    that cannot be read or is empty, or a key given both ways."""
+    variable = os.environ.get("SPECDEC_SERVE_API_KEY") or None  # compose passes "" when unset
+    if not args.serve_api_key_file:
+        return variable
+    if variable is not None:
+        raise ValueError("the gateway's key is given twice: --serve-api-key-file (or "
+                         "SPECDEC_SERVE_API_KEY_FILE) and SPECDEC_SERVE_API_KEY; keep one")
+    try:
+        with open(args.serve_api_key_file, encoding="utf-8") as handle:
+            key = handle.readline().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise ValueError(f"--serve-api-key-file {args.serve_api_key_file!r}: {reason}") from None
+    if not key:
+        raise ValueError(f"--serve-api-key-file {args.serve_api_key_file!r}: the first line "
+                         "is empty (it holds the key)")
+    return key
 
 
 def _flag_problem(exc: ValidationError) -> str:
@@ -262,6 +315,16 @@ def _check_arguments(args: argparse.Namespace) -> str | None:
                 return f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})"
         if args.max_waiting < 0:
             return f"--max-waiting must be at least 0 (got {args.max_waiting})"
+        from shared.http.cross_site import check_allowed_hosts, check_cors_origins
+
+        problem = (check_allowed_hosts(_listed(args.allowed_hosts))
+                   or check_cors_origins(_listed(args.cors_origins)))
+        if problem is not None:
+            return problem
+        try:
+            serve_api_key(args)
+        except ValueError as exc:
+            return str(exc)
     return None
 
 
@@ -290,8 +353,8 @@ def client_settings(args: argparse.Namespace) -> ClientSettings:
             served_model_name=args.served_model_name or "", host=args.host, port=args.port,
             max_concurrency=args.max_concurrency, max_waiting=args.max_waiting,
             max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
-            header_timeout_s=args.header_timeout_s,
-            api_key=args.serve_api_key or None)  # empty (compose passes "" when unset): open
+            header_timeout_s=args.header_timeout_s, api_key=serve_api_key(args),
+            allowed_hosts=_listed(args.allowed_hosts), cors_origins=_listed(args.cors_origins))
     return ClientSettings(num_draft_tokens=str(args.num_draft_tokens), options=options,
                           sampling=sampling, dtype=args.dtype, device=args.device,
                           gateway=gateway, **connection)
@@ -338,6 +401,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def run(argv: list[str] | None = None) -> int:
+    if _key_on_command_line(sys.argv[1:] if argv is None else argv):
+        print("specdec: error: the gateway's key is not taken on the command line (ps shows "
+              "it to every user): put it in SPECDEC_SERVE_API_KEY or in a file named by "
+              "--serve-api-key-file", file=sys.stderr)
+        return EXIT_ERROR
     args = build_parser().parse_args(argv)
     problem = _check_arguments(args)
     if problem is not None:

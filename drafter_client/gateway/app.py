@@ -11,6 +11,9 @@ state and verifier session; the drafter's weights are shared), run on a worker t
 batches the sessions of concurrent requests into its forwards. ``stream: true`` answers with
 server-sent events in OpenAI's chunk format, one chunk per verified block. The speculative
 metrics ride in an extra ``specdec`` field that OpenAI clients ignore.
+
+Closed to other sites by default (``shared/http/cross_site.py``): JSON bodies only (else 415),
+a Host check against DNS rebinding (else 421), CORS headers only for the origins configured.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response, StreamingResponse
 
 from drafter_client.api import SpecDecClient
@@ -46,6 +50,7 @@ from drafter_client.gateway.schema import (
 )
 from shared.http.body_limit import BodyLimit
 from shared.http.connections import disconnected, guarded_protocol
+from shared.http.cross_site import HostCheck, HostPolicy, json_body_problem
 from shared.http.metrics import RequestMetrics
 
 __all__ = ["Gateway", "GatewaySettings", "create_gateway", "server_options"]
@@ -84,6 +89,15 @@ def _hang_up(request: Request) -> Callable[[], Awaitable[None]]:
     return lambda: disconnected(request)
 
 
+async def _json_body(request: Request) -> bytes:
+    """The POST body, if it is JSON: any other Content-Type (a form, ``text/plain``: what a page
+    on another site can send without asking) gets 415 before it is parsed."""
+    problem = json_body_problem(request.headers.get("content-type"))
+    if problem is not None:
+        raise OpenAIError(415, problem, None, "unsupported_media_type")
+    return await request.body()
+
+
 async def _stream(request: Request, gateway: Gateway, job: Job,
                   body: CompletionRequest | ChatCompletionRequest,
                   chunk: Callable[[str, str | None], dict[str, Any]],
@@ -102,7 +116,7 @@ async def _stream(request: Request, gateway: Gateway, job: Job,
 
 async def completions(request: Request) -> Response:
     gateway = _gateway(request)
-    body = parse_request(CompletionRequest, await request.body())
+    body = parse_request(CompletionRequest, await _json_body(request))
     job = await gateway.prepare(body)
     rid, created, name = f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.model
 
@@ -122,7 +136,7 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     gateway = _gateway(request)
-    body = parse_request(ChatCompletionRequest, await request.body())
+    body = parse_request(ChatCompletionRequest, await _json_body(request))
     job = await gateway.prepare(body)
     rid, created, name = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model
 
@@ -224,6 +238,11 @@ def _reject_body(status: int, code: str, message: str) -> Response:
     return _json(OpenAIError(status, message, "body", code).body(), status)
 
 
+def _reject_host(status: int, code: str, message: str) -> Response:
+    """The Host check's 421 in OpenAI's error shape."""
+    return _json(OpenAIError(status, message, None, code).body(), status)
+
+
 def _body_schema(model: type[CompletionRequest] | type[ChatCompletionRequest]
                  ) -> dict[str, Any]:
     """An operation's OpenAPI request body: the JSON schema ``parse_request`` validates against
@@ -293,6 +312,12 @@ def create_gateway(client: SpecDecClient, settings: GatewaySettings | None = Non
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, reject=_reject_body,
                        timeout_s=settings.body_timeout_s, limit_name="--max-body-bytes",
                        timeout_name="--body-timeout-s")
+    if settings.cors_origins:  # only where configured: no CORS header at all by default
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"],
+                           allow_private_network=True, expose_headers=["Retry-After"])
+    app.add_middleware(HostCheck, policy=HostPolicy(settings.host, settings.allowed_hosts),
+                       reject=_reject_host, port=settings.port)
     app.add_middleware(RequestMetrics, metrics=gateway.metrics.http,
                        routes=[(r.path_regex.pattern, r.path) for r in app.routes
                                if isinstance(r, APIRoute)])

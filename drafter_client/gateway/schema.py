@@ -1,10 +1,12 @@
 """The OpenAI request bodies ``specdec serve`` accepts, and OpenAI's error shape.
 
 Fields follow OpenAI's API reference for ``/v1/completions`` and ``/v1/chat/completions``;
-``top_k`` is the common extension (vLLM, llama.cpp). Unknown fields are ignored, as vLLM does;
-known fields that would change the distribution or the shape of the answer in ways we do not
-implement (``n`` > 1, penalties, ``logit_bias``, ``logprobs``, tools, ``echo``, ``suffix``,
-``best_of``, JSON modes) get a 400 naming the field rather than being silently dropped.
+``top_k`` is the common extension (vLLM, llama.cpp). Unknown fields are ignored, as vLLM does
+(clients send ``user``, ``store``, ``metadata``, ``parallel_tool_calls`` and the like); known
+fields that would change the distribution or the shape of the answer in ways we do not
+implement (``n`` > 1, penalties, ``logit_bias``, ``logprobs``, tools and the older
+``functions``, ``echo``, ``suffix``, ``best_of``, JSON modes, ``prediction``, audio output) get a
+400 naming the field rather than being silently dropped, until they are supported.
 
 Types are strict, as OpenAI's API and vLLM are: an integer is a JSON integer (not ``"5"``, not
 ``5.0``, not ``true``), a boolean is ``true`` / ``false``, a string is a string; numbers are finite
@@ -29,7 +31,8 @@ class OpenAIError(Exception):
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error",
              404: "not_found_error", 408: "invalid_request_error",
-             413: "invalid_request_error", 429: "rate_limit_error", 502: "api_error",
+             413: "invalid_request_error", 415: "invalid_request_error",
+             421: "invalid_request_error", 429: "rate_limit_error", 502: "api_error",
              503: "api_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
@@ -160,6 +163,10 @@ class ChatCompletionRequest(_Common):
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_INT32)
+    functions: list[Any] | None = None  # the older name of tools
+    prediction: dict[str, Any] | None = None  # predicted outputs
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
 
     @model_validator(mode="after")
     def _one_limit(self) -> ChatCompletionRequest:
@@ -176,6 +183,14 @@ class ChatCompletionRequest(_Common):
                               "response_format")
         if self.top_logprobs:
             raise OpenAIError(400, "logprobs are not supported", "top_logprobs")
+        if self.functions:
+            raise OpenAIError(400, "functions (tools) are not supported", "functions")
+        if self.prediction is not None:
+            raise OpenAIError(400, "prediction (predicted outputs) is not supported",
+                              "prediction")
+        if self.audio is not None or any(m != "text" for m in self.modalities or []):
+            raise OpenAIError(400, "only text output is supported",
+                              "audio" if self.audio is not None else "modalities")
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

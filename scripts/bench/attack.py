@@ -61,10 +61,12 @@ class Attack:
         except OSError:
             self.failed_to_connect += 1
             return
+        # the server's own Host: the gateway refuses any other (DNS rebinding) before the body
+        host = f"Host: {self.host}:{self.port}\r\n".encode()
         if kind == "slowloris":
-            writer.write(b"POST " + self.path + b" HTTP/1.1\r\nHost: x\r\n")
+            writer.write(b"POST " + self.path + b" HTTP/1.1\r\n" + host)
         elif kind == "stalled":
-            writer.write(b"POST " + self.path + b" HTTP/1.1\r\nHost: x\r\ncontent-type: "
+            writer.write(b"POST " + self.path + b" HTTP/1.1\r\n" + host + b"content-type: "
                          b"application/json\r\ncontent-length: " +
                          str(len(self.body) + 16).encode() + b"\r\n\r\n" + self.body)
         with contextlib.suppress(OSError):

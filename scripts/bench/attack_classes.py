@@ -95,8 +95,9 @@ class Servers:
         self.keyed.start()
         self.gateway, self.gateway_url = start_gateway(self.verifier.url, (
             "--drafter", str(self.drafter_gguf), "--drafter-engine", "llama-cpp", "--overlap",
-            "--no-lookup", "--tokenizer", str(self.target_dir), "--serve-api-key", KEY,
-            "--header-timeout-s", str(HEAD_TIMEOUT_S), "--threads", "1"), self.logs["gateway"])
+            "--no-lookup", "--tokenizer", str(self.target_dir), "--header-timeout-s",
+            str(HEAD_TIMEOUT_S), "--threads", "1"), self.logs["gateway"],
+            env={"SPECDEC_SERVE_API_KEY": KEY})
         return self
 
     def __exit__(self, *exc: object) -> None:

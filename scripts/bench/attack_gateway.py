@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 import tempfile
@@ -32,15 +33,18 @@ BODY_LIMIT = 1 << 20  # the gateway's default --max-body-bytes
 
 def start_gateway(verifier_url: str,
                   flags: tuple[str, ...] = ("--drafter", "ngram", "--max-concurrency", "8"),
-                  log_path: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+                  log_path: Path | None = None, env: dict[str, str] | None = None
+                  ) -> tuple[subprocess.Popen[bytes], str]:
     """``specdec serve`` with these flags on a free port, ready; its output to ``log_path``
-    (else nowhere)."""
+    (else nowhere); ``env`` added to this process's environment (its key:
+    SPECDEC_SERVE_API_KEY, never a flag)."""
     port = free_port()
     launcher = ([str(BIN / "specdec")] if (BIN / "specdec").exists()
                 else [sys.executable, "-m", "drafter_client.apps.cli"])
     out = log_path.open("wb") if log_path is not None else subprocess.DEVNULL
     proc = subprocess.Popen([*launcher, "serve", "--verifier-url", verifier_url, "--port",
-                             str(port), *flags], stdout=out, stderr=subprocess.STDOUT)
+                             str(port), *flags], stdout=out, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, proc, 120.0, path="/health")
     return proc, url
