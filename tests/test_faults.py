@@ -19,6 +19,7 @@ import pytest
 from drafter_client import SpecDecClient
 from drafter_client.transport import SpecDecError, VerifierUnavailable
 from tests.support.fault_proxy import FaultProxy
+from tests.support.waiting import wait_until
 from verifier_service.launch import VerifierProcess, free_port
 
 pytestmark = pytest.mark.faults
@@ -52,6 +53,7 @@ def test_kill9_and_restart_mid_generation(tiny_models: dict[str, Path],
         PROMPT, num_draft_tokens=4, max_new_tokens=48).token_ids
     client = SpecDecClient(url, drafter, dtype="float32", retry_budget_s=120)
     restarted: list[subprocess.Popen[bytes]] = []
+    restarting: list[threading.Thread] = []
     blocks = 0
 
     def crash(_: list[int]) -> None:
@@ -60,15 +62,15 @@ def test_kill9_and_restart_mid_generation(tiny_models: dict[str, Path],
         if blocks == 3:  # kill -9, then bring a fresh verifier up on the same port
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-            threading.Thread(target=lambda: restarted.append(
-                spawn(tiny_models["gpt2-target"], port)), daemon=True).start()
+            restarting.append(threading.Thread(target=lambda: restarted.append(
+                spawn(tiny_models["gpt2-target"], port)), daemon=True))
+            restarting[0].start()
 
     try:
         result = client.generate(PROMPT, num_draft_tokens=4, max_new_tokens=48, on_tokens=crash)
     finally:
-        deadline = time.monotonic() + 120
-        while not restarted and time.monotonic() < deadline:
-            time.sleep(0.2)
+        for thread in restarting:
+            thread.join(timeout=120)
         for p in restarted:
             p.kill()
             p.wait()
@@ -91,13 +93,19 @@ def test_sigterm_finishes_calls_in_flight(verifier: tuple[subprocess.Popen[bytes
     threads = [threading.Thread(target=generate) for _ in range(6)]
     for t in threads:
         t.start()
-    while httpx.get(f"{url}/v1/metrics").json()["verify_calls"] < 30:
-        time.sleep(0.01)
+    wait_until(lambda: httpx.get(f"{url}/v1/metrics").json()["verify_calls"] >= 30,
+               interval_s=0.01, what="30 verify calls")
     proc.send_signal(signal.SIGTERM)
     sent = time.monotonic()
-    time.sleep(0.2)
-    with pytest.raises(httpx.TransportError):  # no longer accepting
-        httpx.get(f"{url}/healthz", timeout=2)
+
+    def refused() -> bool:  # no longer accepting
+        try:
+            httpx.get(f"{url}/healthz", timeout=2)
+        except httpx.TransportError:
+            return True
+        return False
+
+    wait_until(refused, timeout_s=10, what="the verifier refusing connections after SIGTERM")
     for t in threads:
         t.join()
     assert proc.wait(timeout=60) == 0
