@@ -60,6 +60,17 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def q4k(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A Q4_K_M target and drafter quantized by llama.cpp (``save_quantized_gguf``: seconds of
+    CPU each), built once per session."""
+    from tests.support.tiny_gguf import save_quantized_gguf
+
+    root = tmp_path_factory.mktemp("q4k")
+    return {"target": save_quantized_gguf(root / "target", seed=0),
+            "drafter": save_quantized_gguf(root / "drafter", seed=1)}
+
+
+@pytest.fixture(scope="session")
 def gpt2_server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
     with LiveServer(fp32_settings(tiny_models["gpt2-target"], max_draft_tokens=8)) as server:
         yield server

@@ -24,17 +24,9 @@ from shared.engines.llama_cpp import runtime
 from shared.engines.llama_cpp.runtime import GGUFWeights, LlamaModel, Segment, exact_kernels
 from tests.support.greedy import speculative_vs_alone
 from tests.support.live_server import LiveServer
-from tests.support.tiny_gguf import save_quantized_gguf
 from verifier_service.settings import Settings, load_engine
 
 NEW = 24  # new tokens per check
-
-
-@pytest.fixture(scope="module")
-def q4k(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("q4k")
-    return {"target": save_quantized_gguf(root / "target", seed=0),
-            "drafter": save_quantized_gguf(root / "drafter", seed=1)}
 
 
 def context(path: Path, kernels: str) -> LlamaModel:
