@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from drafter_client.api import SpecDecClient
-from drafter_client.gateway import GatewaySettings, create_gateway
+from drafter_client.gateway import GatewaySettings, create_gateway, server_options
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.servers import ThreadedServer
 from tests.support.tiny_models import build_tiny_set
+from verifier_service.settings import Settings
 
 # One intra-op thread per test process, and per server it starts: pytest-xdist runs a worker on
 # every core, and two OpenMP teams per core spin against each other while the tiny models gain
@@ -58,6 +60,17 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def q4k(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A Q4_K_M target and drafter quantized by llama.cpp (``save_quantized_gguf``: seconds of
+    CPU each), built once per session."""
+    from tests.support.tiny_gguf import save_quantized_gguf
+
+    root = tmp_path_factory.mktemp("q4k")
+    return {"target": save_quantized_gguf(root / "target", seed=0),
+            "drafter": save_quantized_gguf(root / "drafter", seed=1)}
+
+
+@pytest.fixture(scope="session")
 def gpt2_server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
     with LiveServer(fp32_settings(tiny_models["gpt2-target"], max_draft_tokens=8)) as server:
         yield server
@@ -71,9 +84,46 @@ def llama_server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
 
 
 @pytest.fixture(scope="module")
-def gateway(gpt2_server: LiveServer, tiny_models: dict[str, Path]) -> Iterator[ThreadedServer]:
-    """``specdec serve`` as 'tiny-gpt2' over the GPT-2 pair, one per test module (a module may
-    define its own)."""
-    client = SpecDecClient(gpt2_server.url, str(tiny_models["gpt2-drafter"]))
-    with ThreadedServer(create_gateway(client, GatewaySettings("tiny-gpt2"))) as server:
+def server_settings(tiny_models: dict[str, Path]) -> Settings:
+    """The settings of the module's ``server``: the tiny GPT-2 target in float32. A module that
+    needs others overrides this fixture; one with ``params`` gets a server per parameter."""
+    return fp32_settings(tiny_models["gpt2-target"], max_draft_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def server(server_settings: Settings) -> Iterator[LiveServer]:
+    """The module's own verifier, on ``server_settings`` (its counters and sessions are the
+    module's alone, unlike the session's ``gpt2_server`` and ``llama_server``)."""
+    with LiveServer(server_settings) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def start_server() -> Iterator[Callable[[Settings], LiveServer]]:
+    """``start_server(settings)``: a further verifier for the module, beside its ``server``;
+    each stops after the module's last test."""
+    with contextlib.ExitStack() as started:
+        yield lambda settings: started.enter_context(LiveServer(settings))
+
+
+@pytest.fixture(scope="module")
+def gateway_client(gpt2_server: LiveServer, tiny_models: dict[str, Path]) -> SpecDecClient:
+    """The client behind the module's ``gateway``: the GPT-2 pair. A module overrides it."""
+    return SpecDecClient(gpt2_server.url, str(tiny_models["gpt2-drafter"]))
+
+
+@pytest.fixture(scope="module")
+def gateway_settings() -> GatewaySettings:
+    """The settings of the module's ``gateway``: 'tiny-gpt2'. A module overrides them."""
+    return GatewaySettings("tiny-gpt2")
+
+
+@pytest.fixture(scope="module")
+def gateway(gateway_client: SpecDecClient,
+            gateway_settings: GatewaySettings) -> Iterator[ThreadedServer]:
+    """``specdec serve`` for ``gateway_client`` and ``gateway_settings`` (with its uvicorn
+    options, as ``specdec serve`` runs it), one per test module; ``gateway.app.state.gateway``
+    is its engine."""
+    app = create_gateway(gateway_client, gateway_settings)
+    with ThreadedServer(app, **server_options(gateway_settings)) as server:
         yield server

@@ -13,17 +13,16 @@ from drafter_client import SpecDecClient
 from drafter_client.transport import SpecDecError
 from tests.support.live_server import LiveServer, fp32_settings
 from verifier_service.guards import ApiKeyAuth
+from verifier_service.settings import Settings
 
 KEYS = ("alpha-key-0123", "beta-key-4567")
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
-    settings = fp32_settings(tiny_models["gpt2-target"], api_keys=",".join(KEYS),
-                             max_sessions_per_key=2, max_body_bytes=4096, max_new_tokens=16,
-                             max_draft_tokens=4, max_context=64, max_prompt_tokens=32)
-    with LiveServer(settings) as live:
-        yield live
+def server_settings(tiny_models: dict[str, Path]) -> Settings:
+    return fp32_settings(tiny_models["gpt2-target"], api_keys=",".join(KEYS),
+                         max_sessions_per_key=2, max_body_bytes=4096, max_new_tokens=16,
+                         max_draft_tokens=4, max_context=64, max_prompt_tokens=32)
 
 
 def auth(key: str) -> dict[str, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -12,6 +12,7 @@ import pytest
 
 from drafter_client import SpecDecClient
 from tests.support.live_server import LiveServer, fp32_settings
+from verifier_service.settings import Settings
 
 PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16, 17], [18, 19],
            [20, 21, 22, 23, 24, 25, 26, 27, 28, 29], [30, 31, 32, 33], [34, 35, 36, 37, 38, 39]]
@@ -19,23 +20,20 @@ PROMPTS = [[2, 3, 4], [5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16, 17], [18, 
 
 @pytest.fixture(scope="module", params=[("per-session", "device"), ("padded", "device"),
                                         ("per-session", "host")], ids=lambda p: "-".join(p))
-def batching_server(tiny_models: dict[str, Path],
-                    request: pytest.FixtureRequest) -> Iterator[LiveServer]:
-    """Batched with each attention layout and each acceptance path (the lone server below
-    attends per session and decides on the device)."""
+def server_settings(tiny_models: dict[str, Path], request: pytest.FixtureRequest) -> Settings:
+    """``server``: batched with each attention layout and each acceptance path (the lone server
+    below attends per session and decides on the device)."""
     attention, acceptance = request.param
     # a long batching window makes concurrent calls meet in one forward
-    with LiveServer(fp32_settings(tiny_models["llama-target"], max_draft_tokens=8,
-                                  batch_wait_ms=50.0, attention=attention,
-                                  acceptance=acceptance)) as server:
-        yield server
+    return fp32_settings(tiny_models["llama-target"], max_draft_tokens=8, batch_wait_ms=50.0,
+                         attention=attention, acceptance=acceptance)
 
 
 @pytest.fixture(scope="module")
-def lone_server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
-    with LiveServer(fp32_settings(tiny_models["llama-target"], max_draft_tokens=8,
-                                  batching=False)) as server:
-        yield server
+def lone_server(tiny_models: dict[str, Path],
+                start_server: Callable[[Settings], LiveServer]) -> LiveServer:
+    return start_server(fp32_settings(tiny_models["llama-target"], max_draft_tokens=8,
+                                      batching=False))
 
 
 def metrics(server: LiveServer) -> dict:
@@ -70,11 +68,11 @@ async def run_sessions(url: str, concurrent: bool) -> list[tuple[dict, dict]]:
         return [await one_session(http, i) for i in range(len(PROMPTS))]
 
 
-def test_batched_logprobs_equal_the_same_calls_alone(batching_server: LiveServer,
+def test_batched_logprobs_equal_the_same_calls_alone(server: LiveServer,
                                                      lone_server: LiveServer) -> None:
-    before = metrics(batching_server)["batches"]
-    batched = asyncio.run(run_sessions(batching_server.url, concurrent=True))
-    after = metrics(batching_server)
+    before = metrics(server)["batches"]
+    batched = asyncio.run(run_sessions(server.url, concurrent=True))
+    after = metrics(server)
     alone = asyncio.run(run_sessions(lone_server.url, concurrent=False))
     assert after["batches"] - before < 3 * len(PROMPTS)  # calls really shared forwards
     assert max(int(size) for size in after["batch_sizes"]) > 1
@@ -86,19 +84,19 @@ def test_batched_logprobs_equal_the_same_calls_alone(batching_server: LiveServer
             assert b["target_logprobs"] == pytest.approx(a["target_logprobs"], abs=1e-5)
 
 
-def test_greedy_generations_identical_with_eight_clients(batching_server: LiveServer,
+def test_greedy_generations_identical_with_eight_clients(server: LiveServer,
                                                          tiny_models: dict[str, Path]) -> None:
     drafter = str(tiny_models["llama-drafter"])
     prompts = ["the cat sat on", "a big red dog ran", "def x ( y ) :", "if x = 1",
                "the mat", "red cat", "y + 1 = 2", "return x"]
-    client = SpecDecClient(batching_server.url, drafter, dtype="float32", device="cpu")
+    client = SpecDecClient(server.url, drafter, dtype="float32", device="cpu")
     alone = [client.generate(p, num_draft_tokens=3, max_new_tokens=24).token_ids
              for p in prompts]
     results: dict[int, list[int]] = {}
     # Models load here, one at a time: from_pretrained is not safe to run in parallel threads.
-    clients = [SpecDecClient(batching_server.url, drafter, dtype="float32", device="cpu")
+    clients = [SpecDecClient(server.url, drafter, dtype="float32", device="cpu")
                for _ in range(8)]
-    before = metrics(batching_server)
+    before = metrics(server)
 
     def worker(i: int) -> None:
         results[i] = clients[i].generate(prompts[i], num_draft_tokens=3,
@@ -109,7 +107,7 @@ def test_greedy_generations_identical_with_eight_clients(batching_server: LiveSe
         t.start()
     for t in threads:
         t.join()
-    after = metrics(batching_server)
+    after = metrics(server)
     assert [results[i] for i in range(8)] == alone
     assert after["jobs"] - before["jobs"] > after["batches"] - before["batches"]  # batched
 

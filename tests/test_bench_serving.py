@@ -11,7 +11,6 @@ import pytest
 
 from scripts.bench.__main__ import build_parser, main
 from scripts.bench.serving import report
-from tests.support.tiny_gguf import save_quantized_gguf
 
 
 def args_of(*argv: str) -> object:
@@ -52,12 +51,11 @@ def test_report_per_round_ratios_fairness_and_identity(tmp_path: Path) -> None:
     assert (tmp_path / "serving.png").stat().st_size > 0  # the plot
 
 
-def test_a_short_real_run_on_a_tiny_pair(tmp_path: Path) -> None:
+def test_a_short_real_run_on_a_tiny_pair(q4k: dict[str, Path], tmp_path: Path) -> None:
     """Two clients on the default (w4a8) verifier, on llama.cpp's exact kernels and on its
     fast ones: every specdec output equals its target alone's, and the verifier's steps are
     counted."""
-    target = save_quantized_gguf(tmp_path / "target", seed=0)
-    drafter = save_quantized_gguf(tmp_path / "drafter", seed=1)
+    target, drafter = q4k["target"], q4k["drafter"]
     payload = main(["serving", "--target", str(target), "--drafter", str(drafter),
                     "--threads", "1", "--clients", "1", "2", "--rounds", "1",
                     "--max-new-tokens", "8", "--systems", "alone", "lookup", "default",

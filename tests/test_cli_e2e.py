@@ -1,4 +1,6 @@
-"""End to end across processes: `specdec-verifier` and the `specdec` CLI as subprocesses."""
+"""End to end across processes: `specdec-verifier` and the `specdec` CLI as subprocesses. The
+runs whose output is checked share one client process (``tests.support.cli_runs``: torch and
+transformers imported once); the runs that must fail with one line each have their own."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from tests.support.cli_runs import CliRunner
 from tests.support.tiny_models import hf_greedy
 from verifier_service.launch import VerifierProcess, free_port
 
@@ -25,13 +28,22 @@ def verifier_url(tiny_models: dict[str, Path]) -> Iterator[str]:
         yield verifier.url
 
 
+@pytest.fixture(scope="module")
+def cli() -> Iterator[CliRunner]:
+    """``specdec`` runs in one client process."""
+    runner = CliRunner(env=ENV)
+    yield runner
+    runner.close()
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """``specdec`` in a process of its own."""
     return subprocess.run([str(BIN / "specdec"), *args], env=ENV, capture_output=True, text=True,
                           timeout=300)
 
 
-def test_generate_json_matches_target_greedy(verifier_url, tiny_models):  # type: ignore[no-untyped-def]
-    out = run_cli("generate", "--verifier-url", verifier_url, "--drafter",
+def test_generate_json_matches_target_greedy(verifier_url, tiny_models, cli):  # type: ignore[no-untyped-def]
+    out = cli("generate", "--verifier-url", verifier_url, "--drafter",
                   str(tiny_models["gpt2-drafter"]), "--prompt", "the cat sat on", "-k", "4",
                   "--max-new-tokens", "20", "--dtype", "float32", "--json")
     assert out.returncode == 0, out.stderr
@@ -46,8 +58,8 @@ def test_generate_json_matches_target_greedy(verifier_url, tiny_models):  # type
     assert isinstance(result["text"], str)
 
 
-def test_generate_streams_text_then_summary(verifier_url, tiny_models):  # type: ignore[no-untyped-def]
-    out = run_cli("generate", "--verifier-url", verifier_url, "--drafter",
+def test_generate_streams_text_then_summary(verifier_url, tiny_models, cli):  # type: ignore[no-untyped-def]
+    out = cli("generate", "--verifier-url", verifier_url, "--drafter",
                   str(tiny_models["gpt2-drafter"]), "--prompt", "a big red dog",
                   "--num-draft-tokens", "3", "--max-new-tokens", "12", "--temperature", "0.8",
                   "--top-k", "10", "--seed", "3", "--dtype", "float32")
@@ -55,10 +67,10 @@ def test_generate_streams_text_then_summary(verifier_url, tiny_models):  # type:
     assert "--- generate:" in out.stdout and "per-position acceptance" in out.stdout
 
 
-def test_baseline_cli_and_prompt_file(verifier_url, tiny_models, tmp_path):  # type: ignore[no-untyped-def]
+def test_baseline_cli_and_prompt_file(verifier_url, tiny_models, tmp_path, cli):  # type: ignore[no-untyped-def]
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("the cat sat on")
-    out = run_cli("baseline", "--verifier-url", verifier_url, "--prompt-file", str(prompt),
+    out = cli("baseline", "--verifier-url", verifier_url, "--prompt-file", str(prompt),
                   "--tokenizer", str(tiny_models["gpt2-target"]), "--max-new-tokens", "20",
                   "--json")
     assert out.returncode == 0, out.stderr
@@ -98,13 +110,13 @@ def test_bad_drafting_flags_are_one_clear_line(flags, named, verifier_url, tiny_
     assert line.startswith("specdec: error: ") and named in line
 
 
-def test_generate_with_tree_overlap_and_reproducible_flags(verifier_url, tiny_models):  # type: ignore[no-untyped-def]
+def test_generate_with_tree_overlap_and_reproducible_flags(verifier_url, tiny_models, cli):  # type: ignore[no-untyped-def]
     """The drafting flags the docs show run end to end; --reproducible sampling equals the
     target alone's with the same seed."""
     common = ["--verifier-url", verifier_url, "--prompt", "the cat sat on", "--max-new-tokens",
               "16", "--temperature", "1", "--seed", "5", "--reproducible", "--json"]
-    spec = run_cli("generate", *common, "--drafter", str(tiny_models["gpt2-drafter"]),
+    spec = cli("generate", *common, "--drafter", str(tiny_models["gpt2-drafter"]),
                    "--tree-width", "2", "--overlap", "--no-lookup", "-k", "3")
-    alone = run_cli("baseline", *common, "--tokenizer", str(tiny_models["gpt2-target"]))
+    alone = cli("baseline", *common, "--tokenizer", str(tiny_models["gpt2-target"]))
     assert spec.returncode == 0 and alone.returncode == 0, spec.stderr + alone.stderr
     assert orjson.loads(spec.stdout)["token_ids"] == orjson.loads(alone.stdout)["token_ids"]

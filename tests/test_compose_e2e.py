@@ -15,12 +15,15 @@ llama.cpp's CMake. Cold start and first-generation times are printed. Minutes, n
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import itertools
 import shutil
 import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -33,6 +36,7 @@ from drafter_client.speculative import GenerationResult
 from tests.support.containers import HealthTrigger, Podman, missing_tools
 from tests.support.live_server import LiveServer
 from tests.support.tiny_gguf import save_quantized_gguf
+from tests.support.waiting import wait_until
 from verifier_service.launch import free_port
 from verifier_service.settings import Settings
 
@@ -121,14 +125,13 @@ class Compose:
 
 
 def wait_exit(podman: Podman, name: str, timeout_s: float = 300) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def exit_code() -> list[int]:
         state = podman.run("inspect", "--format", "{{.State.Status}} {{.State.ExitCode}}",
                            name, check=False).stdout.split()
-        if state and state[0] in ("exited", "stopped"):
-            return int(state[1])
-        time.sleep(1)
-    raise TimeoutError(f"{name} still running after {timeout_s} s")
+        return [int(state[1])] if state and state[0] in ("exited", "stopped") else []
+
+    [code] = wait_until(exit_code, timeout_s=timeout_s, interval_s=1, what=f"{name}'s exit")
+    return code
 
 
 def replica_port(podman: Podman, name: str) -> int:
@@ -217,22 +220,27 @@ def check_affinity(podman: Podman, lb: str) -> None:
     still loading when the balancer started)."""
     replicas: set[str] = set()
     failures: list[str] = []
-    deadline = time.monotonic() + 90
+    sids = (f"compose-{i}" for i in itertools.count())
     with httpx.Client(base_url=lb, timeout=30) as http:
-        i = 0
-        while len(replicas) < 2 and time.monotonic() < deadline:
-            sid = f"compose-{i}"
-            i += 1
-            r = http.post("/v1/sessions", json={"prompt_ids": [2, 3, 4], "session_id": sid},
-                          headers={"x-session-id": sid})
-            if r.status_code != 200:
-                failures.append(f"{r.status_code} {r.text[:120]}")
-                time.sleep(1)
-                continue
-            replica = r.headers["x-verifier-replica"]
-            replicas.add(replica)
-            gone = http.delete(f"/v1/sessions/{sid}", headers={"x-session-id": sid})
-            assert (gone.status_code, gone.headers["x-verifier-replica"]) == (204, replica)
+        def spread() -> bool:
+            """Up to 20 new sessions, until both replicas have answered; a failed call ends the
+            round (the next comes after the poll interval)."""
+            for sid in itertools.islice(sids, 20):
+                r = http.post("/v1/sessions", json={"prompt_ids": [2, 3, 4], "session_id": sid},
+                              headers={"x-session-id": sid})
+                if r.status_code != 200:
+                    failures.append(f"{r.status_code} {r.text[:120]}")
+                    return False
+                replica = r.headers["x-verifier-replica"]
+                replicas.add(replica)
+                gone = http.delete(f"/v1/sessions/{sid}", headers={"x-session-id": sid})
+                assert (gone.status_code, gone.headers["x-verifier-replica"]) == (204, replica)
+                if len(replicas) == 2:
+                    return True
+            return False
+
+        with contextlib.suppress(TimeoutError):
+            wait_until(spread, timeout_s=90, interval_s=1, what="both replicas answering")
     if len(replicas) < 2:  # what went wrong, for the failure message
         status = podman.run("ps", "-a", "--format", "{{.Names}} {{.Status}}",
                             check=False).stdout
@@ -262,14 +270,17 @@ def stop_a_replica_mid_run(podman: Podman, lb: str, models: Path, want: str) -> 
 
     thread = threading.Thread(target=generate)
     thread.start()
-    holder, deadline = None, time.monotonic() + 60
-    while holder is None and thread.is_alive() and time.monotonic() < deadline:
-        for name, url in urls.items():
-            if httpx.get(url + "/v1/metrics", timeout=5).json()["sessions"] > 0:
-                holder = name
-        time.sleep(0.05)
-    assert holder is not None, f"no replica held the session: {results}"
-    time.sleep(0.5)  # a few blocks in
+    def metrics(name: str) -> dict[str, Any]:
+        return httpx.get(urls[name] + "/v1/metrics", timeout=5).json()  # type: ignore[no-any-return]
+
+    def holding() -> str | None:
+        assert thread.is_alive(), f"no replica held the session: {results}"
+        return next((name for name in names if metrics(name)["sessions"] > 0), None)
+
+    holder = wait_until(holding, timeout_s=60, interval_s=0.05, what="a replica holding it")
+    calls = metrics(holder)["verify_calls"]
+    wait_until(lambda: metrics(holder)["verify_calls"] >= calls + 3 or not thread.is_alive(),
+               timeout_s=60, what="a few blocks in")
     assert thread.is_alive(), "the generation ended before the replica was stopped"
     podman.run("stop", "-t", "2", holder)
     thread.join(120)
@@ -282,16 +293,8 @@ def stop_a_replica_mid_run(podman: Podman, lb: str, models: Path, want: str) -> 
 
 
 def wait_healthy(url: str, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(url, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} not healthy after {timeout_s} s")
-        time.sleep(1)
+    wait_until(lambda: httpx.get(url, timeout=5).status_code == 200, timeout_s=timeout_s,
+               interval_s=1, what=f"{url} answering 200", ignoring=(httpx.HTTPError,))
 
 
 

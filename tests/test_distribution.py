@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -45,6 +44,7 @@ from tests.support.statistics import (
     exact_token_distribution,
     sample_pairs,
 )
+from verifier_service.settings import Settings
 
 pytestmark = pytest.mark.slow
 
@@ -201,9 +201,8 @@ def peaky_gguf(tiny_models: dict[str, Path]) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
-    with LiveServer(fp32_settings(tiny_models["peaky-target"], max_draft_tokens=8)) as live:
-        yield live
+def server_settings(tiny_models: dict[str, Path]) -> Settings:
+    return fp32_settings(tiny_models["peaky-target"], max_draft_tokens=8)
 
 
 def test_distribution_holds_with_concurrent_clients(server: LiveServer,

@@ -19,6 +19,7 @@ import pytest
 from drafter_client import SpecDecClient
 from drafter_client.transport import SpecDecError, VerifierUnavailable
 from tests.support.fault_proxy import FaultProxy
+from tests.support.waiting import wait_until
 from verifier_service.launch import VerifierProcess, free_port
 
 pytestmark = pytest.mark.faults
@@ -33,18 +34,42 @@ def spawn(model: Path, port: int, *extra: str) -> subprocess.Popen[bytes]:
     return verifier.proc
 
 
+class Verifiers:
+    """The module's verifier process, on one port. A test gets the running one, or a fresh one
+    where an earlier test stopped it; the kill -9 test leaves its restarted verifier to the
+    tests after it (one process start instead of two)."""
+
+    def __init__(self, model: Path) -> None:
+        self.model, self.port = model, free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def running(self) -> subprocess.Popen[bytes]:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = spawn(self.model, self.port)
+        return self.proc
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def verifiers(tiny_models: dict[str, Path]) -> Iterator[Verifiers]:
+    started = Verifiers(tiny_models["gpt2-target"])
+    yield started
+    started.stop()
+
+
 @pytest.fixture()
-def verifier(tiny_models: dict[str, Path]) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
-    port = free_port()
-    proc = spawn(tiny_models["gpt2-target"], port)
-    yield proc, port
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+def verifier(verifiers: Verifiers) -> tuple[subprocess.Popen[bytes], int]:
+    """A running verifier process and its port."""
+    return verifiers.running(), verifiers.port
 
 
 def test_kill9_and_restart_mid_generation(tiny_models: dict[str, Path],
-                                          verifier: tuple[subprocess.Popen[bytes], int]) -> None:
+                                          verifier: tuple[subprocess.Popen[bytes], int],
+                                          verifiers: Verifiers) -> None:
     proc, port = verifier
     url = f"http://127.0.0.1:{port}"
     drafter = str(tiny_models["gpt2-drafter"])
@@ -52,6 +77,7 @@ def test_kill9_and_restart_mid_generation(tiny_models: dict[str, Path],
         PROMPT, num_draft_tokens=4, max_new_tokens=48).token_ids
     client = SpecDecClient(url, drafter, dtype="float32", retry_budget_s=120)
     restarted: list[subprocess.Popen[bytes]] = []
+    restarting: list[threading.Thread] = []
     blocks = 0
 
     def crash(_: list[int]) -> None:
@@ -60,49 +86,20 @@ def test_kill9_and_restart_mid_generation(tiny_models: dict[str, Path],
         if blocks == 3:  # kill -9, then bring a fresh verifier up on the same port
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-            threading.Thread(target=lambda: restarted.append(
-                spawn(tiny_models["gpt2-target"], port)), daemon=True).start()
+            restarting.append(threading.Thread(target=lambda: restarted.append(
+                spawn(tiny_models["gpt2-target"], port)), daemon=True))
+            restarting[0].start()
 
     try:
         result = client.generate(PROMPT, num_draft_tokens=4, max_new_tokens=48, on_tokens=crash)
     finally:
-        deadline = time.monotonic() + 120
-        while not restarted and time.monotonic() < deadline:
-            time.sleep(0.2)
-        for p in restarted:
-            p.kill()
-            p.wait()
+        for thread in restarting:
+            thread.join(timeout=120)
+        for p in restarted:  # the module's verifier from now on (stopped after its tests)
+            verifiers.proc = p
     assert result.token_ids == expected
     assert result.metrics.retries >= 1  # connection refused while the new one started
     assert result.metrics.session_reopens == 1  # the new verifier knew nothing of the session
-
-
-def test_sigterm_finishes_calls_in_flight(verifier: tuple[subprocess.Popen[bytes], int]) -> None:
-    proc, port = verifier
-    url = f"http://127.0.0.1:{port}"
-    answers: list[tuple[int, int, float]] = []
-
-    def generate() -> None:
-        response = httpx.post(f"{url}/v1/generate", timeout=120, json={
-            "prompt_ids": PROMPT, "max_new_tokens": 200, "stop_at_eos": False})
-        answers.append((response.status_code, len(response.json().get("token_ids", [])),
-                        time.monotonic()))
-
-    threads = [threading.Thread(target=generate) for _ in range(6)]
-    for t in threads:
-        t.start()
-    while httpx.get(f"{url}/v1/metrics").json()["verify_calls"] < 30:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    sent = time.monotonic()
-    time.sleep(0.2)
-    with pytest.raises(httpx.TransportError):  # no longer accepting
-        httpx.get(f"{url}/healthz", timeout=2)
-    for t in threads:
-        t.join()
-    assert proc.wait(timeout=60) == 0
-    assert [(status, n) for status, n, _ in answers] == [(200, 200)] * 6
-    assert any(done > sent for _, _, done in answers)  # they really were in flight
 
 
 def test_verifier_gone_for_good_gives_partial_output(tiny_models: dict[str, Path],
@@ -130,6 +127,43 @@ def test_verifier_gone_for_good_gives_partial_output(tiny_models: dict[str, Path
     assert out["partial"] is True and len(out["token_ids"]) >= 3
     errors = [line for line in cli.stderr.splitlines() if line.startswith("specdec: error")]
     assert len(errors) == 1 and "partial output" in errors[0]
+
+
+def test_sigterm_finishes_calls_in_flight(verifier: tuple[subprocess.Popen[bytes], int]) -> None:
+    proc, port = verifier
+    url = f"http://127.0.0.1:{port}"
+    answers: list[tuple[int, int, float]] = []
+
+    def generate() -> None:
+        response = httpx.post(f"{url}/v1/generate", timeout=120, json={
+            "prompt_ids": PROMPT, "max_new_tokens": 200, "stop_at_eos": False})
+        answers.append((response.status_code, len(response.json().get("token_ids", [])),
+                        time.monotonic()))
+
+    def verify_calls() -> int:
+        return int(httpx.get(f"{url}/v1/metrics").json()["verify_calls"])
+
+    before = verify_calls()
+    threads = [threading.Thread(target=generate) for _ in range(6)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: verify_calls() - before >= 30, interval_s=0.01, what="30 verify calls")
+    proc.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+
+    def refused() -> bool:  # no longer accepting
+        try:
+            httpx.get(f"{url}/healthz", timeout=2)
+        except httpx.TransportError:
+            return True
+        return False
+
+    wait_until(refused, timeout_s=10, what="the verifier refusing connections after SIGTERM")
+    for t in threads:
+        t.join()
+    assert proc.wait(timeout=60) == 0
+    assert [(status, n) for status, n, _ in answers] == [(200, 200)] * 6
+    assert any(done > sent for _, _, done in answers)  # they really were in flight
 
 
 def test_wrong_url_is_one_line_and_exit_code_2(tiny_models: dict[str, Path]) -> None:

@@ -9,7 +9,6 @@ the verifier still serves correctly afterwards, so either runs alone.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from schemathesis import GenerationMode
 
 from tests.support.live_server import LiveServer, fp32_settings
 from verifier_service.launch import one_session
+from verifier_service.settings import Settings
 
 pytestmark = pytest.mark.fuzz
 KEY = "fuzz-key-0001"
@@ -31,17 +31,15 @@ EXAMPLES = 100
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
-    limits = fp32_settings(tiny_models["gpt2-target"], api_keys=KEY, max_new_tokens=8,
-                           max_draft_tokens=4, max_context=64, kv_budget_tokens=64 * 8,
-                           max_sessions=8, max_body_bytes=65536)
-    with LiveServer(limits) as live:
-        yield live
+def server_settings(tiny_models: dict[str, Path]) -> Settings:
+    return fp32_settings(tiny_models["gpt2-target"], api_keys=KEY, max_new_tokens=8,
+                         max_draft_tokens=4, max_context=64, kv_budget_tokens=64 * 8,
+                         max_sessions=8, max_body_bytes=65536)
 
 
 @pytest.fixture(scope="module")
-def api_schema(fuzz_server: LiveServer) -> Any:
-    document = httpx.get(f"{fuzz_server.url}/openapi.json", headers=AUTH).json()
+def api_schema(server: LiveServer) -> Any:
+    document = httpx.get(f"{server.url}/openapi.json", headers=AUTH).json()
     return schemathesis.openapi.from_dict(document)
 
 
@@ -89,16 +87,16 @@ EXPECTED = [(GenerationMode.POSITIVE, 8, 300), (GenerationMode.NEGATIVE, 3, 200)
 
 
 @pytest.mark.parametrize(("mode", "min_operations", "min_cases"), EXPECTED)
-def test_no_server_errors_and_the_server_survives(fuzz_server: LiveServer, api_schema: Any,
+def test_no_server_errors_and_the_server_survives(server: LiveServer, api_schema: Any,
                                                   mode: GenerationMode, min_operations: int,
                                                   min_cases: int) -> None:
-    cases, statuses, no_negative = fuzz(fuzz_server.url, api_schema, mode)
+    cases, statuses, no_negative = fuzz(server.url, api_schema, mode)
     print(f"\nschemathesis {mode.value}: {sum(cases.values())} cases over {len(cases)} "
           f"operations; statuses {dict(sorted(statuses.items()))}; nothing to break for "
           f"{no_negative}")
     assert len(cases) >= min_operations and sum(cases.values()) >= min_cases, cases
     assert not [s for s in statuses if s >= 500]
-    assert_still_serves(fuzz_server.url)
+    assert_still_serves(server.url)
 
 
 # The classes an adversarial run found (issue #12): degenerate floats, ids of the wrong JSON type
@@ -123,10 +121,10 @@ def raw_body(data: Any) -> bytes:
 @settings(max_examples=250, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 def test_adversarial_classes_never_get_a_server_error(
-        fuzz_server: LiveServer, temperature: float, top_p: float, top_k: int, ids: list[Any],
+        server: LiveServer, temperature: float, top_p: float, top_k: int, ids: list[Any],
         path: str, garbage: bytes | None) -> None:
     sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k}
-    with httpx.Client(base_url=fuzz_server.url, headers=AUTH, timeout=30) as http:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=30) as http:
         if path == "verify":
             created = http.post("/v1/sessions", json={"prompt_ids": [2, 3, 4],
                                                       "sampling": {"temperature": 1.0}})

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +23,10 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from drafter_client.api import SpecDecClient
-from drafter_client.gateway import GatewaySettings, create_gateway
+from drafter_client.gateway import GatewaySettings
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.servers import ThreadedServer
+from verifier_service.settings import Settings
 
 pytestmark = pytest.mark.fuzz
 KEY = "gateway-fuzz-key"
@@ -36,16 +36,19 @@ EXAMPLES = 60
 
 
 @pytest.fixture(scope="module")
-def fuzz_gateway(tiny_models: dict[str, Path]) -> Iterator[ThreadedServer]:
-    limits = fp32_settings(tiny_models["gpt2-target"], max_new_tokens=8, max_draft_tokens=4,
-                           max_context=64, kv_budget_tokens=64 * 8, max_sessions=8)
-    with LiveServer(limits) as verifier:
-        client = SpecDecClient(verifier.url, str(tiny_models["gpt2-drafter"]),
-                               dtype="float32")
-        gateway = create_gateway(client, GatewaySettings(
-            MODEL, api_key=KEY, max_body_bytes=65536, completion_max_tokens=4))
-        with ThreadedServer(gateway) as server:
-            yield server
+def server_settings(tiny_models: dict[str, Path]) -> Settings:
+    return fp32_settings(tiny_models["gpt2-target"], max_new_tokens=8, max_draft_tokens=4,
+                         max_context=64, kv_budget_tokens=64 * 8, max_sessions=8)
+
+
+@pytest.fixture(scope="module")
+def gateway_client(server: LiveServer, tiny_models: dict[str, Path]) -> SpecDecClient:
+    return SpecDecClient(server.url, str(tiny_models["gpt2-drafter"]), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def gateway_settings() -> GatewaySettings:
+    return GatewaySettings(MODEL, api_key=KEY, max_body_bytes=65536, completion_max_tokens=4)
 
 
 def fuzz(url: str, api_schema: Any, mode: GenerationMode) -> tuple[Counter[str], Counter[int]]:
@@ -81,19 +84,19 @@ def fuzz(url: str, api_schema: Any, mode: GenerationMode) -> tuple[Counter[str],
 
 @pytest.mark.parametrize(("mode", "min_cases"), [(GenerationMode.POSITIVE, 150),
                                                  (GenerationMode.NEGATIVE, 80)])
-def test_no_server_errors_and_the_gateway_survives(fuzz_gateway: ThreadedServer,
+def test_no_server_errors_and_the_gateway_survives(gateway: ThreadedServer,
                                                    mode: GenerationMode, min_cases: int,
                                                    caplog: pytest.LogCaptureFixture) -> None:
-    document = httpx.get(f"{fuzz_gateway.url}/openapi.json", headers=AUTH).json()  # behind the key
+    document = httpx.get(f"{gateway.url}/openapi.json", headers=AUTH).json()  # behind the key
     assert "CompletionRequest" in document["components"]["schemas"]
     with caplog.at_level(logging.ERROR):
-        cases, statuses = fuzz(fuzz_gateway.url, schemathesis.openapi.from_dict(document), mode)
+        cases, statuses = fuzz(gateway.url, schemathesis.openapi.from_dict(document), mode)
     print(f"\nschemathesis {mode.value} (gateway): {sum(cases.values())} cases over "
           f"{len(cases)} operations; statuses {dict(sorted(statuses.items()))}")
     posts = [op for op in cases if op.startswith("POST")]
     assert len(posts) == 2 and sum(cases.values()) >= min_cases, cases
     assert not [s for s in statuses if s >= 500]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
-    oai = openai.OpenAI(base_url=fuzz_gateway.url + "/v1", api_key=KEY, max_retries=0)
+    oai = openai.OpenAI(base_url=gateway.url + "/v1", api_key=KEY, max_retries=0)
     reply = oai.completions.create(model=MODEL, prompt="the cat", temperature=0, max_tokens=4)
     assert reply.usage is not None and reply.usage.completion_tokens >= 1

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import socket
+import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +15,12 @@ import httpx
 import pytest
 
 from drafter_client.api import SpecDecClient
-from drafter_client.gateway import GatewaySettings, create_gateway, server_options
+from drafter_client.gateway import GatewaySettings
 from drafter_client.gateway.engine import INLINE_TOKENIZE_CHARS
 from tests.support.live_server import LiveServer
 from tests.support.servers import ThreadedServer
 from tests.support.sockets import STILL_OPEN, read_all
+from tests.support.waiting import wait_until
 
 MODEL = "tiny-gpt2"
 SLOW_S = 0.5  # what the slow tokenizer spends on a long text (a 512 KB prompt on a real one)
@@ -31,10 +32,12 @@ class SlowTokenizer:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        self.busy = threading.Event()  # set once a long text is being tokenized
 
     def _slow(self, text: Any) -> None:
         if isinstance(text, str) and len(text) > INLINE_TOKENIZE_CHARS:
-            time.sleep(SLOW_S)
+            self.busy.set()
+            time.sleep(SLOW_S)  # the slow tokenizer under test, simulated
 
     def encode(self, text: Any, *args: Any, **kwargs: Any) -> Any:
         self._slow(text)
@@ -49,12 +52,15 @@ class SlowTokenizer:
 
 
 @pytest.fixture(scope="module")
-def gateway(gpt2_server: LiveServer, tiny_models: dict[str, Path]) -> Iterator[ThreadedServer]:
+def gateway_client(gpt2_server: LiveServer, tiny_models: dict[str, Path]) -> SpecDecClient:
     client = SpecDecClient(gpt2_server.url, "ngram", tokenizer=str(tiny_models["gpt2-drafter"]))
     client.tokenizer = SlowTokenizer(client.tokenizer)
-    settings = GatewaySettings(MODEL, header_timeout_s=1.0, keep_alive_s=1.0)
-    with ThreadedServer(create_gateway(client, settings), **server_options(settings)) as server:
-        yield server
+    return client
+
+
+@pytest.fixture(scope="module")
+def gateway_settings() -> GatewaySettings:
+    return GatewaySettings(MODEL, header_timeout_s=1.0, keep_alive_s=1.0)
 
 
 def long_prompt(i: int) -> str:
@@ -66,7 +72,8 @@ def long_prompt(i: int) -> str:
     return words
 
 
-def test_long_prompts_do_not_stall_a_normal_request(gateway: ThreadedServer) -> None:
+def test_long_prompts_do_not_stall_a_normal_request(gateway: ThreadedServer,
+                                                    gateway_client: SpecDecClient) -> None:
     with concurrent.futures.ThreadPoolExecutor(20) as pool:
         floods = [pool.submit(httpx.post, gateway.url + "/v1/completions", timeout=60,
                               json={"model": MODEL, "prompt": long_prompt(i), "max_tokens": 2})
@@ -74,7 +81,10 @@ def test_long_prompts_do_not_stall_a_normal_request(gateway: ThreadedServer) -> 
         # made before the clock: a new client builds an SSL context, holding this process's
         # GIL (the gateway's too: it runs in this process) while it is timed
         http = httpx.Client(base_url=gateway.url, timeout=30)
-        time.sleep(0.3)  # the flood has arrived
+        # the flood has arrived: long prompts are on the tokenizer and one has an answer (a
+        # 429 from the tokenizer's bound, or its tokenized 400)
+        wait_until(lambda: gateway_client.tokenizer.busy.is_set()
+                   and any(f.done() for f in floods), what="the flood's arrival")
         latencies = []
         for _ in range(3):
             start = time.perf_counter()

@@ -6,18 +6,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from drafter_client.api import SpecDecClient
-from drafter_client.gateway import GatewaySettings, create_gateway
+from drafter_client.gateway import GatewaySettings
 from drafter_client.gateway.engine import Gateway
 from drafter_client.settings import ClientSettings
 from tests.support.live_server import LiveServer
 from tests.support.servers import ThreadedServer
+from tests.support.waiting import wait_until
 
 MODEL = "tiny-gpt2"
 RTT_MS = 25.0  # each verify round trip: a generation of the whole context takes seconds
@@ -27,16 +27,22 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "the cat sat"}]
 
 
 @pytest.fixture(scope="module")
-def served(gpt2_server: LiveServer, tiny_models: dict[str, Path]
-           ) -> Iterator[tuple[ThreadedServer, Gateway]]:
+def gateway_client(gpt2_server: LiveServer, tiny_models: dict[str, Path]) -> SpecDecClient:
     # Plain runs ask for many steps per call; "-k 1" with the ngram drafter keeps one block a
     # few tokens, so "within one block" is a few tokens here.
-    client = SpecDecClient(gpt2_server.url, "ngram", tokenizer=str(tiny_models["gpt2-drafter"]),
-                           settings=ClientSettings(num_draft_tokens="1",
-                                                   simulated_rtt_ms=RTT_MS))
-    app = create_gateway(client, GatewaySettings(MODEL, max_concurrency=1))
-    with ThreadedServer(app) as server:
-        yield server, app.state.gateway
+    return SpecDecClient(gpt2_server.url, "ngram", tokenizer=str(tiny_models["gpt2-drafter"]),
+                         settings=ClientSettings(num_draft_tokens="1", simulated_rtt_ms=RTT_MS))
+
+
+@pytest.fixture(scope="module")
+def gateway_settings() -> GatewaySettings:
+    return GatewaySettings(MODEL, max_concurrency=1)
+
+
+@pytest.fixture(scope="module")
+def served(gateway: ThreadedServer) -> tuple[ThreadedServer, Gateway]:
+    """The gateway and its engine."""
+    return gateway, gateway.app.state.gateway
 
 
 def generated(gateway: Gateway) -> float:
@@ -45,10 +51,7 @@ def generated(gateway: Gateway) -> float:
 
 def settle(gateway: Gateway) -> None:
     """Wait until no generation runs or waits."""
-    deadline = time.monotonic() + 60
-    while gateway._admitted and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not gateway._admitted
+    wait_until(lambda: not gateway._admitted, timeout_s=60, what="no generation admitted")
 
 
 def hang_up(url: str, body: dict[str, object], after_s: float) -> None:
@@ -104,7 +107,8 @@ def test_a_request_whose_client_left_while_waiting_never_starts(
 
     first = threading.Thread(target=hang_up, args=(server.url, CHAT, 1.5))
     first.start()
-    time.sleep(0.2)  # the first holds the only worker
+    wait_until(lambda: gateway.metrics.running._value.get() == 1,  # type: ignore[attr-defined]
+               what="the first holding the only worker")
     before_second = generated(gateway)
     hang_up(server.url, CHAT, after_s=0.3)
     first.join()
@@ -134,10 +138,10 @@ def test_the_verifier_stops_a_generate_whose_caller_hung_up(gpt2_server: LiveSer
     before = jobs()
     with pytest.raises(httpx.ReadTimeout):  # hangs up after 0.15 s
         httpx.post(url + "/v1/generate", json=body, timeout=httpx.Timeout(30, read=0.15))
-    deadline = time.monotonic() + 30
-    while httpx.get(url + "/v1/metrics").json()["sessions"]:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: httpx.get(url + "/v1/metrics").json()["sessions"] == 0,
+               interval_s=0.05, what="the generate's session closed")
     stopped = jobs() - before
-    time.sleep(0.5)  # a generation still running would go on adding jobs
+    # Kept: nothing happening is the check; for 0.5 s a generation still running would go on
+    # adding jobs (one every few ms).
+    time.sleep(0.5)
     assert jobs() - before == stopped < full

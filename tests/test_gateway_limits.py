@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from drafter_client.api import SpecDecClient
-from drafter_client.gateway import GatewaySettings, create_gateway
+from drafter_client.gateway import GatewaySettings
 from drafter_client.gateway.engine import WHITESPACE, visible_chars
 from tests.support.live_server import LiveServer
 from tests.support.servers import ThreadedServer
@@ -44,17 +44,15 @@ class CountingTokenizer:
 
 
 @pytest.fixture(scope="module")
-def client(gpt2_server: LiveServer, tiny_models: dict[str, Path]) -> SpecDecClient:
+def gateway_client(gpt2_server: LiveServer, tiny_models: dict[str, Path]) -> SpecDecClient:
     made = SpecDecClient(gpt2_server.url, "ngram", tokenizer=str(tiny_models["gpt2-drafter"]))
     made.tokenizer = CountingTokenizer(made.tokenizer)
     return made
 
 
 @pytest.fixture(scope="module")
-def gateway(client: SpecDecClient) -> Iterator[ThreadedServer]:
-    settings = GatewaySettings(MODEL, max_body_bytes=LIMIT, body_timeout_s=1.0)
-    with ThreadedServer(create_gateway(client, settings)) as server:
-        yield server
+def gateway_settings() -> GatewaySettings:
+    return GatewaySettings(MODEL, max_body_bytes=LIMIT, body_timeout_s=1.0)
 
 
 def post(gateway: ThreadedServer, path: str, body: Any) -> httpx.Response:
@@ -130,9 +128,9 @@ def test_the_official_clients_requests_still_pass(gateway: ThreadedServer) -> No
     assert len(usage) == 1 and usage[0].completion_tokens >= 1
 
 
-def test_a_body_over_the_limit_gets_413_before_it_is_parsed(gateway: ThreadedServer,
-                                                            client: SpecDecClient) -> None:
-    before = client.tokenizer.encoded
+def test_a_body_over_the_limit_gets_413_before_it_is_parsed(
+        gateway: ThreadedServer, gateway_client: SpecDecClient) -> None:
+    before = gateway_client.tokenizer.encoded
     body = {**COMPLETION, "prompt": "the " * (LIMIT // 4 + 1)}
     error = openai_error(post(gateway, "/v1/completions", body), 413)
     assert error["code"] == "body_too_large" and error["param"] == "body"
@@ -147,7 +145,7 @@ def test_a_body_over_the_limit_gets_413_before_it_is_parsed(gateway: ThreadedSer
     response = httpx.post(gateway.url + "/v1/completions", content=chunked(),
                           headers={"content-type": "application/json"}, timeout=30)
     assert openai_error(response, 413)["code"] == "body_too_large"
-    assert client.tokenizer.encoded == before
+    assert gateway_client.tokenizer.encoded == before
     assert_serves(gateway)
 
 
@@ -169,24 +167,24 @@ def test_a_body_that_stalls_gets_408(gateway: ThreadedServer) -> None:
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_prompt_surely_too_long_is_refused_without_tokenizing(
-        gateway: ThreadedServer, client: SpecDecClient, path: str) -> None:
+        gateway: ThreadedServer, gateway_client: SpecDecClient, path: str) -> None:
     """The gpt2 pair's context is far below these prompts' non-space characters over the
     longest vocabulary entry, so no tokenizer call is needed to know they do not fit."""
     text = "the cat " * (LIMIT // 10)
     body = ({**CHAT, "messages": [{"role": "user", "content": text}]} if "chat" in path
             else {**COMPLETION, "prompt": text})
-    before = client.tokenizer.encoded
+    before = gateway_client.tokenizer.encoded
     error = openai_error(post(gateway, path, body), 400)
     assert error["code"] == "context_length_exceeded", error
     assert error["param"] == ("messages" if "chat" in path else "prompt")
-    assert client.tokenizer.encoded == before
+    assert gateway_client.tokenizer.encoded == before
     # just over the context by the exact count: tokenized, then refused with the same code
-    fits_not = "the " * client.info.max_context
+    fits_not = "the " * gateway_client.info.max_context
     body = ({**CHAT, "messages": [{"role": "user", "content": fits_not}]} if "chat" in path
             else {**COMPLETION, "prompt": fits_not})
     error = openai_error(post(gateway, path, body), 400)
     assert error["code"] == "context_length_exceeded"
-    assert client.tokenizer.encoded == before + 1
+    assert gateway_client.tokenizer.encoded == before + 1
     assert_serves(gateway)
 
 

@@ -121,7 +121,7 @@ class FakeCuda:
             with fake.lock:
                 fake.inside += 1
                 fake.most_inside = max(fake.most_inside, fake.inside)
-            time.sleep(0.01)  # long enough for another thread to try its capture
+            time.sleep(0.01)  # kept: the window in which another thread would try its capture
             yield
             with fake.lock:
                 fake.inside -= 1

@@ -8,9 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -19,7 +17,9 @@ import pytest
 from drafter_client import SpecDecClient
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.sockets import STILL_OPEN, read_all
+from tests.support.waiting import wait_until
 from verifier_service.launch import VerifierProcess, free_port
+from verifier_service.settings import Settings
 
 K1, K2 = "hardening-key-one", "hardening-key-two"
 AUTH1, AUTH2 = {"authorization": f"Bearer {K1}"}, {"authorization": f"Bearer {K2}"}
@@ -27,12 +27,10 @@ BIN = Path(sys.executable).parent
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
-    settings = fp32_settings(tiny_models["gpt2-target"], api_keys=f"{K1},{K2}",
-                             max_draft_tokens=8, max_sessions_per_key=2,
-                             header_timeout_s=1.0, body_timeout_s=1.0)
-    with LiveServer(settings) as live:
-        yield live
+def server_settings(tiny_models: dict[str, Path]) -> Settings:
+    return fp32_settings(tiny_models["gpt2-target"], api_keys=f"{K1},{K2}",
+                         max_draft_tokens=8, max_sessions_per_key=2, header_timeout_s=1.0,
+                         body_timeout_s=1.0)
 
 
 # -- 1. degenerate sampling values --------------------------------------------------------------
@@ -120,7 +118,8 @@ def test_flooding_key_does_not_evict_a_slow_client(tiny_models: dict[str, Path])
         thread = threading.Thread(target=flooder)
         thread.start()
         try:
-            time.sleep(0.5)
+            # the flooder fills the session table (6) and goes on evicting its own
+            wait_until(lambda: flood[200] > 2 * settings.max_sessions, what="the flood")
             slow = SpecDecClient(live.url, drafter, dtype="float32", api_key=K1,
                                  simulated_rtt_ms=600)
             result = slow.generate([2, 3, 4, 5], num_draft_tokens=2, max_new_tokens=12)
@@ -158,12 +157,16 @@ def test_connections_beyond_the_bound_close_the_longest_waiting(
                              header_timeout_s=30.0)
     with LiveServer(settings) as live:
         idle = [socket.create_connection(("127.0.0.1", live.port)) for _ in range(6)]
-        time.sleep(0.3)
+        # The server has taken all six once the fifth and sixth closed the two oldest.
+        answers = [read_all(sock, timeout_s=15) for sock in idle[:2]]
         # Idle connections cannot lock a real client out: the longest-waiting ones make room.
         for _ in range(3):
             assert httpx.get(f"{live.url}/v1/info", timeout=5).status_code == 200
-        time.sleep(0.5)
-        answers = [read_all(sock, timeout_s=0.2) for sock in idle]
+        # The first call's connection closed the oldest one left (answered before its call was
+        # read); the later ones fit in the bound, and the other idle ones stay open (read for
+        # 0.2 s: no answer).
+        answers.append(read_all(idle[2], timeout_s=15))
+        answers += [read_all(sock, timeout_s=0.2) for sock in idle[3:]]
         for sock in idle:
             sock.close()
     closed = [a for a in answers if a.startswith(b"HTTP/1.1 408")]
@@ -219,7 +222,9 @@ def test_calls_cut_off_by_shutdown_get_a_retryable_503(tiny_models: dict[str, Pa
         stalled = socket.create_connection(("127.0.0.1", verifier.port))
         stalled.sendall(b"POST /v1/sessions HTTP/1.1\r\nHost: x\r\ncontent-type: "
                         b"application/json\r\ncontent-length: 100\r\n\r\n{\"prompt_ids\"")
-        time.sleep(2.0)  # the call is in flight, reading its body
+        # The call is in flight, reading its body, once a later call has been answered: the
+        # server reads its connections in the order their data came.
+        assert httpx.get(verifier.url + "/healthz", timeout=30).status_code == 200
         assert verifier.proc is not None
         verifier.proc.terminate()
         answer = read_all(stalled, timeout_s=10)

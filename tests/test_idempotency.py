@@ -4,7 +4,6 @@ with output identical to an undisturbed run (greedy and sampled)."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +13,9 @@ import pytest
 from drafter_client import SpecDecClient
 from shared.protocol.schema import VerifyRequest, VerifyResponse
 from tests.support.fault_proxy import FaultProxy
-from tests.support.live_server import LiveServer, fp32_settings
+from tests.support.live_server import LiveServer
 
 PROMPT = [2, 3, 4, 5]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
-    with LiveServer(fp32_settings(tiny_models["gpt2-target"], max_draft_tokens=8)) as live:
-        yield live
 
 
 def metrics(http: httpx.Client) -> dict[str, Any]:

@@ -54,10 +54,8 @@ def llama_settings(path: Path, **overrides: object) -> Settings:
 
 
 @pytest.fixture(scope="module")
-def server(ggufs: dict[str, Path]) -> LiveServer:
-    with LiveServer(llama_settings(ggufs["llama-target"], max_draft_tokens=8,
-                                   max_context=64)) as live:
-        yield live  # type: ignore[misc]
+def server_settings(ggufs: dict[str, Path]) -> Settings:
+    return llama_settings(ggufs["llama-target"], max_draft_tokens=8, max_context=64)
 
 
 def expected(ggufs: dict[str, Path], ids: list[int], n: int, eos: list[int]) -> list[int]:

@@ -24,17 +24,9 @@ from shared.engines.llama_cpp import runtime
 from shared.engines.llama_cpp.runtime import GGUFWeights, LlamaModel, Segment, exact_kernels
 from tests.support.greedy import speculative_vs_alone
 from tests.support.live_server import LiveServer
-from tests.support.tiny_gguf import save_quantized_gguf
 from verifier_service.settings import Settings, load_engine
 
 NEW = 24  # new tokens per check
-
-
-@pytest.fixture(scope="module")
-def q4k(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("q4k")
-    return {"target": save_quantized_gguf(root / "target", seed=0),
-            "drafter": save_quantized_gguf(root / "drafter", seed=1)}
 
 
 def context(path: Path, kernels: str) -> LlamaModel:
@@ -198,19 +190,18 @@ def differ(url: str, drafter: Path, concurrent: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def exact_server(q4k: dict[str, Path]) -> LiveServer:
-    with LiveServer(exact_settings(q4k["target"])) as live:
-        yield live  # type: ignore[misc]
+def server_settings(q4k: dict[str, Path]) -> Settings:
+    return exact_settings(q4k["target"])
 
 
 @pytest.mark.parametrize("concurrent", [1, 3, 7])
-def test_greedy_speculation_equals_the_target_alone(concurrent: int, exact_server: LiveServer,
+def test_greedy_speculation_equals_the_target_alone(concurrent: int, server: LiveServer,
                                                     q4k: dict[str, Path]) -> None:
     """At k = 1, 3, 8 and auto, alone and among 3 and 7 concurrent sessions, after every
     earlier test's sessions on the same verifier."""
-    assert SpecDecClient(exact_server.url, None,
+    assert SpecDecClient(server.url, None,
                          tokenizer=str(q4k["target"].parent)).info.kernels == "exact"
-    assert differ(exact_server.url, q4k["drafter"], concurrent) == []
+    assert differ(server.url, q4k["drafter"], concurrent) == []
 
 
 def test_negative_control_fast_kernels_change_greedy_output(q4k: dict[str, Path]) -> None:

@@ -11,6 +11,7 @@ reaches the same verdict: E / (N (k + 1) m) against 1 / (N m).
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,6 @@ from drafter_client.transport import HttpVerifier
 from shared.engines.target import ForwardItem, Step
 from shared.protocol.schema import CreateSessionRequest, StepLoad, VerifyRequest
 from tests.support.live_server import LiveServer
-from tests.support.tiny_gguf import save_quantized_gguf
 from verifier_service.scheduling.load import RowCosts
 from verifier_service.settings import Settings
 
@@ -92,21 +92,19 @@ def test_cost_model_drafts_less_when_the_verifier_is_busy() -> None:
 
 
 @pytest.fixture(scope="module")
-def llama_verifier(tmp_path_factory: pytest.TempPathFactory) -> LiveServer:
-    path = save_quantized_gguf(tmp_path_factory.mktemp("load") / "target", seed=0)
-    settings = Settings(model=str(path), engine="llama-cpp", threads=1, max_draft_tokens=8,
-                        max_context=256)  # type: ignore[arg-type]
-    with LiveServer(settings) as live:
-        yield live  # type: ignore[misc]
+def server_settings(q4k: dict[str, Path]) -> Settings:
+    """``server``: the Q4_K_M target on llama.cpp."""
+    return Settings(model=str(q4k["target"]), engine="llama-cpp", threads=1,
+                    max_draft_tokens=8, max_context=256)  # type: ignore[arg-type]
 
 
-def test_replies_say_what_their_forward_held(llama_verifier: LiveServer) -> None:
+def test_replies_say_what_their_forward_held(server: LiveServer) -> None:
     """Alone, a reply's forward held its session only, at no price; two sessions sent
     together share forwards, each reply counting both."""
     loads: list[list[StepLoad]] = [[], []]
 
     def work(j: int, n: int) -> None:
-        verifier = HttpVerifier(llama_verifier.url, timeout_s=60)
+        verifier = HttpVerifier(server.url, timeout_s=60)
         created = verifier.create_session(CreateSessionRequest(prompt_ids=[5, 6, 7, 8, 9, 10]))
         position, last = created.position, 10
         for _ in range(n):

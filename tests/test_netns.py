@@ -32,8 +32,9 @@ def test_generation_over_a_delayed_lossy_link(tiny_models: dict[str, Path]) -> N
         how = net.impair(delay_ms=20, loss_pct=1)
         procs, url = net.serve(verifier_args, delay_ms=20)
         try:
-            for prompt in prompts:
-                run = net.client(cli_args(url, tiny_models["gpt2-drafter"], prompt))
+            runs = net.client_runs([cli_args(url, tiny_models["gpt2-drafter"], prompt)
+                                    for prompt in prompts])
+            for run in runs:
                 assert run.returncode == 0, run.stderr
                 result = orjson.loads(run.stdout)
                 # The target's own greedy decoding, cut after its first EOS (id 1).

@@ -5,6 +5,8 @@ fp32 so that greedy speculative output must equal the target's own generate() to
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -18,16 +20,15 @@ pytestmark = pytest.mark.real
 
 
 @pytest.fixture(scope="module")
-def server():  # type: ignore[no-untyped-def]
+def server_settings() -> Settings:
+    """``server``: the 1.5B target on transformers, in float32."""
     try:
         resolve_model_spec("qwen2.5-coder-1.5b")
         resolve_model_spec("qwen2.5-coder-0.5b")
     except ModelSpecError as exc:
         pytest.skip(str(exc))
-    settings = Settings(model="qwen2.5-coder-1.5b", engine="transformers", dtype="float32",
-                        device="cpu")
-    with LiveServer(settings) as live:
-        yield live
+    return Settings(model="qwen2.5-coder-1.5b", engine="transformers", dtype="float32",
+                    device="cpu")  # type: ignore[arg-type]
 
 
 def test_real_pair_greedy_is_exact_in_fp32(server):  # type: ignore[no-untyped-def]
@@ -52,7 +53,8 @@ def test_real_pair_sampling_runs(server):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def llama_server():  # type: ignore[no-untyped-def]
+def llama_cpp_server(start_server: Callable[[Settings], LiveServer]) -> LiveServer:
+    """The Q4_K_M target on the llama.cpp engine."""
     from shared.engines.llama_cpp.runtime import resolve_gguf
 
     try:
@@ -60,13 +62,11 @@ def llama_server():  # type: ignore[no-untyped-def]
         resolve_gguf("qwen2.5-coder-0.5b")
     except ModelSpecError as exc:
         pytest.skip(f"{exc} (the llama.cpp engine's test)")
-    settings = Settings(model="qwen2.5-coder-1.5b", engine="llama-cpp", threads=2,
-                        kv_budget_tokens=8192)
-    with LiveServer(settings) as live:
-        yield live
+    return start_server(Settings(model="qwen2.5-coder-1.5b", engine="llama-cpp", threads=2,
+                                 kv_budget_tokens=8192))  # type: ignore[arg-type]
 
 
-def test_real_pair_on_llama_cpp(llama_server):  # type: ignore[no-untyped-def]
+def test_real_pair_on_llama_cpp(llama_cpp_server):  # type: ignore[no-untyped-def]
     """The Q4_K_M pair on the llama.cpp engine: the target alone is llama.cpp's own one-token
     greedy decoding exactly; speculative greedy output is compared with it and where it first
     differs is reported (llama.cpp's multi-token decodes round differently at near-ties:
@@ -74,7 +74,7 @@ def test_real_pair_on_llama_cpp(llama_server):  # type: ignore[no-untyped-def]
     from shared.engines.llama_cpp.runtime import resolve_gguf
     from tests.support.tiny_gguf import llama_greedy
 
-    client = SpecDecClient(llama_server.url, "qwen2.5-coder-0.5b",
+    client = SpecDecClient(llama_cpp_server.url, "qwen2.5-coder-0.5b",
                            options=DrafterOptions(engine="llama-cpp", threads=2))
     prompt = client.encode("Write a Python function that reverses a string.", chat=True)
     reference = llama_greedy(resolve_gguf("qwen2.5-coder-1.5b")[0], prompt, 32)

@@ -25,6 +25,7 @@ from tests.support.statistics import (
     reference_probs,
     sample_pairs,
 )
+from verifier_service.settings import Settings
 
 SOURCES = [[5, 6, 7, 8, 1], [9, 3, 22, 1], [40, 41, 1], [12, 30, 12, 30, 12, 1]]
 
@@ -36,11 +37,19 @@ def hf_seq2seq(model_dir: Path, source: list[int], **kwargs: Any) -> list[int]:
 
 
 @pytest.fixture(scope="module", params=["t5", "bart"])
-def pair(request: pytest.FixtureRequest,
-         tiny_models: dict[str, Path]) -> Any:
-    arch = request.param
-    with LiveServer(fp32_settings(tiny_models[f"{arch}-target"], max_draft_tokens=8)) as server:
-        yield arch, server
+def arch(request: pytest.FixtureRequest) -> str:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def server_settings(arch: str, tiny_models: dict[str, Path]) -> Settings:
+    return fp32_settings(tiny_models[f"{arch}-target"], max_draft_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def pair(arch: str, server: LiveServer) -> tuple[str, LiveServer]:
+    """The architecture and the module's verifier on its tiny target."""
+    return arch, server
 
 
 @pytest.mark.parametrize("drafter", ["model", "ngram", "prompt-lookup"])

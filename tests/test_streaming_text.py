@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Iterator
 
 import openai
 import orjson
@@ -16,28 +15,37 @@ import pytest
 
 from drafter_client.api import SpecDecClient
 from drafter_client.apps.cli import run
-from drafter_client.gateway import GatewaySettings, create_gateway
+from drafter_client.gateway import GatewaySettings
 from drafter_client.text import TextTracker
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.servers import ThreadedServer
 from tests.support.tiny_models import save_byte_level
+from verifier_service.settings import Settings
 
 MODEL = "tiny-bytes"
 SEEDS = range(16)
 
 
 @pytest.fixture(scope="module")
-def byte_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+def server_settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    """A tiny target whose tokens are single bytes."""
     folder = save_byte_level(tmp_path_factory.mktemp("bytes") / "target", seed=23)
-    with LiveServer(fp32_settings(folder, max_draft_tokens=8)) as server:
-        yield server
+    return fp32_settings(folder, max_draft_tokens=8)
 
 
 @pytest.fixture(scope="module")
-def oai(byte_server: LiveServer) -> Iterator[openai.OpenAI]:
-    client = SpecDecClient(byte_server.url, "ngram")
-    with ThreadedServer(create_gateway(client, GatewaySettings(MODEL))) as gateway:
-        yield openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+def gateway_client(server: LiveServer) -> SpecDecClient:
+    return SpecDecClient(server.url, "ngram")
+
+
+@pytest.fixture(scope="module")
+def gateway_settings() -> GatewaySettings:
+    return GatewaySettings(MODEL)
+
+
+@pytest.fixture(scope="module")
+def oai(gateway: ThreadedServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_a_stream_ending_mid_character_sends_its_last_bytes(oai: openai.OpenAI) -> None:
@@ -53,10 +61,10 @@ def test_a_stream_ending_mid_character_sends_its_last_bytes(oai: openai.OpenAI) 
     assert ends_mid_character > 0  # the case under test happened
 
 
-def test_the_cli_prints_the_last_bytes_too(byte_server: LiveServer) -> None:
+def test_the_cli_prints_the_last_bytes_too(server: LiveServer) -> None:
     ends_mid_character = 0
     for seed in SEEDS:
-        common = ["generate", "--verifier-url", byte_server.url, "--drafter", "ngram",
+        common = ["generate", "--verifier-url", server.url, "--drafter", "ngram",
                   "--prompt", "ab", "--max-new-tokens", "5", "--temperature", "1.0",
                   "--seed", str(seed), "-k", "2"]  # a fixed k: the two runs draw alike
         printed, as_json = io.StringIO(), io.StringIO()

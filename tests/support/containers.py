@@ -17,10 +17,11 @@ import resource
 import shutil
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from tests.support.waiting import wait_until
 
 BASE_IMAGE = "localhost/specdec-base:bookworm"
 ROOTFS = Path(os.environ.get("SPECDEC_ROOTFS_CACHE", "/var/tmp/specdec-rootfs/bookworm"))
@@ -85,11 +86,12 @@ class Podman:
                                  f"unix://{self.socket}"], env=self.env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            deadline = time.monotonic() + 30
-            while not self.socket.exists():
-                if time.monotonic() > deadline or proc.poll() is not None:
+            def listening() -> bool:
+                if proc.poll() is not None:
                     raise RuntimeError("podman system service did not start")
-                time.sleep(0.1)
+                return self.socket.exists()
+
+            wait_until(listening, timeout_s=30, interval_s=0.1, what="podman's API socket")
             yield f"unix://{self.socket}"
         finally:
             proc.terminate()

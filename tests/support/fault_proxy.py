@@ -83,7 +83,7 @@ class FaultProxy:
             self.dropped += 1
             writer.transport.abort()
             return False
-        if self.delay_s:
+        if self.delay_s:  # a slow network, on purpose: the fault this proxy injects
             await asyncio.sleep(self.delay_s)
         out = [f"HTTP/1.1 {response.status_code} {response.reason_phrase}".encode()]
         out += [k + b": " + v for k, v in response.headers.raw if k.lower() not in HOP_BY_HOP]

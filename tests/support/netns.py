@@ -13,6 +13,7 @@ Needs root (CAP_NET_ADMIN). ``available()`` says whether this machine can do it.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shutil
@@ -152,6 +153,20 @@ class NetPair:
         """Run the ``specdec`` CLI in the client namespace."""
         return subprocess.run([*self.exec_prefix("cli"), str(BIN / "specdec"), *args],
                               capture_output=True, text=True, timeout=timeout_s, check=False)
+
+    def client_runs(self, runs: list[list[str]], timeout_s: float = 600
+                    ) -> list[subprocess.CompletedProcess[str]]:
+        """Several ``specdec`` CLI runs in the client namespace, one after another in one
+        process (``tests.support.cli_runs``): one process start instead of one a run."""
+        from tests.support.cli_runs import answers
+
+        done = subprocess.run([*self.exec_prefix("cli"), sys.executable, "-m",
+                               "tests.support.cli_runs"], cwd=ROOT,
+                              input="".join(json.dumps(args) + "\n" for args in runs),
+                              capture_output=True, text=True, timeout=timeout_s, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"tests.support.cli_runs failed: {done.stderr[-3000:]}")
+        return answers(done.stdout, runs)
 
     def destroy(self) -> None:
         _run("ip", "netns", "del", self.srv, check=False)  # takes the veth pair with it

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from tests.support.waiting import wait_until
 
 Samples = dict[str, dict[tuple[Any, ...], float]]
 
@@ -26,12 +27,10 @@ def scrape(url: str, key: str | None = None) -> Samples:
 
 def wait_for_idle(gateway_url: str, verifier_url: str, within_s: float = 30.0) -> None:
     """Until the gateway runs no generation and the verifier holds no session (a generation
-    whose client left has stopped and closed its session); AssertionError after ``within_s``."""
-    deadline = time.monotonic() + within_s
-    while True:
+    whose client left has stopped and closed its session); TimeoutError after ``within_s``."""
+    def idle() -> bool:
         running = scrape(gateway_url)["specdec_gateway_requests_running"][()]
-        sessions = httpx.get(verifier_url + "/v1/metrics").json()["sessions"]
-        if running == 0 and sessions == 0:
-            return
-        assert time.monotonic() < deadline, (running, sessions)
-        time.sleep(0.1)
+        return running == 0 and httpx.get(verifier_url + "/v1/metrics").json()["sessions"] == 0
+
+    wait_until(idle, timeout_s=within_s, interval_s=0.05,
+               what="no generation on the gateway and no session on the verifier")

@@ -4,11 +4,11 @@ thread of this process."""
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any, TypeVar
 
 import uvicorn
 
+from tests.support.waiting import wait_until
 from verifier_service.launch import free_port
 
 S = TypeVar("S", bound="ThreadedServer")
@@ -19,6 +19,7 @@ class ThreadedServer:
     process."""
 
     def __init__(self, app: Any, **options: Any) -> None:
+        self.app = app
         self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                 **options)
@@ -31,11 +32,13 @@ class ThreadedServer:
 
     def __enter__(self: S) -> S:
         self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("server did not start")
-            time.sleep(0.02)
+
+        def started() -> bool:
+            if not self.thread.is_alive():
+                raise RuntimeError("the server's thread ended before it started")
+            return bool(self.server.started)
+
+        wait_until(started, timeout_s=60, what="the server's start")
         return self
 
     def __exit__(self, *exc: object) -> None:
