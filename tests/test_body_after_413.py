@@ -6,22 +6,20 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.sockets import read_all
+from verifier_service.settings import Settings
 
 pytest.importorskip("httptools")
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
-    settings = fp32_settings(tiny_models["gpt2-target"], http_parser="httptools")
-    with LiveServer(settings) as live:
-        yield live
+def server_settings(tiny_models: dict[str, Path]) -> Settings:
+    return fp32_settings(tiny_models["gpt2-target"], http_parser="httptools")
 
 
 def test_the_rest_of_a_refused_body_is_not_a_head(server: LiveServer) -> None:
