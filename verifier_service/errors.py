@@ -43,34 +43,24 @@ def _location(error: dict[str, Any]) -> str:
 
 
 async def validation_error_handler(request: Request, exc: Exception) -> Response:
-    """415: not sent as JSON; 400: sent as JSON but does not parse; 422: JSON of the wrong shape
-    (the message names every bad field, ``field`` the first)."""
+    """FastAPI's own validation errors (a route's parameters), as a body's would be. Bodies are
+    read by ``json_route.read_body``, which answers 415 / 400 / 422 itself."""
     assert isinstance(exc, RequestValidationError)
-    content_type = request.headers.get("content-type", "")
-    if request.method == "POST" and "json" not in content_type:
-        return error_response(415, "unsupported_media_type", "the body must be JSON sent with "
-                              f"content-type: application/json (got {content_type!r})", "body")
     return error_response(*validation_problem(exc.errors()))
 
 
 def validation_problem(errors: Any) -> tuple[int, str, str, str | None]:
-    """(status, code, message, field) for a body's validation errors: 400 when it is not JSON
-    at all, else 422 naming every bad field (``field``: the first)."""
-    if any(e.get("type") == "json_invalid" for e in errors):
-        return (400, "invalid_json", "the body is not valid JSON: "
-                f"{errors[0].get('ctx', {}).get('error', 'parse error')}", "body")
+    """(status, code, message, field) for a body's validation errors: 422 naming every bad
+    field (``field``: the first)."""
     messages = [f"{_location(e)}: {e.get('msg', 'invalid')}" for e in errors]
     field = _location(errors[0]) if errors else None
     return 422, "invalid_request", "; ".join(messages), field
 
 
 async def http_error_handler(request: Request, exc: Exception) -> Response:
-    """Errors raised by the framework itself (unknown path, wrong method, a body that cannot be
-    decoded at all - bad UTF-8, nesting too deep) in the verifier's error shape."""
+    """Errors raised by the framework itself (unknown path, wrong method) in the verifier's
+    error shape."""
     assert isinstance(exc, StarletteHTTPException)
-    if exc.status_code == 400 and request.method == "POST":
-        return error_response(400, "invalid_json", f"the body cannot be parsed as JSON "
-                              f"({exc.detail})", "body")
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code,
                                                              f"http_{exc.status_code}")
     return error_response(exc.status_code, code, str(exc.detail), None)

@@ -1,5 +1,8 @@
 """The verifier's HTTP routes. Each one reads the :class:`VerifierState` and hands model work to
-the scheduler (jobs) or the model thread; none holds state of its own."""
+the scheduler (jobs) or the model thread; none holds state of its own. The routes with a JSON
+body (create, verify, generate) read it by the one set of rules of
+:class:`verifier_service.json_route.JsonRoute` and find the state and the key's owner on the
+request."""
 
 from __future__ import annotations
 
@@ -21,20 +24,29 @@ from shared.protocol.schema import (
     VerifyResponse,
 )
 from verifier_service.guards import OWNER_KEY
+from verifier_service.json_route import JsonRoute
 from verifier_service.scheduling import generate as target_alone
 from verifier_service.scheduling.jobs import CreateSessionJob
 from verifier_service.state import VerifierState
 from verifier_service.telemetry import CONTENT_TYPE_LATEST
 
 
-# Dependencies are async so FastAPI does not hop to a worker thread for each.
-async def get_state(request: Request) -> VerifierState:
+def state_of(request: Request) -> VerifierState:
     return request.app.state.verifier  # type: ignore[no-any-return]
 
 
-async def get_owner(request: Request) -> str | None:
+def owner_of(request: Request) -> str | None:
     """The API key (by its digest's name) that sent the request; None without auth."""
-    return getattr(request.state, OWNER_KEY, None)
+    return request.scope.get("state", {}).get(OWNER_KEY)  # type: ignore[no-any-return]
+
+
+# Dependencies are async so FastAPI does not hop to a worker thread for each.
+async def get_state(request: Request) -> VerifierState:
+    return state_of(request)
+
+
+async def get_owner(request: Request) -> str | None:
+    return owner_of(request)
 
 
 StateDep = Annotated[VerifierState, Depends(get_state)]
@@ -43,7 +55,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 415, 422, 429, 503)
 }
 
-router = APIRouter()
+router = APIRouter(route_class=JsonRoute)
 
 
 @router.get("/healthz")
@@ -75,24 +87,25 @@ async def prometheus_metrics(request: Request) -> Response:
 
 
 @router.post("/v1/sessions", response_model=CreateSessionResponse, responses=ERRORS)
-async def create_session(body: CreateSessionRequest, state: StateDep,
-                         owner: OwnerDep) -> CreateSessionResponse:
+async def create_session(body: CreateSessionRequest, request: Request) -> CreateSessionResponse:
     """Open a session and prefill its prompt. Idempotent under a client-chosen
     ``session_id``: the same request again answers the same while the session is unused."""
+    state = state_of(request)
     state.jobs.validator.check_create(body.protocol_version, body.prompt_ids, body.encoder_ids,
                                       body.prompt_length)
-    return await state.scheduler.submit(CreateSessionJob(state.jobs, body, owner))  # type: ignore[no-any-return]
+    return await state.scheduler.submit(  # type: ignore[no-any-return]
+        CreateSessionJob(state.jobs, body, owner_of(request)))
 
 
 @router.post("/v1/sessions/{session_id}/verify", response_model=VerifyResponse,
              responses=ERRORS)
-async def verify(session_id: str, body: VerifyRequest, state: StateDep,
-                 owner: OwnerDep) -> VerifyResponse:
+async def verify(session_id: str, body: VerifyRequest, request: Request) -> VerifyResponse:
     """Score a drafted block in one forward. Idempotent: ``position`` names the step; the
     same call again returns the same answer without advancing the session; another
     position than the session's gets 409 with the session's ``position``."""
+    state = state_of(request)
     return await target_alone.verify_call(state.jobs, state.scheduler, session_id, body,
-                                          state.engine.info.eos_token_ids, owner)
+                                          state.engine.info.eos_token_ids, owner_of(request))
 
 
 @router.delete("/v1/sessions/{session_id}", status_code=204, responses=ERRORS)
@@ -103,10 +116,10 @@ async def delete_session(session_id: str, state: StateDep, owner: OwnerDep) -> R
 
 
 @router.post("/v1/generate", response_model=GenerateResponse, responses=ERRORS)
-async def generate(body: GenerateRequest, state: StateDep, owner: OwnerDep,
-                   request: Request) -> GenerateResponse | Response:
+async def generate(body: GenerateRequest, request: Request) -> GenerateResponse | Response:
     """Target-only decoding with the same sampling math: the baseline of every speedup. A
     caller that hangs up stops it at its next step (499, read by nobody)."""
+    state, owner = state_of(request), owner_of(request)
     gone = asyncio.Event()
     watch = asyncio.ensure_future(_hang_up(request, gone))
     try:
