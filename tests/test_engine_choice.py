@@ -69,6 +69,13 @@ def settings(model: str, engine: str, sessions: int = 1) -> Settings:
                     expected_sessions=sessions)
 
 
+def recorded(model: str) -> dict[str, list[tuple[int, float]]]:
+    """What auto prices for ``settings(model, ...)``: the candidates' recorded costs."""
+    chosen = settings(model, "auto")
+    return recorded_costs(chosen.target_options(), chosen.engine_options(),
+                          ["llama-cpp", "int8"])
+
+
 def test_auto_runs_w4a8_where_it_computes_the_file(both_engines: str) -> None:
     engine = load_engine(settings(both_engines, "auto", sessions=8))
     assert (engine.info.engine, engine.info.kernels, engine.info.engine_choice) == (
@@ -86,11 +93,11 @@ def test_each_start_records_its_costs_and_auto_prices_them(
     assert (first.info.engine, first.info.kernels) == ("llama-cpp", "exact")
     assert "int8 not measured here yet" in first.info.engine_choice
     assert load_engine(settings(both_engines, "int8")).info.engine == "int8"
-    assert set(recorded_costs(both_engines, 1)) == {"llama-cpp", "int8"}
+    assert set(recorded(both_engines)) == {"llama-cpp", "int8"}
     for sessions in (1, 8):
         # what auto prices: the costs recorded now (each start re-records its engine's costs,
         # re-timed where the earlier ones no longer hold)
-        costs = recorded_costs(both_engines, 1)
+        costs = recorded(both_engines)
         chosen = load_engine(settings(both_engines, "auto", sessions))
         cheaper = min(costs, key=lambda name: ms_per_token(costs[name], Workload(sessions))[0])
         assert chosen.info.engine == cheaper

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliSuppress, SettingsConfigDict
 
-from shared.engines import DEFAULT_KV_BUDGET, ENGINES, backends, option_models
+from shared.engines import DEFAULT_KV_BUDGET, ENGINES, MIN_CONTEXT, backends, option_models
 from shared.http.limits import HTTP_LIMITS
 
 if TYPE_CHECKING:
@@ -103,6 +103,15 @@ class CommonSettings(BaseSettings):
 
     def key_list(self) -> list[str]:
         return [key.strip() for key in self.api_keys.split(",") if key.strip()]
+
+    @field_validator("max_context", "kv_budget_tokens")
+    @classmethod
+    def _room_for_a_session(cls, tokens: int) -> int:
+        if 0 < tokens < MIN_CONTEXT:
+            raise ValueError(f"must be 0 or at least {MIN_CONTEXT} (a session's tokens: each "
+                             f"start writes 16 into one and times verify blocks after them); "
+                             f"got {tokens}")
+        return tokens
 
     @field_validator("engine")
     @classmethod

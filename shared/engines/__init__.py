@@ -50,6 +50,10 @@ BUILT_IN = (
     Plugin("transformers", "shared.engines.transformers", drafts=True),
 )
 DEFAULT_KV_BUDGET = 65536  # KV tokens where the cache is not sized from free device memory
+# The fewest tokens a session may hold: each start writes 16 tokens into a slot and times verify
+# blocks after them (``target.BatchForward.warm_up_and_time``; the transformers engine's warm-up
+# writes 16 + 5)
+MIN_CONTEXT = 32
 ENGINES = ("auto", *(plugin.name for plugin in BUILT_IN))
 DRAFTING_ENGINES = ("auto", *(plugin.name for plugin in BUILT_IN if plugin.drafts))
 
@@ -232,7 +236,8 @@ def choose(engine: str, target: TargetOptions, options: Mapping[str, Any]) -> tu
     if not challengers:
         return claimant, ""
     auto = options["auto"]
-    choice = price([claimant, *challengers], recorded_costs(target.model, target.threads),
+    candidates = [claimant, *challengers]
+    choice = price(candidates, recorded_costs(target, options, candidates),
                    Workload(auto.expected_sessions, auto.expected_acceptance))
     return choice.engine, choice.why
 
@@ -250,7 +255,7 @@ def load_target(engine: str, target: TargetOptions, options: Mapping[str, Any]) 
         raise ModelSpecError(str(exc)) from None
     loaded = chosen.load_target(replace(target, engine_options=options[name]))
     if chosen.cpu_only:
-        record_costs(target.model, target.threads, name, loaded.info.verify_ms)
+        record_costs(target, name, options[name], loaded.info.verify_ms)
     loaded.info = replace(loaded.info, engine=name, engine_choice=why)
     return loaded
 

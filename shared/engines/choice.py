@@ -2,8 +2,12 @@
 costs serve the expected work fastest.
 
 Every start of an engine records its verify costs (``/v1/info``'s ``verify_ms``: a forward of k
-drafts, k = 0..16, one session) under the model and this machine (:func:`engine_costs_path`: the
-verify costs' own file). Where llama.cpp (the GGUF file) and the int8 engine (the converted
+drafts, k = 0..16, one session) under the model, this machine (the CPU, the cores this process
+may use, the threads), the session context and the engine's own options (int8's outliers,
+llama.cpp's kernels): :func:`engine_costs_path`, the verify costs' own file. A record that is
+not what a start writes (negative, NaN or zero costs, a k no start times, wrong types: the file
+is data anyone with the home's volume can write) is ignored with a warning, as if that engine
+had not been measured yet. Where llama.cpp (the GGUF file) and the int8 engine (the converted
 folder) both have costs recorded, auto prices the work the verifier expects: with ``sessions``
 sessions at once, each drafting k tokens accepted at rate ``acceptance``, a forward holds
 ``sessions * (k + 1)`` rows and yields ``sessions * (1 - a^(k+1)) / (1 - a)`` tokens (Leviathan
@@ -18,13 +22,19 @@ Where a candidate has no costs recorded yet, auto takes the first engine that cl
 
 from __future__ import annotations
 
+import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field
 
-from shared.engines.target import VERIFY_KS, verify_costs_path
-from shared.machine_cache import cpu_name, read_json, write_json
+from shared.engines.target import VERIFY_KS, TargetOptions, checked_costs, verify_costs_path
+from shared.machine_cache import cpu_name, read_json, update_json
+
+log = logging.getLogger(__name__)
 
 MAX_K = VERIFY_KS[-1]  # the longest block each start times
 
@@ -58,27 +68,69 @@ def engine_costs_path() -> Path:
     return verify_costs_path()
 
 
-def _key(model: str, threads: int) -> str:
-    return f"auto|{model}|{cpu_name()}|threads={threads}"
+def usable_cpus() -> int:
+    """The cores this process may run on (a container's limit, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
-def record_costs(model: str, threads: int, engine: str,
+def _key(target: TargetOptions) -> str:
+    """What every candidate's costs depend on besides its own options: the model, the CPU, the
+    cores and threads, and the session context."""
+    return (f"auto|{target.model}|{cpu_name()}|cpus={usable_cpus()}|threads={target.threads}"
+            f"|context={target.max_context}")
+
+
+def _entry(engine: str, options: Any) -> str:
+    """An engine's name and its own options (they change what its forwards cost)."""
+    said = options.model_dump_json() if isinstance(options, BaseModel) else ""
+    return f"{engine}|{said}"
+
+
+def record_costs(target: TargetOptions, engine: str, options: Any,
                  verify_ms: list[tuple[int, float]]) -> None:
-    """Keep ``engine``'s verify costs for ``model`` on this machine (an engine's start)."""
-    if not verify_ms:
+    """Keep ``engine``'s verify costs (with its own ``options``) for ``target`` on this
+    machine (an engine's start); costs that are not a start's (none timed: a short context)
+    are not kept."""
+    try:
+        costs = checked_costs([list(pair) for pair in verify_ms])
+    except ValueError:
         return
+
+    def keep(data: dict[str, Any]) -> None:
+        entry = data.get(_key(target))
+        if not isinstance(entry, dict):
+            entry = data[_key(target)] = {}
+        entry[_entry(engine, options)] = [list(pair) for pair in costs]
+
+    update_json(engine_costs_path(), keep, "the engines' verify costs")
+
+
+def recorded_costs(target: TargetOptions, options: Mapping[str, Any],
+                   engines: list[str]) -> dict[str, list[tuple[int, float]]]:
+    """The recorded costs of each of ``engines`` (with its options in ``options``) that has a
+    valid record for ``target`` here; a record that is not one is left out with a warning."""
     path = engine_costs_path()
-    data = read_json(path)
-    data.setdefault(_key(model, threads), {})[engine] = [list(pair) for pair in verify_ms]
-    write_json(path, data, "the engines' verify costs")
-
-
-def recorded_costs(model: str, threads: int) -> dict[str, list[tuple[int, float]]]:
-    entry = read_json(engine_costs_path()).get(_key(model, threads), {})
-    if not isinstance(entry, dict):
+    entry = read_json(path, "the engines' verify costs").get(_key(target))
+    if entry is None:
         return {}
-    return {name: [(int(k), float(ms)) for k, ms in pairs] for name, pairs in entry.items()
-            if isinstance(pairs, list) and pairs}
+    if not isinstance(entry, dict):
+        log.warning("ignoring the engines' costs recorded in %s (not an object): --engine auto "
+                    "treats every engine as not measured yet", path)
+        return {}
+    costs = {}
+    for name in engines:
+        pairs = entry.get(_entry(name, options.get(name)))
+        if pairs is None:
+            continue
+        try:
+            costs[name] = checked_costs(pairs)
+        except ValueError as exc:
+            log.warning("ignoring %s's costs recorded in %s (%s): --engine auto treats it as "
+                        "not measured yet", name, path, exc)
+    return costs
 
 
 def rows_ms(verify_ms: list[tuple[int, float]], rows: int) -> float:

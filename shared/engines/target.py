@@ -16,21 +16,68 @@ Implementations: the causal slot-pool engine (``target.py``), the encoder-decode
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
+from shared.engines import MIN_CONTEXT
+from shared.machine_cache import cpu_name, read_json, specdec_home, update_json
+from shared.models import ModelSpecError
 from shared.protocol.acceptance import Block, Verdict, decide
 from shared.protocol.schema import StepLoad
 
 VERIFY_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # drafts per block timed at start (``verify_ms``)
+# The dearest verify forward a cost file may claim: ten minutes (a recorded cost past it is
+# nonsense, and priced against the others it would steer ``--engine auto``).
+MAX_VERIFY_MS = 600_000.0
 
 log = logging.getLogger(__name__)
+
+
+def check_context(context: int) -> None:
+    """Refuse a session context too short for the start's warm-up (ModelSpecError: the
+    verifier prints it as one line): ``--max-context``, ``--kv-budget-tokens`` or the model's
+    own limit below :data:`MIN_CONTEXT`."""
+    if context < MIN_CONTEXT:
+        raise ModelSpecError(
+            f"a session may hold {context} tokens here (the least of --max-context, "
+            f"--kv-budget-tokens and the model's own limit); the verifier needs at least "
+            f"{MIN_CONTEXT}")
+
+
+def checked_costs(value: Any, ks: Sequence[int] | None = None) -> list[tuple[int, float]]:
+    """A recorded ``verify_ms`` as [(k, ms)] where it is one, else ValueError saying why: a
+    non-empty list of [k, ms] pairs, k an integer of ``ks`` (default :data:`VERIFY_KS`) each at
+    most once in increasing order (exactly ``ks`` where given), ms a finite number above 0 and
+    at most :data:`MAX_VERIFY_MS`. Cost files are data anyone with the home's volume can write:
+    a negative cost priced rows below nothing (every verify answered 500), a huge k had the
+    start time a block of that many tokens."""
+    if not isinstance(value, list) or not value:
+        raise ValueError("not a non-empty list of [k, ms] pairs")
+    allowed = VERIFY_KS if ks is None else tuple(ks)
+    pairs: list[tuple[int, float]] = []
+    for pair in value:
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise ValueError(f"{pair!r} is not a [k, ms] pair")
+        k, ms = pair
+        if type(k) is not int or k not in allowed:
+            raise ValueError(f"k={k!r} is not one of the timed {list(allowed)}")
+        if isinstance(ms, bool) or not isinstance(ms, int | float) or not math.isfinite(ms) \
+                or not 0.0 < ms <= MAX_VERIFY_MS:
+            raise ValueError(f"k={k}: {ms!r} is not a time in ms (above 0, at most "
+                             f"{MAX_VERIFY_MS:.0f})")
+        if pairs and k <= pairs[-1][0]:
+            raise ValueError(f"k={k} out of order")
+        pairs.append((k, float(ms)))
+    if ks is not None and [k for k, _ in pairs] != list(allowed):
+        raise ValueError(f"the ks {[k for k, _ in pairs]} are not the timed {list(allowed)}")
+    return pairs
 
 
 def verify_costs_path() -> Path:
@@ -342,7 +389,9 @@ class BatchForward:
 
     def warm_up_and_time(self, key: str) -> None:
         """One small forward on a free slot (buffers allocated before the first client), then
-        the verify costs that ``/v1/info`` reports (:meth:`measured_verify_ms` under ``key``)."""
+        the verify costs that ``/v1/info`` reports (:meth:`measured_verify_ms` under ``key``).
+        A session context below :data:`MIN_CONTEXT` is refused first (ModelSpecError)."""
+        check_context(self.info.max_context)
         slot = self.allocate()  # type: ignore[attr-defined]
         if slot is None:
             return
@@ -359,20 +408,29 @@ class BatchForward:
         on the same machine measures the same costs within its noise (the client's cost model
         soon replaces them with what it measures itself)."""
         ks = self.verify_ks()
+        if not ks:
+            return []
         key = f"{key}|ks={','.join(map(str, ks))}"
         path = verify_costs_path()
-        known = read_json(path).get(key)
-        if isinstance(known, list) and all(
-                isinstance(pair, list) and len(pair) == 2 for pair in known):
-            earlier = [(int(k), float(ms)) for k, ms in known]
-            if self.still_holds(slot, ids, earlier):
-                log.info("verify costs of an earlier start (%s)", path)
-                return earlier
-            log.info("the verify costs of an earlier start no longer hold here: timing again")
+        known = read_json(path, "the verify costs").get(key)
+        if known is not None:
+            try:
+                earlier = checked_costs(known, ks)
+            except ValueError as exc:  # written by something else: a crash, a hand, an attack
+                log.warning("ignoring the verify costs recorded in %s for this start (%s): "
+                            "timing again", path, exc)
+            else:
+                if self.still_holds(slot, ids, earlier):
+                    log.info("verify costs of an earlier start (%s)", path)
+                    return earlier
+                log.info("the verify costs of an earlier start no longer hold here: timing "
+                         "again")
         timed = self.time_verify_blocks(slot, ids, ks)
-        data = read_json(path)  # again: another verifier may have written during the sweep
-        data[key] = [list(pair) for pair in timed]
-        write_json(path, data, "the verify costs")
+
+        def keep(data: dict[str, Any]) -> None:  # what others wrote during the sweep stays
+            data[key] = [list(pair) for pair in timed]
+
+        update_json(path, keep, "the verify costs")
         return timed
 
     def still_holds(self, slot: int, ids: list[int], earlier: list[tuple[int, float]],
@@ -404,5 +462,6 @@ class BatchForward:
                     rows[0].cpu()  # the logits are ready (a GPU forward returns early)
                 if i:
                     times.append(time.perf_counter() - started)
-            timings.append((k, round(1e3 * min(times), 3)))
+            # at least a microsecond: a recorded 0 would be refused and timed at every start
+            timings.append((k, max(round(1e3 * min(times), 3), 0.001)))
         return timings

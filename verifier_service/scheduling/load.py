@@ -10,6 +10,8 @@ and prices each forward's drafts in a :class:`StepLoad` that goes back with ever
 
 from __future__ import annotations
 
+import math
+
 from shared.engines.target import Step
 from shared.protocol.schema import StepLoad
 
@@ -23,7 +25,8 @@ class RowCosts:
         self._sums = [0.0] * 5  # decayed n, sum x, sum x^2, sum y, sum x y
         self._per_row = [0.0, 0.0]  # decayed (weight, sum of seconds / rows)
         for k, ms in verify_ms or []:  # a verify of k drafts: k + 1 rows
-            self._add(k + 1.0, ms / 1e3, weight=0.5)
+            if k >= 0 and math.isfinite(ms) and ms > 0:  # the engines check theirs; kept safe
+                self._add(k + 1.0, ms / 1e3, weight=0.5)
 
     def _add(self, rows: float, seconds: float, weight: float = 1.0) -> None:
         for i, v in enumerate((1.0, rows, rows * rows, seconds, rows * seconds)):

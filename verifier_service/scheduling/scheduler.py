@@ -101,7 +101,10 @@ class Scheduler:
         # A second call for a session already in the batch (a client's retry while its first
         # call is still queued) waits for the next batch, where it gets the first one's answer.
         self._deferred: list[_Pending] = []
-        self._last_seen: dict[Hashable, float] = {}  # session key -> when it last sent a job
+        # session key -> when it last sent a job, within the last second (``_others_active``):
+        # kept with batching only, the one reader, and pruned each batch, so it holds at most
+        # a second's sessions (without batching it grew by every session ever seen)
+        self._last_seen: dict[Hashable, float] = {}
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop())
@@ -124,8 +127,6 @@ class Scheduler:
         self._last_seen.pop(session_key, None)
 
     async def submit(self, job: Job) -> Any:
-        if job.session_key is not None:
-            self._last_seen[job.session_key] = time.perf_counter()
         pending = _Pending(job, asyncio.get_running_loop().create_future())
         try:
             self.queue.put_nowait(pending)
@@ -134,6 +135,8 @@ class Scheduler:
             raise VerifierError(429, "overloaded", f"the verifier's queue is full "
                                 f"({self.queue.maxsize} jobs); retry later", None,
                                 retry_after_s=1) from None
+        if job.session_key is not None and self.max_batch_size > 1:  # a job refused is not seen
+            self._last_seen[job.session_key] = time.perf_counter()
         return await pending.future
 
     async def _next_batch(self) -> list[_Pending]:

@@ -28,8 +28,8 @@ from shared.engines.target import (
     PoolSlots,
     SlotAllocator,
     TargetOptions,
-    device_name,
 )
+from shared.engines.transformers.dtype_choice import cache_key
 from shared.engines.transformers.models import eos_ids_of
 from shared.models.catalog import (
     load_causal_lm,
@@ -139,8 +139,11 @@ def load_int8_engine(o: TargetOptions, own: Int8Options) -> Int8Engine:
                         o.acceptance)
     del model
     release_freed_memory()  # the checkpoint's bfloat16 weights, gone now: 3.5 GB for a 1.5B
-    key = (f"int8|{o.model}|{quantized}|{device_name('cpu')}|threads={torch.get_num_threads()}"
-           f"|torch={torch.__version__}|context={context}|outliers={own.int8_outliers}")
+    # the checkpoint on this machine, threads, torch and transformers (``cache_key``), fbgemm's
+    # engine and activation width (VNNI or not: a virtual machine may hide it under the same
+    # CPU name), the slot's length and the outliers
+    key = (f"int8|{cache_key(o.model)}|{quantized}|act={activation_bits()}"
+           f"|context={context}|outliers={own.int8_outliers}")
     engine.warm_up_and_time(key)
     log.info("loaded target %s in int8 (%s, %d-bit activations, %d outliers a row, %d "
              "threads): %d slots x %d tokens (%.0f MiB of weights, %.0f MiB of KV) in %.1f s",

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
+from shared.machine_cache import cpu_name, file_stamp, read_json, specdec_home, update_json
 from shared.models.catalog import (
     OFFLINE_MODELS,
     ModelSpecError,
@@ -213,14 +213,13 @@ def _amx_machine_key() -> str:
 
 def cost_key(model: LlamaModel) -> str:
     """What a timing of this model's forwards depends on: the file, the machine, the
-    llama-cpp-python version, the weights' layouts and the threads."""
-    return (f"{_file_key(model.weights.path)}|{_amx_machine_key()}"
-            f"|repacked={model.weights.extra_layouts}|threads={model.threads}")
+    llama-cpp-python version, the weights' layouts, the threads, the kernels (exact: at most
+    3 rows a decode) and the sequence's length."""
+    return (f"{file_stamp(model.weights.path)}|{_amx_machine_key()}"
+            f"|repacked={model.weights.extra_layouts}|threads={model.threads}"
+            f"|exact={model.exact}|context={model.seq_tokens}")
 
 
-def _file_key(path: str) -> str:
-    stat = Path(path).stat()
-    return f"{Path(path).resolve()}|{stat.st_size}|{int(stat.st_mtime)}"
 
 
 def amx_works(path: str, threads: int) -> bool | None:
@@ -233,22 +232,30 @@ def amx_works(path: str, threads: int) -> bool | None:
     setting = os.environ.get("SPECDEC_LLAMA_AMX", "auto")
     if setting in ("0", "1"):
         return setting == "1"
-    machine, file = _amx_machine_key(), _file_key(path)
-    data = read_json(amx_cache_path())
-    known = data.get(machine)
+    machine, file = _amx_machine_key(), file_stamp(path)
+    data = read_json(amx_cache_path(), "llama.cpp's AMX probe")
+    known, no_amx = data.get(machine), data.get("no-amx", {})
     if isinstance(known, bool):
         return known
-    if file in data.get("no-amx", {}):
+    if isinstance(no_amx, dict) and no_amx.get(file) is True:
         return None
+    if known is not None or not isinstance(no_amx, dict):
+        log.warning("ignoring what %s says of this machine or file (not what a probe "
+                    "writes): probing again", amx_cache_path())
     outcome = probe_amx(path, threads)
-    data = read_json(amx_cache_path())  # another process may have written meanwhile
-    if outcome == "no-amx":
-        data.setdefault("no-amx", {})[file] = True
-    elif outcome in ("amx-ran", "amx-failed"):
-        data[machine] = outcome == "amx-ran"
-    else:
+    if outcome not in ("no-amx", "amx-ran", "amx-failed"):
         return None
-    write_json(amx_cache_path(), data, "llama.cpp's AMX probe")
+
+    def keep(data: dict[str, Any]) -> None:  # what another process wrote meanwhile stays
+        if outcome == "no-amx":
+            files = data.get("no-amx")
+            if not isinstance(files, dict):
+                files = data["no-amx"] = {}
+            files[file] = True
+        else:
+            data[machine] = outcome == "amx-ran"
+
+    update_json(amx_cache_path(), keep, "llama.cpp's AMX probe")
     if outcome == "amx-failed":
         log.warning("llama.cpp's AMX kernels fail on this machine (tried once in a child "
                     "process): GGUF weights stay in llama.cpp's plain layout here "

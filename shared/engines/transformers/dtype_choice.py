@@ -12,7 +12,8 @@ float32 wins; and what a block of k tokens costs next to one differs between the
 first load of a model on a machine times forwards of the blocks the speculative loop runs (1, 3
 and 5 new tokens on a short cache) in both dtypes, keeps the faster (lower sum), and records the
 choice in ``$SPECDEC_HOME/dtype-choices.json`` under the model folder, the CPU, the thread count
-and the torch version, so later starts load straight into it.
+and the torch and transformers versions, so later starts load straight into it (an entry that
+is not one of the two dtypes is ignored with a warning and measured again).
 
 The two candidates are the same weights: a bf16 / fp16 checkpoint is loaded in bfloat16 and
 widened to float32 (exact), a float32 checkpoint is loaded in float32 and narrowed; when float32
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from shared.engines.transformers.timing import plain_step_ms
-from shared.machine_cache import cpu_name, read_json, specdec_home, write_json
+from shared.machine_cache import cpu_name, read_json, specdec_home, update_json
 from shared.models.catalog import load_lm, pick_dtype, resolve_model_spec
 
 log = logging.getLogger("specdec.dtype")
@@ -61,22 +62,35 @@ def cache_path() -> Path:
 
 
 def cache_key(spec: str) -> str:
+    import transformers
+
     path, gguf_file = resolve_model_spec(spec)
     folder = Path(path).resolve()
     config = folder / (gguf_file or "config.json")
     stamp = int(config.stat().st_mtime) if config.exists() else 0
     return (f"{folder / (gguf_file or '')}|{stamp}|{cpu_name()}|threads={torch.get_num_threads()}"
-            f"|torch={torch.__version__}")
+            f"|torch={torch.__version__}|transformers={transformers.__version__}")
 
 
-def _read_cache() -> dict[str, str]:
-    return {str(k): str(v) for k, v in read_json(cache_path()).items()}
+CHOICES = ("float32", "bfloat16")
+
+
+def _cached_choice(key: str) -> str | None:
+    """The dtype recorded under ``key``: None where there is none, or where what is there is
+    not one of :data:`CHOICES` (ignored with a warning: measured again)."""
+    known = read_json(cache_path(), "the dtype choices").get(key)
+    if known is not None and known not in CHOICES:
+        log.warning("ignoring the dtype choice recorded in %s for this model (%.80r is not one "
+                    "of %s): measuring again", cache_path(), known, ", ".join(CHOICES))
+        return None
+    return known  # type: ignore[no-any-return]
 
 
 def _write_cache(key: str, dtype: torch.dtype) -> None:
-    data = _read_cache()
-    data[key] = str(dtype).removeprefix("torch.")
-    write_json(cache_path(), data, "the dtype choice")
+    def keep(data: dict[str, Any]) -> None:
+        data[key] = str(dtype).removeprefix("torch.")
+
+    update_json(cache_path(), keep, "the dtype choice")
 
 
 def block_ms(model: Any, repeats: int = 3) -> dict[int, float]:
@@ -112,8 +126,8 @@ def load_fastest(spec: str, load: Callable[[torch.dtype], Any],
     """The model loaded by ``load(dtype)`` in the faster of float32 and bfloat16 on this CPU
     (``measure``: ms per block size, the same sizes for both)."""
     key = cache_key(spec)
-    known = _read_cache().get(key)
-    if known in ("float32", "bfloat16"):
+    known = _cached_choice(key)
+    if known is not None:
         dtype = getattr(torch, known)
         return load(dtype), DtypeChoice(dtype, {}, cached=True)
     narrow = checkpoint_is_narrow(spec)

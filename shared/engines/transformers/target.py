@@ -18,6 +18,7 @@ from shared.engines.target import (
     ForwardItem,
     PoolSlots,
     TargetOptions,
+    check_context,
     device_name,
 )
 from shared.engines.transformers import TransformersOptions
@@ -97,18 +98,21 @@ class CausalEngine(PoolSlots, BatchForward):
 
     def warm_up(self) -> None:
         """One small forward, so the first client does not pay for kernel selection and
-        allocator growth (seconds on CPU for a 1.5B model); then the verify costs."""
+        allocator growth (seconds on CPU for a 1.5B model); then the verify costs. A session
+        context below ``MIN_CONTEXT`` is refused first (ModelSpecError)."""
+        check_context(self.info.max_context)
         slot = self.pool.allocate()
         if slot is None:
             return
         ids = [i % self.info.vocab_size for i in range(16)]
         self.forward([ForwardItem(slot, 0, ids, False)])
         self.forward([ForwardItem(slot, 16, ids[:5], True)])
-        # the model file on this machine, threads and torch (as --dtype auto's record), and
-        # what else the forwards depend on
+        # the model file on this machine, threads, torch and transformers (as --dtype auto's
+        # record), and what else the forwards depend on: the attention path, static shapes and
+        # the slot's length
         key = (f"transformers|{cache_key(self.info.name)}|{self.info.dtype}"
                f"|{device_name(self.device)}|attention={self.attention}"
-               f"|graphs={self.static is not None}")
+               f"|graphs={self.static is not None}|context={self.info.max_context}")
         # Tensor parallel: every rank times (the same forwards, so their collectives match)
         # rather than each deciding from a file that may differ between hosts.
         costs = (self.time_verify_blocks(slot, ids) if dist.is_available() and

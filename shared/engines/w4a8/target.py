@@ -15,6 +15,7 @@ from shared.engines import DEFAULT_KV_BUDGET
 from shared.engines.int8.target import Int8Engine
 from shared.engines.target import TargetOptions, device_name
 from shared.engines.w4a8.model import GGUFFile, W4A8Decoder
+from shared.machine_cache import file_stamp
 from shared.models.catalog import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -64,8 +65,9 @@ def load_w4a8_engine(o: TargetOptions) -> W4A8Engine:
     tokenizer = load_tokenizer(tokenizer_spec)
     engine = W4A8Engine(decoder, tokenizer, eos_ids(file, tokenizer, decoder.shape.vocab),
                         o.model, num_slots, o.acceptance)
-    engine.warm_up_and_time(f"w4a8|{path}|{device_name('cpu')}|isa={decoder.lib.w4a8_isa()}"
-                            f"|threads={torch.get_num_threads()}|context={context}")
+    engine.warm_up_and_time(f"w4a8|{file_stamp(path)}|{device_name('cpu')}"
+                            f"|isa={decoder.lib.w4a8_isa()}|threads={torch.get_num_threads()}"
+                            f"|context={context}")
     log.info("loaded target %s on the w4a8 engine (%s, %d threads): %d slots x %d tokens "
              "(%.0f MiB of weights mapped, %.0f MiB of KV) in %.1f s", path, engine.info.dtype,
              torch.get_num_threads(), num_slots, context, decoder.weight_bytes / 2**20,
