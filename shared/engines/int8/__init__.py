@@ -56,15 +56,18 @@ def can_serve(spec: str) -> bool:
     import json
     from pathlib import Path
 
-    from shared.engines.int8.model import ARCHITECTURES
+    from shared.engines.int8.model import ARCHITECTURES, checkpoint_tensor_names, refuse_unread
     from shared.models.catalog import resolve_model_spec
 
     try:
         path, gguf_file = resolve_model_spec(spec)
         config = json.loads((Path(path) / "config.json").read_text())
+        if gguf_file is None:
+            refuse_unread(checkpoint_tensor_names(path), spec)
     except (ModelSpecError, OSError, ValueError):
         return False
-    return gguf_file is None and (config.get("architectures") or ["?"])[0] in ARCHITECTURES
+    return gguf_file is None and (config.get("architectures") or ["?"])[0] in ARCHITECTURES \
+        and not config.get("mlp_bias") and not config.get("use_qk_norm")
 
 
 register(Int8Backend())

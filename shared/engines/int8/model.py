@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import functools
 import math
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from shared.engines.int8.kernels import Int8Linear, rms_norm
+from shared.engines.int8.kernels import Int8Linear, rms_norm, silu_mul
 from shared.models.catalog import ModelSpecError
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -53,6 +56,12 @@ def shape_of(config: Any) -> Shape:
         raise ModelSpecError("the int8 engine has no sliding-window attention")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ModelSpecError(f"the int8 engine computes SiLU MLPs; got {config.hidden_act}")
+    for flag in ("mlp_bias", "use_qk_norm"):  # weights this engine would leave out
+        if getattr(config, flag, False):
+            raise ModelSpecError(f"the int8 engine has no {flag}; {arch}'s config sets it")
+    if int(config.hidden_size) >= 32768:  # ATen's grain: a lone row's sum would be split
+        raise ModelSpecError(f"the int8 engine's RMSNorm sums a row in one thread, up to "
+                             f"32,767 values; hidden size {config.hidden_size}")
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
@@ -60,6 +69,37 @@ def shape_of(config: Any) -> Shape:
                  heads=heads, kv_heads=int(getattr(config, "num_key_value_heads", heads)),
                  head_dim=head_dim, vocab=int(config.vocab_size), eps=float(config.rms_norm_eps),
                  rope_theta=theta, limit=int(getattr(config, "max_position_embeddings", 0) or 0))
+
+
+# Every tensor this engine reads; a checkpoint with any other (a Qwen3's query/key norms under a
+# Qwen2 label, MLP biases) computes something the engine would not, and is refused.
+COMPUTED = re.compile(
+    r"(model\.)?(embed_tokens\.weight|norm\.weight|layers\.\d+\.("
+    r"(input_layernorm|post_attention_layernorm)\.weight|self_attn\.[qkv]_proj\.(weight|bias)"
+    r"|self_attn\.o_proj\.(weight|bias)|mlp\.(gate|up|down)_proj\.weight))"
+    r"|lm_head\.(weight|bias)")
+
+
+def refuse_unread(names: Iterable[str], source: str) -> None:
+    """ModelSpecError naming the tensors of ``names`` this engine would not read."""
+    unread = sorted(name for name in names if not COMPUTED.fullmatch(name))
+    if unread:
+        shown = ", ".join(unread[:4]) + (f" and {len(unread) - 4} more" if len(unread) > 4
+                                         else "")
+        raise ModelSpecError(f"the int8 engine would leave out {len(unread)} tensors of "
+                             f"{source}, so it would compute another model: {shown}")
+
+
+def checkpoint_tensor_names(folder: str) -> list[str]:
+    """The names of the tensors in ``folder``'s safetensors files (none for a checkpoint in
+    another format: then what the loaded model holds is all that is checked)."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as tensors:
+            names += tensors.keys()
+    return names
 
 
 @dataclass
@@ -87,6 +127,7 @@ class Int8Decoder:
     def __init__(self, model: Any, num_slots: int, slot_tokens: int,
                  linear: type[Int8Linear] = Int8Linear, outliers: int = 0) -> None:
         s = self.shape = shape_of(model.config)
+        refuse_unread(model.state_dict(), "the loaded model")
         # A row's outliers (Int8Linear) where they cost little and count: the attention's
         # projections and the MLP's down projection (few outputs: their int8 columns), the
         # output head (a second row). Not the gate/up projection: 17,920 outputs a layer, for
@@ -154,8 +195,7 @@ class Int8Decoder:
             values[slot_index, :, where] = v
             x = x + layer.out(self._attend(q, keys, values, rows))
             h = layer.gate_up(rms_norm(x, layer.mlp_norm, s.eps))  # [n, 2 intermediate]
-            gate, up = h.chunk(2, dim=1)
-            x = x + layer.down(torch.nn.functional.silu(gate) * up)
+            x = x + layer.down(silu_mul(h))
         return self.head(rms_norm(x[keep], self.norm, s.eps))
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -4,10 +4,16 @@ verifier's engine interface, a session per KV slot.
 A batch of steps is one forward over every step's new tokens; only the rows a verify block
 decides from become logits. Rejected drafts need no cleanup: a slot's positions past its
 accepted prefix are overwritten by the next block, and attention reads a row's prefix only.
+
+A forward's rows go through the decoder :data:`CHUNK_ROWS` at a time, so a long prompt (a
+scheduler admits its first job whole, however long) takes the activations of that many rows,
+not of all its tokens: every row is computed as a one-token step computes it, whatever rows
+sit beside it, so chunks change no bit of any row or of the keys and values it writes.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import gc
@@ -20,7 +26,13 @@ import torch
 from shared.engines import DEFAULT_KV_BUDGET
 from shared.engines.int8 import Int8Options
 from shared.engines.int8.kernels import activation_bits, quantized_engine
-from shared.engines.int8.model import Int8Decoder, Rows
+from shared.engines.int8.model import (
+    Int8Decoder,
+    Rows,
+    checkpoint_tensor_names,
+    refuse_unread,
+    shape_of,
+)
 from shared.engines.target import (
     BatchForward,
     ForwardItem,
@@ -34,16 +46,24 @@ from shared.engines.transformers.models import eos_ids_of
 from shared.models.catalog import (
     load_causal_lm,
     load_tokenizer,
+    resolve_model_spec,
     tokenizer_fingerprint,
 )
 
 log = logging.getLogger(__name__)
+
+# Rows through the decoder at once. The activations of a row of Qwen2.5-1.5B take ~0.3 MB at
+# their peak (the MLP's 2 x 8,960 floats and what follows from them), so 256 rows hold ~75 MB
+# where a 16k-token prompt in one piece took 4.6 GB; each chunk reads the weights once more,
+# a one-token step's worth, against 256 rows' work (docs/reliability.md).
+CHUNK_ROWS = 256
 
 
 class Int8Engine(PoolSlots, BatchForward):
     """A decoder-only target in int8 on the CPU, every row computed as a one-token step."""
 
     trees = False
+    chunk_rows = CHUNK_ROWS
 
     def __init__(self, decoder: Int8Decoder, tokenizer: Any, eos_token_ids: list[int],
                  name: str, num_slots: int, acceptance: str = "device") -> None:
@@ -89,11 +109,17 @@ class Int8Engine(PoolSlots, BatchForward):
         positions: list[int] = []
         keep: list[int] = []
         spans: list[tuple[int, int] | None] = []
+        ends: dict[int, int] = {}  # each slot's next position in this forward
         for item in items:
             n = len(item.token_ids)
             if item.start + n > self.slot_tokens:
                 raise ValueError(f"slot {item.slot} holds {self.slot_tokens} tokens; "
                                  f"{item.start + n} asked")
+            if item.start < ends.get(item.slot, 0):
+                # a row reads its slot's positions up to its own; written later in the same
+                # forward, they would be there unchunked and not yet in chunks
+                raise ValueError(f"slot {item.slot}'s rows go in position order in a forward")
+            ends[item.slot] = item.start + n
             first = len(ids)
             ids += item.token_ids
             slots += [item.slot] * n
@@ -104,9 +130,17 @@ class Int8Engine(PoolSlots, BatchForward):
             else:
                 spans.append(None)
         self.forwards += 1
+        parts = []
         with torch.inference_mode():
-            logits = self.decoder.forward(Rows(torch.tensor(ids), slots, positions),
-                                          torch.tensor(keep, dtype=torch.long))
+            for begin in range(0, len(ids), self.chunk_rows):
+                end = min(begin + self.chunk_rows, len(ids))
+                kept = keep[bisect.bisect_left(keep, begin):bisect.bisect_left(keep, end)]
+                parts.append(self.decoder.forward(
+                    Rows(torch.tensor(ids[begin:end]), slots[begin:end], positions[begin:end]),
+                    torch.tensor(kept, dtype=torch.long) - begin))
+        if not parts:
+            return [None] * len(items)
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]
         return [None if span is None else logits[span[0]:span[0] + span[1]] for span in spans]
 
     def keep_path(self, slot: int, root: int, path: list[int]) -> None:
@@ -129,6 +163,10 @@ def load_int8_engine(o: TargetOptions, own: Int8Options) -> Int8Engine:
     if o.threads:
         torch.set_num_threads(o.threads)
     model = load_causal_lm(o.model, torch.bfloat16, torch.device("cpu"))
+    shape_of(model.config)  # what the engine cannot run is named before what it leaves out
+    # transformers drops a checkpoint's tensors its class has no place for, with a warning
+    refuse_unread(checkpoint_tensor_names(resolve_model_spec(o.model)[0]),
+                  f"{o.model}'s checkpoint")
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 32768
     budget = o.kv_budget_tokens or DEFAULT_KV_BUDGET
     context = min(o.max_context or limit, limit, budget)
