@@ -102,6 +102,62 @@ def test_kill9_and_restart_mid_generation(tiny_models: dict[str, Path],
     assert result.metrics.session_reopens == 1  # the new verifier knew nothing of the session
 
 
+@pytest.fixture(scope="module")
+def exact_targets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    """The verifier arguments of a tiny target on each exact CPU engine: a Q4_K_M file on
+    llama.cpp's exact kernels, a Qwen2 on int8."""
+    from tests.support.tiny_gguf import save_quantized_gguf
+    from tests.support.tiny_models import save_tiny_qwen2
+
+    root = tmp_path_factory.mktemp("exact")
+    gguf = save_quantized_gguf(root / "q4k", seed=0)
+    qwen2 = save_tiny_qwen2(root / "qwen2", 256)
+    common = ["--max-draft-tokens", "8", "--max-context", "256"]
+    return {"llama-cpp": ["--model", str(gguf), "--engine", "llama-cpp", *common],
+            "int8": ["--model", str(qwen2), "--engine", "int8", *common]}
+
+
+def tokenizer_of(args: list[str]) -> str:
+    model = Path(args[args.index("--model") + 1])
+    return str(model.parent if model.suffix == ".gguf" else model)
+
+
+@pytest.mark.parametrize("engine", ["llama-cpp", "int8"])
+def test_kill9_and_restart_on_the_exact_engines(engine: str,
+                                                exact_targets: dict[str, list[str]]) -> None:
+    """The same restart on each exact CPU engine, with greedy output equal to the target
+    alone's: the new verifier reopens the session from the committed tokens, which llama.cpp
+    writes in its steps' layout (``prompt_length``; the naive reopen as a negative control is
+    tests/test_reopen_exact.py's, which loses the session every second call - one reopen in a
+    generation parts from the target too rarely to be a control)."""
+    args, port = exact_targets[engine], free_port()
+    first = VerifierProcess(args, port=port).start()
+    url = first.url
+    client = SpecDecClient(url, "ngram", tokenizer=tokenizer_of(args), retry_budget_s=120)
+    prompt = [int(t) for t in range(7, 90, 7)]
+    alone = client.baseline(prompt, max_new_tokens=40).token_ids
+    second = VerifierProcess(args, port=port)
+    restarting: list[threading.Thread] = []
+
+    def crash(_: list[int]) -> None:
+        if not restarting:  # after the first block: kill -9, then a fresh one on the port
+            assert first.proc is not None
+            first.proc.send_signal(signal.SIGKILL)
+            first.proc.wait()
+            restarting.append(threading.Thread(target=second.start, daemon=True))
+            restarting[0].start()
+
+    try:
+        result = client.generate(prompt, max_new_tokens=40, num_draft_tokens=3,
+                                 on_tokens=crash)
+    finally:
+        for thread in restarting:
+            thread.join(timeout=120)
+        second.stop()
+    assert result.token_ids == alone
+    assert result.metrics.session_reopens == 1
+
+
 def test_verifier_gone_for_good_gives_partial_output(tiny_models: dict[str, Path],
                                                      verifier: tuple[subprocess.Popen[bytes],
                                                                      int]) -> None:

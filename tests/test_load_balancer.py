@@ -74,18 +74,18 @@ def run_nginx(root: Path, site: str) -> Iterator[subprocess.Popen[bytes]]:
 
 
 @contextlib.contextmanager
-def nginx_cluster(model: Path, root: Path) -> Iterator[tuple[dict[str, str],
-                                                            dict[str, subprocess.Popen[bytes]]]]:
-    """Two verifier replicas behind nginx with the project's config: (urls by name and "lb",
-    processes by name)."""
+def nginx_cluster(model: Path, root: Path, args: tuple[str, ...] = ("--dtype", "float32",
+                                                                    "--device", "cpu"),
+                  ) -> Iterator[tuple[dict[str, str], dict[str, subprocess.Popen[bytes]]]]:
+    """Two verifier replicas of ``model`` (with ``args``) behind nginx with the project's
+    config: (urls by name and "lb", processes by name)."""
     procs: dict[str, subprocess.Popen[bytes]] = {}
     urls: dict[str, str] = {}
     for name in ("replica-a", "replica-b"):
         port = free_port()
         procs[name] = subprocess.Popen(
             [str(Path(sys.executable).parent / "specdec-verifier"), "--model", str(model),
-             "--dtype", "float32", "--device", "cpu", "--port", str(port), "--threads", "1",
-             "--replica-name", name],
+             *args, "--port", str(port), "--threads", "1", "--replica-name", name],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         urls[name] = f"http://127.0.0.1:{port}"
     lb_port = free_port()
@@ -178,17 +178,43 @@ def test_greedy_through_the_balancer_equals_a_single_verifier(
             assert got == expected, f"prompt {i}"
 
 
+def exact_target(engine: str, root: Path) -> tuple[Path, tuple[str, ...], str]:
+    """A tiny target on an exact CPU engine: (model, verifier arguments, tokenizer folder)."""
+    from tests.support.tiny_gguf import save_quantized_gguf
+    from tests.support.tiny_models import save_tiny_qwen2
+
+    common = ("--engine", engine, "--max-context", "256", "--max-draft-tokens", "8")
+    if engine == "llama-cpp":
+        gguf = save_quantized_gguf(root / "q4k", seed=0)
+        return gguf, common, str(gguf.parent)
+    qwen2 = save_tiny_qwen2(root / "qwen2", 256)
+    return qwen2, common, str(qwen2)
+
+
+@pytest.mark.parametrize("engine", ["transformers", "llama-cpp", "int8"])
 def test_a_replica_killed_mid_generation_fails_over_with_identical_output(
-        tiny_models: dict[str, Path], tmp_path: Path) -> None:
+        engine: str, tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """kill -9 of the replica holding the session, mid-generation: nginx answers 502 (retried),
     then routes the session to the other replica, which does not know it (404); the client
-    reopens it there with its committed tokens and finishes with the undisturbed output."""
-    drafter = str(tiny_models["gpt2-drafter"])
-    prompt = "the cat sat on"
-    with nginx_cluster(tiny_models["gpt2-target"], tmp_path) as (urls, procs):
-        expected = SpecDecClient(urls["replica-a"], drafter, dtype="float32").generate(
-            prompt, num_draft_tokens=2, max_new_tokens=30).token_ids
-        client = SpecDecClient(urls["lb"], drafter, dtype="float32", retry_budget_s=60)
+    reopens it there with its committed tokens and finishes with the undisturbed output. On
+    the exact CPU engines (a Q4_K_M file on llama.cpp's exact kernels, int8) with the n-gram
+    drafter, equal to the target alone's (llama.cpp writes the reopened tokens in its steps'
+    layout; the naive reopen's negative control is tests/test_reopen_exact.py's)."""
+    if engine == "transformers":
+        model, args = tiny_models["gpt2-target"], ("--dtype", "float32", "--device", "cpu")
+        drafter, options, prompt = str(tiny_models["gpt2-drafter"]), {"dtype": "float32"}, \
+            "the cat sat on"
+    else:
+        model, args, tokenizer = exact_target(engine, tmp_path / "model")
+        drafter, options, prompt = "ngram", {"tokenizer": tokenizer}, \
+            [int(t) for t in range(7, 90, 7)]
+    with nginx_cluster(model, tmp_path, args) as (urls, procs):
+        direct = SpecDecClient(urls["replica-a"], drafter, **options)  # type: ignore[arg-type]
+        expected = (direct.generate(prompt, num_draft_tokens=2, max_new_tokens=30)
+                    if engine == "transformers" else direct.baseline(prompt, max_new_tokens=30)
+                    ).token_ids
+        client = SpecDecClient(urls["lb"], drafter, retry_budget_s=60,
+                               **options)  # type: ignore[arg-type]
         killed: list[str] = []
 
         def kill_the_holder(_: list[int]) -> None:  # after the first block
