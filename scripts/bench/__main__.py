@@ -14,8 +14,8 @@ COMMANDS = {"suite": "suite", "client": "client", "batching": "batching", "calls
             "network": "network", "profile": "profile", "attack": "attack",
             "gateway": "gateway", "gpu": "gpu", "gpu-smoke": "gpu_smoke", "llama": "llama",
             "llama-blocks": "llama_blocks", "cpu-blocks": "cpu_blocks",
-            "cpu-kernels": "cpu_kernels", "quality": "quality", "serving": "serving",
-            "report": "report"}
+            "cpu-kernels": "cpu_kernels", "prompt-memory": "prompt_memory", "quality": "quality",
+            "serving": "serving", "report": "report"}
 
 
 def command_module(name: str) -> ModuleType:
