@@ -1,6 +1,6 @@
-"""The short run of ``python -m scripts.bench attack --classes`` (issue #42's holes, attacked
-again on tiny models): every class holds, with no unexpected 5xx, no traceback in any server's
-log and greedy output unchanged after each."""
+"""The short run of ``python -m scripts.bench attack --classes`` (the holes of issues #42 and
+#57, attacked again on tiny models): every class holds, with no unexpected 5xx, no traceback in
+any server's log and greedy output unchanged after each."""
 
 from __future__ import annotations
 

@@ -1,14 +1,15 @@
-"""``attack --classes``: each hole of hardening round 3 (issue #42), attacked again and reported
-as one table row per class.
+"""``attack --classes``: each hole of hardening rounds 3 (issue #42) and 4 (issue #57), attacked
+again and reported as one table row per class.
 
-Starts, on tiny models: verifier A on the llama.cpp engine (a GGUF target, context 256 = the
-drafter's trained context, 4 KV slots, no API keys); the gateway in front of it with a GGUF
-drafter on llama.cpp and ``--overlap``, under an API key; verifier B on the transformers engine
-with two API keys, 2 sessions a key and 4 KV slots. Then, one class at a time:
+Starts, on tiny models (scripts/bench/attack_servers.py): verifier A on the llama.cpp engine (a
+GGUF target, context 256 = the drafter's trained context, 4 KV slots, no API keys); the gateway
+in front of it with a GGUF drafter on llama.cpp and ``--overlap``, under an API key; verifier B
+on the transformers engine with two API keys, 2 sessions a key and 4 KV slots. Then, one class
+at a time, round 3's:
 
-- ``hang-up``: non-streaming chats without max_tokens whose clients hang up after 0.3 s; the
-  verifier may then make at most 2 verify calls a client (the block under way and the one
-  drafted ahead) before it goes quiet;
+- ``hang-up``: non-streaming chats without max_tokens whose clients hang up after 0.3 s; once
+  the gateway runs and queues nothing, the verifier may have made at most 2 verify calls a
+  client (the block under way and the one drafted ahead) before it goes quiet;
 - ``tokenize flood``: 20 senders post prompts of about 512 KB (under the body limit, over the
   context) back to back for 2 s (10 s without --quick) while ``/health`` is probed; all must be
   400 or 429 and the median probe answer within 0.25 s. (Measured on the 2-core machine:
@@ -26,12 +27,16 @@ with two API keys, 2 sessions a key and 4 KV slots. Then, one class at a time:
 - ``kv pressure``: 12 concurrent callers on the 4 slots of A; each gets 200 or 503 with
   Retry-After, never a 404 naming a session it did not open;
 - ``exposure``: the probes and API docs without a key; probes say only their status, the docs
-  are off or behind the key.
+  are off or behind the key;
+
+and round 4's (scripts/bench/attack_round4.py says what each does and checks): ``cross-site``
+(finding 3), ``verify body rules`` (6), ``target alone`` (2), ``empty messages`` (10), ``large
+bodies`` (16), ``hostile cost file`` (4, 5), ``key on argv`` (15).
 
 Every row also counts the statuses, the unexpected 5xx (every 5xx but the designed 503), the
 tracebacks the three servers logged during the class, their RSS after it, and whether the
 gateway's and verifier A's greedy answers to a fixed request are unchanged after it. The stop
-string on a half-decoded character (item 8) is a text-tracker property, tested in
+string on a half-decoded character (round 3's item 8) is a text-tracker property, tested in
 tests/test_streaming_text.py, not attacked here.
 
   python -m scripts.bench attack --classes [--quick]   # --quick: the short run of make test
@@ -53,135 +58,27 @@ from typing import Any
 import httpx
 import orjson
 
-from scripts.bench.attack import Attack, rss_mib
-from scripts.bench.attack_gateway import start_gateway
+from scripts.bench.attack import Attack
+from scripts.bench.attack_round4 import ROUND_4
+from scripts.bench.attack_servers import (
+    AUTH,
+    CONTEXT,
+    HEAD_TIMEOUT_S,
+    VERIFIER_KEYS,
+    Outcome,
+    Servers,
+    hang_ups,
+    health_waits,
+    words,
+)
 from scripts.bench.common import machine_record, markdown_table, write_json
-from verifier_service.launch import BIN, VerifierProcess
-
-KEY = "attack-gateway-key"
-VERIFIER_KEYS = ("attack-key-a-0123", "attack-key-b-4567")
-CONTEXT = 256  # the tiny models' trained context: the GGUF drafter's n_ctx
-HEAD_TIMEOUT_S = 2.0
+from verifier_service.launch import BIN
 
 
-class Servers:
-    """The three servers and their logs (for tracebacks)."""
-
-    def __init__(self, root: Path) -> None:
-        from tests.support.tiny_gguf import save_tiny_gguf
-        from tests.support.tiny_models import save_perturbed, save_tiny
-
-        self.root = root
-        self.target_dir = save_tiny(root / "target", "llama", 64, seed=3, init_range=0.3)
-        drafter_dir = save_perturbed(self.target_dir, root / "drafter", 0.01, seed=11)
-        self.target_gguf, self.drafter_gguf = (save_tiny_gguf(self.target_dir),
-                                               save_tiny_gguf(drafter_dir))
-        self.logs = {name: root / f"{name}.log" for name in ("verifier", "keyed", "gateway")}
-        self.verifier = VerifierProcess(
-            ["--model", str(self.target_gguf), "--engine", "llama-cpp", "--max-context",
-             str(CONTEXT), "--kv-budget-tokens", str(4 * CONTEXT), "--max-draft-tokens", "8"],
-            log_path=self.logs["verifier"])
-        self.keyed = VerifierProcess(
-            ["--model", str(self.target_dir), "--dtype", "float32", "--max-context", "64",
-             "--kv-budget-tokens", "256"], log_path=self.logs["keyed"],
-            env={"SPECDEC_API_KEYS": ",".join(VERIFIER_KEYS),
-                 "SPECDEC_MAX_SESSIONS_PER_KEY": "2"})
-        self.gateway: subprocess.Popen[bytes] | None = None
-        self.gateway_url = ""
-        self.quick = False
-
-    def __enter__(self) -> Servers:
-        self.verifier.start()
-        self.keyed.start()
-        self.gateway, self.gateway_url = start_gateway(self.verifier.url, (
-            "--drafter", str(self.drafter_gguf), "--drafter-engine", "llama-cpp", "--overlap",
-            "--no-lookup", "--tokenizer", str(self.target_dir), "--header-timeout-s",
-            str(HEAD_TIMEOUT_S), "--threads", "1"), self.logs["gateway"],
-            env={"SPECDEC_SERVE_API_KEY": KEY})
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.gateway is not None:
-            self.gateway.terminate()
-            self.gateway.wait(30)
-        self.verifier.stop()
-        self.keyed.stop()
-
-    def tracebacks(self) -> int:
-        return sum(path.read_text(errors="replace").count("Traceback")
-                   for path in self.logs.values() if path.exists())
-
-    def rss(self) -> dict[str, float]:
-        pids = {"verifier": self.verifier.proc, "gateway": self.gateway}
-        return {f"rss_{name}_mib": round(rss_mib(proc.pid), 1)
-                for name, proc in pids.items() if proc is not None}
-
-    def verify_calls(self) -> int:
-        return int(httpx.get(self.verifier.url + "/v1/metrics").json()["verify_calls"])
-
-    def greedy(self) -> tuple[str, list[int]]:
-        """The gateway's and verifier A's greedy answers to fixed requests."""
-        text = httpx.post(self.gateway_url + "/v1/completions", headers=AUTH, timeout=60, json={
-            "model": self.model, "prompt": "the cat sat on the", "max_tokens": 16,
-            "temperature": 0}).json()["choices"][0]["text"]
-        ids = httpx.post(self.verifier.url + "/v1/generate", timeout=60, json={
-            "prompt_ids": [2, 3, 4, 5], "max_new_tokens": 16}).json()["token_ids"]
-        return text, ids
-
-    @property
-    def model(self) -> str:
-        return str(httpx.get(self.gateway_url + "/v1/models", headers=AUTH).json()["data"][0]["id"])
-
-
-AUTH = {"authorization": f"Bearer {KEY}"}
-
-
-def words(n: int) -> str:
-    """A prompt of ``n`` tokens (the tiny tokenizer has a token a word)."""
-    return " ".join((["the", "cat", "sat", "on"] * (n // 4 + 1))[:n])
-
-
-# -- the classes: each returns (statuses, what it checked: name -> held, figures) -------------
-Outcome = tuple[Counter[str], dict[str, bool], dict[str, Any]]
-
-
+# -- round 3's classes: each returns (statuses, its checks: name -> held, figures) ---------------
 def hang_up(s: Servers) -> Outcome:
-    statuses: Counter[str] = Counter()
-
-    def chat() -> None:
-        try:
-            answer = httpx.post(s.gateway_url + "/v1/chat/completions", headers=AUTH,
-                                timeout=0.3, json={"model": s.model, "messages": [
-                                    {"role": "user", "content": "the cat sat on"}],
-                                    "temperature": 1.0})
-            statuses[str(answer.status_code)] += 1
-        except httpx.TimeoutException:
-            statuses["hung up"] += 1
-
-    clients = 12
-    threads = [threading.Thread(target=chat) for _ in range(clients)]
-    start = s.verify_calls()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    connected = s.verify_calls() - start  # the generations were running when the clients left
-    # Each generation could run to the context's end (about 240 tokens); a hang-up must end
-    # it within a block. Wait until the verifier goes quiet (no verify call for 0.5 s).
-    hung_up, before = time.perf_counter(), s.verify_calls()
-    last, last_change = before, hung_up
-    while time.perf_counter() - last_change < 0.5 and time.perf_counter() - hung_up < 10:
-        time.sleep(0.05)
-        if (now := s.verify_calls()) != last:
-            last, last_change = now, time.perf_counter()
-    quiet_after = last_change - hung_up
-    # Counted, not timed: each client may finish the block under way and the one --overlap
-    # drafted ahead; a generation left running would make a verify call a block to the end.
-    after = last - before
-    return statuses, {"at most 2 verify calls a client after the hang-ups": after <= 2 * clients,
-                      "generating when they left": connected > 0}, {
-        "verify_calls_while_connected": connected, "verify_calls_after": after,
-        "quiet_after_s": round(quiet_after, 2)}
+    # Each client may finish the block under way and the one --overlap drafted ahead.
+    return hang_ups(s, {}, per_client=2)
 
 
 def tokenize_flood(s: Servers) -> Outcome:
@@ -190,10 +87,8 @@ def tokenize_flood(s: Servers) -> Outcome:
     # work in this process does not slow the /health timer
     body = orjson.dumps({"model": s.model, "prompt": words(128 * 1024), "max_tokens": 4})
     headers = {**AUTH, "content-type": "application/json"}
-    # Every client is made before the clock starts: making one builds an SSL context, tens of
-    # ms with this process's GIL held, which would be timed as the gateway's.
+    # Every client is made before the clock starts (see health_waits).
     senders = [httpx.Client(timeout=120) for _ in range(20)]
-    probe = httpx.Client(timeout=60)
     stop, counting = threading.Event(), threading.Lock()
 
     def send(client: httpx.Client) -> None:
@@ -206,17 +101,11 @@ def tokenize_flood(s: Servers) -> Outcome:
     threads = [threading.Thread(target=send, args=(client,)) for client in senders]
     for thread in threads:
         thread.start()
-    waits: list[float] = []
-    ends = time.perf_counter() + (2.0 if s.quick else 10.0)
-    while time.perf_counter() < ends:
-        started = time.perf_counter()
-        probe.get(s.gateway_url + "/health")
-        waits.append(time.perf_counter() - started)
-        time.sleep(0.02)
+    waits = health_waits(s.gateway_url, 2.0 if s.quick else 10.0)
     stop.set()
     for thread in threads:
         thread.join()
-    for client in (*senders, probe):
+    for client in senders:
         client.close()
     # A loop that tokenizes (or counts) the flood's prompts itself keeps most probes waiting
     # behind a prompt; one that only parses the bodies delays a few behind a burst of parsing,
@@ -247,7 +136,7 @@ def context_edge(s: Servers) -> Outcome:
     for temperature in (0.0, 1.0):
         for stream in (False, True):
             # sampled: seeds until one runs into the context's end rather than to an EOS
-            reasons = []
+            reasons: list[str | None] = []
             for seed in range(1, 9 if temperature else 2):
                 body = {"model": s.model, "prompt": prompt, "max_tokens": 64,
                         "temperature": temperature, "seed": seed, "stream": stream}
@@ -389,7 +278,7 @@ def exposure(s: Servers) -> Outcome:
 CLASSES: dict[str, Callable[[Servers], Outcome]] = {
     "hang-up": hang_up, "tokenize flood": tokenize_flood, "idle heads": idle_heads,
     "context edge": context_edge, "beams over quota": beams_over_quota,
-    "cli input": cli_input, "kv pressure": kv_pressure, "exposure": exposure,
+    "cli input": cli_input, "kv pressure": kv_pressure, "exposure": exposure, **ROUND_4,
 }
 
 
