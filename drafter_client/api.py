@@ -29,7 +29,7 @@ from drafter_client.model_free import (
     PromptLookupDrafter,
     special_ids,
 )
-from drafter_client.policy import BlockOutcome
+from drafter_client.outcome import BlockOutcome
 from drafter_client.settings import (
     MODEL_FREE_DRAFTERS,
     ClientSettings,

@@ -41,8 +41,9 @@ one-token steps).
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 from typing import Protocol
+
+from drafter_client.outcome import BlockOutcome
 
 DRAFT_SAMPLES = 7  # per-token drafting times the cost model's median is over
 PLAIN_RUN = 15  # most extra plain steps asked for in one round trip where k = 0 (the
@@ -51,27 +52,6 @@ COPY_SAVING = 0.6  # the share of a plain step that a copied (free-draft) token 
 OPTIMISTIC_ACCEPTANCE = 0.9  # a probe is made only where drafting would pay at this rate
 PROBE_SHARE = 0.03  # probes may cost at most this share of the time spent in plain steps
 MIN_PROBE_ROOM = 16  # no probe with fewer tokens left to generate: it could not repay
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What one block did and cost, as a k policy learns from it."""
-
-    proposed: int  # draft positions tested: k for a chain, the longest path for a tree
-    accepted: int
-    drafting_s: float
-    rtt_s: float  # the verify call's round trip
-    free: bool = False  # its draft cost nothing to make (a prompt-lookup match sent alone)
-    plain_tokens: int = 1  # the tokens of a plain run (k = 0): its round trip paid for them all
-    # the verifier's forward time within the round trip (the rest is the call's overhead:
-    # network, HTTP, queueing); None: not known
-    forward_s: float | None = None
-    # the share of drafting_s that fed tokens the drafter had not seen (DrafterCosts.catch_up_s),
-    # not part of what drafting a token costs
-    catch_up_s: float = 0.0
-    # what one drafted token cost the other sessions in the verifier's forward (the reply's
-    # StepLoad.draft_price_ms): 0 alone on a verifier, or where a row costs it nothing
-    draft_price_s: float = 0.0
 
 
 class DraftLength(Protocol):
@@ -97,7 +77,7 @@ class DraftLength(Protocol):
     def seed_drafting(self, seconds_per_token: float) -> None:
         """The drafter's cost per token measured before the first block (its warm-up)."""
 
-    def update(self, block: Observation) -> None:
+    def update(self, block: BlockOutcome) -> None:
         """What the last block did and cost."""
 
 
@@ -125,7 +105,7 @@ class FixedLength(NoCostModel):
     def next_k(self, catch_up_s: float = 0.0, room: int | None = None) -> int:
         return self.k
 
-    def update(self, block: Observation) -> None:
+    def update(self, block: BlockOutcome) -> None:
         pass
 
 
@@ -140,10 +120,10 @@ class HeuristicLength(NoCostModel):
     def next_k(self, catch_up_s: float = 0.0, room: int | None = None) -> int:
         return self.k
 
-    def update(self, block: Observation) -> None:
-        if block.proposed and block.accepted == block.proposed:
+    def update(self, block: BlockOutcome) -> None:
+        if block.depth and block.num_accepted == block.depth:
             self.k = min(self.k + 2, self.max_k)
-        elif block.proposed:
+        elif block.depth:
             self.k = max(self.k - 1, 1)
 
 
@@ -411,12 +391,12 @@ class CostModelLength:
         weight, total = self._overhead
         return total / weight if weight > 1e-9 else None
 
-    def update(self, block: Observation) -> None:
+    def update(self, block: BlockOutcome) -> None:
         """A free block (a lookup match sent alone) tells the verify cost of its length, not
         the model's acceptance or drafting time: those stay the model's own. A plain run's
         round trip counts per token, and its tokens as plain steps."""
-        proposed, accepted, rtt_s = block.proposed, block.accepted, block.rtt_s
-        forward_s, plain_tokens = block.forward_s, block.plain_tokens
+        proposed, accepted, rtt_s = block.depth, block.num_accepted, block.round_trip_s
+        forward_s, plain_tokens = block.verifier_s, block.plain_tokens
         d = self.decay
         whole_rtt_s = rtt_s
         self._price = [d * self._price[0] + 1.0, d * self._price[1] + block.draft_price_s]

@@ -6,9 +6,11 @@ the drafter knows of its own costs; after it, it learns from the block's :class:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from drafter_client.draft_length import DraftLength, Observation
+from drafter_client.draft_length import DraftLength
+from drafter_client.outcome import BlockOutcome
 from shared.engines.drafter import Drafter
 
 
@@ -25,32 +27,6 @@ class BlockPlan:
     @property
     def depth(self) -> int:
         return self.k if self.max_depth is None else self.max_depth
-
-
-@dataclass(frozen=True)
-class BlockOutcome:
-    """What one block did: what ``on_block`` callbacks get, and what the policy learns from."""
-
-    draft_ids: list[int]  # [k] proposed
-    num_accepted: int
-    tokens: list[int]  # accepted drafts + the recovered / bonus token, cut after an EOS
-    finished: bool  # an EOS token was emitted
-    drafting_s: float
-    round_trip_s: float
-    verifier_s: float  # time inside the verifier (queue + forward), part of the round trip
-    depth: int = 0  # draft positions tested: k for a chain, the longest path for a tree
-    parents: list[int] | None = None  # a tree's parents (see Draft.parents)
-    accepted_path: list[int] | None = None  # a tree's accepted nodes
-    drafted_ahead: bool = False  # the draft was made while the previous block was in flight
-    draft_price_s: float = 0.0  # what a drafted token cost the others in the verifier's forward
-
-    def kinds(self) -> list[str]:
-        """How each of ``tokens`` came: "accepted" (a draft the target accepted), "recovered"
-        (drawn from the residual after a rejection), "bonus" (drawn from the target after all
-        drafts passed) or "target" (a plain step: no drafts in the block)."""
-        k, accepted = len(self.draft_ids), self.num_accepted
-        last = "target" if k == 0 else "bonus" if accepted == k else "recovered"
-        return ["accepted" if i < accepted else last for i in range(len(self.tokens))]
 
 
 class BlockPolicy:
@@ -77,10 +53,10 @@ class BlockPolicy:
         return BlockPlan(k, max_depth, run, costs.catch_up_s)
 
     def observe(self, plan: BlockPlan, outcome: BlockOutcome) -> None:
+        """The k policy learns from ``outcome``, with what only this policy knows of it: whether
+        its draft was free (a prompt-lookup match sent alone, not drafted ahead) and what the
+        drafter spent first on tokens it had not seen."""
         drafted = bool(outcome.draft_ids)
-        self.schedule.update(Observation(
-            outcome.depth, outcome.num_accepted, outcome.drafting_s, outcome.round_trip_s,
-            free=self.drafter.costs().free_draft and not outcome.drafted_ahead,
-            plain_tokens=len(outcome.tokens) if not drafted else 1,
-            forward_s=outcome.verifier_s, catch_up_s=plan.catch_up_s if drafted else 0.0,
-            draft_price_s=outcome.draft_price_s))
+        self.schedule.update(dataclasses.replace(
+            outcome, free=self.drafter.costs().free_draft and not outcome.drafted_ahead,
+            catch_up_s=plan.catch_up_s if drafted else 0.0))

@@ -25,7 +25,8 @@ import torch
 
 from drafter_client.draft_length import DraftLength, FixedLength
 from drafter_client.metrics import GenerationMetrics, MetricsRecorder
-from drafter_client.policy import BlockOutcome, BlockPlan, BlockPolicy
+from drafter_client.outcome import BlockOutcome
+from drafter_client.policy import BlockPlan, BlockPolicy
 from drafter_client.reply_checks import read_verdict
 from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
 from shared.engines.drafter import Draft, Drafter
@@ -284,7 +285,7 @@ def speculative_generate(
             drafter.commit(outcome.tokens)
             ahead = in_flight.take(outcome.tokens) if in_flight is not None else None
             recorder.block(outcome.draft_ids, outcome.num_accepted, outcome.drafting_s,
-                           outcome.round_trip_s, outcome.verifier_s)
+                           outcome.round_trip_s, outcome.verifier_s or 0.0)
             policy.observe(plan, outcome)
             if on_block is not None and on_block(outcome):
                 stopped = True

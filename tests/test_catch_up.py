@@ -17,11 +17,11 @@ from drafter_client.draft_length import (
     PLAIN_RUN,
     PROBE_SHARE,
     CostModelLength,
-    Observation,
 )
 from drafter_client.hybrid import HybridDrafter
 from shared.engines.drafter import FED_EVERY_BLOCK, MEASURED_FEED, LMDrafter
 from shared.protocol.sampling import SamplingConfig
+from tests.support.outcomes import observed
 
 STEP = {0: 0.10, 1: 0.13, 2: 0.14, 3: 0.145, 4: 0.15}  # seconds per verify call by k
 
@@ -33,7 +33,7 @@ def losing_policy() -> CostModelLength:
                              verify_ms=[(k, s * 1e3) for k, s in STEP.items()])
     policy.seed_drafting(0.05)
     for k in (2, 2, 2, 2, 0, 0):
-        policy.update(Observation(k, k // 2, 0.05 * k, STEP[k]))
+        policy.update(observed(k, k // 2, 0.05 * k, STEP[k]))
     return policy
 
 
@@ -42,7 +42,7 @@ def run(policy: CostModelLength, steps: int, catch_up_s: float, room: int = 1000
     for _ in range(steps):
         k = policy.next_k(catch_up_s, room)
         chosen.append(k)
-        policy.update(Observation(k, k // 2, 0.05 * k, STEP[k],
+        policy.update(observed(k, k // 2, 0.05 * k, STEP[k],
                                   catch_up_s=catch_up_s if k else 0.0))
     return chosen
 
@@ -74,7 +74,7 @@ def test_a_switch_to_drafting_must_repay_the_catch_up_over_the_tokens_left() -> 
     policy = CostModelLength(max_k=4, verify_ms=[(k, s * 1e3) for k, s in STEP.items()])
     policy.seed_drafting(0.01)
     for k in (2, 2, 2, 0):
-        policy.update(Observation(k, k, 0.01 * k, STEP[k]))  # every draft accepted: drafting wins
+        policy.update(observed(k, k, 0.01 * k, STEP[k]))  # every draft accepted: drafting wins
     best = max(range(1, 5), key=policy.expected_rate)
     saved = 1 / policy.plain_rate() - 1 / policy.expected_rate(best)
     assert saved > 0

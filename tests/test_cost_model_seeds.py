@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from drafter_client.draft_length import CostModelLength, Observation
+from drafter_client.draft_length import CostModelLength
+from tests.support.outcomes import observed
 
 # A cheap-block verifier's verify_ms (the int8 engine's shape on a CPU with VNNI), ms
 CHEAP_BLOCKS = [(0, 77.0), (1, 78.0), (2, 80.0), (3, 82.0), (4, 85.0), (6, 90.0), (8, 105.0),
@@ -25,7 +26,7 @@ def after_short_blocks(blocks: int, shape: bool) -> CostModelLength:
         model._seed = {}  # the negative control: the seeds only as a first measurement
     model.seed_drafting(0.025)
     for _ in range(blocks):
-        model.update(Observation(proposed=3, accepted=2, drafting_s=0.075, rtt_s=0.090,
+        model.update(observed(proposed=3, accepted=2, drafting_s=0.075, rtt_s=0.090,
                                  forward_s=0.080))
     return model
 

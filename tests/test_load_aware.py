@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from drafter_client.draft_length import CostModelLength, Observation
+from drafter_client.draft_length import CostModelLength
 from drafter_client.transport import HttpVerifier
 from shared.engines.target import ForwardItem, Step
 from shared.protocol.schema import CreateSessionRequest, StepLoad, VerifyRequest
 from tests.support.live_server import LiveServer
+from tests.support.outcomes import observed
 from verifier_service.scheduling.load import RowCosts
 from verifier_service.settings import Settings
 
@@ -72,11 +73,11 @@ def blocks(price_s: float) -> CostModelLength:
     """A cost model that saw the same blocks - 90% acceptance, 2 ms a draft, a round trip of
     40 ms a row over 120 ms of other sessions' rows - under a price per drafted token."""
     model = CostModelLength(max_k=8)
-    model.update(Observation(2, 2, 0.004, 0.5))  # the first block: prefills, not counted
+    model.update(observed(2, 2, 0.004, 0.5))  # the first block: prefills, not counted
     for _ in range(30):
         for k in (0, 1, 2, 3, 4):
             accepted = k if k < 4 else 3
-            model.update(Observation(k, accepted, 0.002 * k, 0.160 + 0.040 * k,
+            model.update(observed(k, accepted, 0.002 * k, 0.160 + 0.040 * k,
                                      draft_price_s=price_s))
     return model
 

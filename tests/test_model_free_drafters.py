@@ -12,7 +12,6 @@ from drafter_client.draft_length import (
     CostModelLength,
     FixedLength,
     HeuristicLength,
-    Observation,
     make_draft_length,
 )
 from drafter_client.hybrid import COPY_PRIOR, LOOKUP_PRIOR, HybridDrafter, trust_class
@@ -24,6 +23,7 @@ from drafter_client.model_free import (
 )
 from shared.engines.drafter import Drafter
 from shared.protocol.sampling import SamplingConfig
+from tests.support.outcomes import observed
 
 GREEDY, GEN = SamplingConfig(), torch.Generator()
 
@@ -220,11 +220,11 @@ def test_bad_ngram_options() -> None:
 
 def test_heuristic_schedule_grows_by_two_and_shrinks_by_one() -> None:
     policy = HeuristicLength(start=4, max_k=8)
-    policy.update(Observation(4, 4, 0.0, 0.1))
+    policy.update(observed(4, 4, 0.0, 0.1))
     assert policy.next_k() == 6
-    policy.update(Observation(6, 6, 0.0, 0.1))
+    policy.update(observed(6, 6, 0.0, 0.1))
     assert policy.next_k() == 8  # capped
-    policy.update(Observation(8, 3, 0.0, 0.1))
+    policy.update(observed(8, 3, 0.0, 0.1))
     assert policy.next_k() == 7
 
 
@@ -236,7 +236,7 @@ def test_cost_model_prefers_long_drafts_when_the_round_trip_dominates() -> None:
             k = policy.next_k()
             chosen[i].append(k)
             accepted = min(k, 3)
-            policy.update(Observation(k, accepted, 0.01 * k, rtt))
+            policy.update(observed(k, accepted, 0.01 * k, rtt))
     # k = 4 and 3 are near-ties far away (the 4th draft fails): compare the recent choices
     assert sum(chosen[1][-20:]) > sum(chosen[0][-20:])
     assert 0 not in chosen[0][5:] and 0 not in chosen[1][5:]  # drafting pays for both
@@ -252,7 +252,7 @@ def test_cost_model_shortens_drafts_when_drafting_is_expensive() -> None:
     for _ in range(50):
         for policy, per_token in ((cheap, 0.001), (costly, 0.2)):
             k = policy.next_k()
-            policy.update(Observation(k, min(k, 2), per_token * k, 0.2))
+            policy.update(observed(k, min(k, 2), per_token * k, 0.2))
     assert costly.next_k() < cheap.next_k()
 
 
@@ -269,7 +269,7 @@ def test_cost_model_drafts_nothing_where_no_k_pays_and_probes_again_later() -> N
     for _ in range(60):
         k = policy.next_k()
         chosen.append(k)
-        policy.update(Observation(k, k // 2, 0.16 * k, step[k]))  # half the drafts accepted
+        policy.update(observed(k, k // 2, 0.16 * k, step[k]))  # half the drafts accepted
     plain = chosen[10:]
     assert plain.count(0) >= 0.8 * len(plain)  # mostly plain steps
     probes = [i for i, k in enumerate(chosen) if k > 0 and i >= 10]
@@ -282,7 +282,7 @@ def test_cost_model_drafts_nothing_where_no_k_pays_and_probes_again_later() -> N
     for _ in range(60):  # now every draft is accepted: it drafts again
         k = policy.next_k()
         chosen.append(k)
-        policy.update(Observation(k, k, 0.16 * k, step[k]))
+        policy.update(observed(k, k, 0.16 * k, step[k]))
     assert chosen[-10:].count(0) == 0
 
 
@@ -296,11 +296,11 @@ def test_no_probes_where_drafting_could_not_pay_even_at_high_acceptance() -> Non
     for _ in range(80):
         k = policy.next_k()
         chosen.append(k)
-        policy.update(Observation(k, k, 0.16 * k, dict(verify_ms)[k] / 1e3))  # every draft accepted
+        policy.update(observed(k, k, 0.16 * k, dict(verify_ms)[k] / 1e3))  # every draft accepted
     assert not policy.could_pay() and chosen[3:].count(0) == len(chosen) - 3
     cheap = CostModelLength(max_k=4, verify_ms=[(k, 200.0) for k in range(5)])
-    cheap.update(Observation(2, 2, 0.05, 0.2))
-    cheap.update(Observation(2, 2, 0.05, 0.2))
+    cheap.update(observed(2, 2, 0.05, 0.2))
+    cheap.update(observed(2, 2, 0.05, 0.2))
     assert cheap.could_pay()
 
 
@@ -316,7 +316,7 @@ def test_cost_model_starts_from_the_verifiers_measured_costs() -> None:
         k = seeded.next_k()
         chosen.append(k)
         seconds = dict(verify_ms)[k] / 1e3 + 0.002
-        seeded.update(Observation(k, k // 2, 0.16 * k, seconds))
+        seeded.update(observed(k, k // 2, 0.16 * k, seconds))
     assert chosen[:2] == [2, 2] and chosen[2:] == [0, 0]
     assert make_draft_length("auto", 4, verify_ms).rtt(0) == pytest.approx(0.39)
 
@@ -384,9 +384,9 @@ def test_cost_model_judges_measured_draft_lengths_by_their_own_times() -> None:
     policy = CostModelLength(max_k=8)
     for _ in range(200):  # every position accepted with probability 0.7 (expected counts)
         k = policy.next_k()
-        policy.update(Observation(k, int(0.7 * k), 0.0, rtt[k]))
+        policy.update(observed(k, int(0.7 * k), 0.0, rtt[k]))
         for probe in (2, 4):  # and both candidates measured now and then
-            policy.update(Observation(probe, int(0.7 * probe), 0.0, rtt[probe]))
+            policy.update(observed(probe, int(0.7 * probe), 0.0, rtt[probe]))
     assert policy.rtt(4) == pytest.approx(0.50) and policy.rtt(2) == pytest.approx(0.26)
     assert policy.next_k() <= 3
 
@@ -399,10 +399,10 @@ def test_cost_model_does_not_count_the_drafters_prompt_prefill() -> None:
     chosen = []
     k = policy.next_k()
     # the prompt's prefill inside the first block's drafting
-    policy.update(Observation(k, k, 0.55, rtt[k]))
+    policy.update(observed(k, k, 0.55, rtt[k]))
     for _ in range(20):
         k = policy.next_k()
         chosen.append(k)
-        policy.update(Observation(k, k, 0.09 * k, rtt[k]))  # 90 ms per drafted token, all accepted
+        policy.update(observed(k, k, 0.09 * k, rtt[k]))  # 90 ms per drafted token, all accepted
     assert 1 not in chosen and chosen[-1] == 2 and chosen.count(0) == 1  # one plain step
     assert policy.draft_s_per_token == pytest.approx(0.09)

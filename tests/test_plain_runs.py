@@ -11,9 +11,10 @@ import httpx
 import pytest
 
 from drafter_client import SpecDecClient
-from drafter_client.draft_length import PLAIN_RUN, CostModelLength, Observation
+from drafter_client.draft_length import PLAIN_RUN, CostModelLength
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
+from tests.support.outcomes import observed
 from tests.support.statistics import chi_square_p, exact_pair_distribution, sample_pairs
 from tests.support.tiny_models import hf_greedy
 
@@ -75,11 +76,11 @@ def test_bad_plain_runs_are_refused(extra: dict, field: str, code: str | None,
 
 def test_cost_model_asks_for_runs_where_drafting_cannot_pay() -> None:
     model = CostModelLength(verify_ms=[(0, 10.0), (1, 30.0), (2, 50.0)])
-    model.update(Observation(2, 1, 0.010, 0.050))  # the first block: its costs include the prefills
-    model.update(Observation(1, 0, 0.005, 0.030))  # 5 ms to draft a token, 30 ms to verify one
+    model.update(observed(2, 1, 0.010, 0.050))  # the first block: its costs include the prefills
+    model.update(observed(1, 0, 0.005, 0.030))  # 5 ms to draft a token, 30 ms to verify one
     assert model.next_k() == 0  # a 1-draft block costs 3 plain steps: drafting cannot pay
     assert model.plain_run(100) == PLAIN_RUN and model.plain_run(3) == 3
-    model.update(Observation(0, 0, 0.0, 0.090, plain_tokens=9))
+    model.update(observed(0, 0, 0.0, 0.090, plain_tokens=9))
     assert abs(model.rtt(0) - 0.010) < 1e-9  # a run's round trip counts per token
 
 
@@ -87,10 +88,10 @@ def test_plain_runs_shorten_where_copies_begin_and_calls_are_cheap() -> None:
     steep = [(k, 80.0 + 160.0 * k) for k in (0, 1, 2, 4, 8, 16)]  # drafting cannot pay: no probes
     model = CostModelLength(verify_ms=steep)
     # the first block: prefills, not counted
-    model.update(Observation(2, 1, 0.010, 0.500, forward_s=0.4))
+    model.update(observed(2, 1, 0.010, 0.500, forward_s=0.4))
     assert model.call_overhead() is None
     # 5 ms over the forwards
-    model.update(Observation(0, 0, 0.0, 0.725, plain_tokens=9, forward_s=0.72))
+    model.update(observed(0, 0, 0.0, 0.725, plain_tokens=9, forward_s=0.72))
     assert model.call_overhead() == pytest.approx(0.005)
     assert model.plain_run(100) == PLAIN_RUN  # no copies tracked: the longest run
     assert model.plain_run(100, copy_rate=0.0) == PLAIN_RUN
@@ -98,8 +99,8 @@ def test_plain_runs_shorten_where_copies_begin_and_calls_are_cheap() -> None:
     assert model.plain_run(100, copy_rate=1 / 15) == 1
     assert model.plain_run(100, copy_rate=0.005) == 5  # rare copies: 6.5 -> a run of 6
     far = CostModelLength(verify_ms=steep)
-    far.update(Observation(2, 1, 0.010, 0.500, forward_s=0.4))
-    far.update(Observation(0, 0, 0.0, 0.820, plain_tokens=9, forward_s=0.72))  # 100 ms round trips
+    far.update(observed(2, 1, 0.010, 0.500, forward_s=0.4))
+    far.update(observed(0, 0, 0.0, 0.820, plain_tokens=9, forward_s=0.72))  # 100 ms round trips
     assert far.plain_run(100, copy_rate=1 / 15) == 7  # sqrt(0.1 / 0.0017) = 7.6 tokens
 
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from drafter_client.text import TextTracker
 
 if TYPE_CHECKING:
-    from drafter_client.policy import BlockOutcome
+    from drafter_client.outcome import BlockOutcome
     from drafter_client.speculative import GenerationResult
 
 

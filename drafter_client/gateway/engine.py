@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from drafter_client.api import SpecDecClient
 from drafter_client.gateway.metrics import GatewayMetrics
 from drafter_client.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIError
-from drafter_client.policy import BlockOutcome
+from drafter_client.outcome import BlockOutcome
 from drafter_client.settings import GatewaySettings
 from drafter_client.speculative import GenerationResult
 from drafter_client.text import TextTracker
@@ -74,7 +74,7 @@ def block_event(index: int, outcome: BlockOutcome, pieces: list[str]) -> dict[st
     text, and text sent after the last block belongs to the last token."""
     return {"index": index, "k": len(outcome.draft_ids), "accepted": outcome.num_accepted,
             "round_trip_ms": round(outcome.round_trip_s * 1e3, 3),
-            "verifier_ms": round(outcome.verifier_s * 1e3, 3),
+            "verifier_ms": round((outcome.verifier_s or 0.0) * 1e3, 3),
             "drafting_ms": round(outcome.drafting_s * 1e3, 3),
             "tokens": [[piece, kind] for piece, kind
                        in zip(pieces, outcome.kinds()[:len(pieces)], strict=True)]}
