@@ -67,8 +67,8 @@ from scripts.bench.attack_servers import (
     VERIFIER_KEYS,
     Outcome,
     Servers,
+    flood_while_probing,
     hang_ups,
-    health_waits,
     words,
 )
 from scripts.bench.common import machine_record, markdown_table, write_json
@@ -82,31 +82,12 @@ def hang_up(s: Servers) -> Outcome:
 
 
 def tokenize_flood(s: Servers) -> Outcome:
-    statuses: Counter[str] = Counter()
     # about 512 KB, under the 1 MiB body limit; serialized once, so that the senders' own
     # work in this process does not slow the /health timer
     body = orjson.dumps({"model": s.model, "prompt": words(128 * 1024), "max_tokens": 4})
-    headers = {**AUTH, "content-type": "application/json"}
-    # Every client is made before the clock starts (see health_waits).
-    senders = [httpx.Client(timeout=120) for _ in range(20)]
-    stop, counting = threading.Event(), threading.Lock()
-
-    def send(client: httpx.Client) -> None:
-        while not stop.is_set():
-            answer = client.post(s.gateway_url + "/v1/completions", headers=headers,
-                                 content=body)
-            with counting:  # hundreds of increments from 20 threads: none may be lost
-                statuses[str(answer.status_code)] += 1
-
-    threads = [threading.Thread(target=send, args=(client,)) for client in senders]
-    for thread in threads:
-        thread.start()
-    waits = health_waits(s.gateway_url, 2.0 if s.quick else 10.0)
-    stop.set()
-    for thread in threads:
-        thread.join()
-    for client in senders:
-        client.close()
+    statuses, waits = flood_while_probing(
+        s.gateway_url + "/v1/completions", body, {**AUTH, "content-type": "application/json"},
+        20, s.gateway_url, 2.0 if s.quick else 10.0)
     # A loop that tokenizes (or counts) the flood's prompts itself keeps most probes waiting
     # behind a prompt; one that only parses the bodies delays a few behind a burst of parsing,
     # and a busy machine can delay any one probe: so the median probe decides.

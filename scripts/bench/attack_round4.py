@@ -40,7 +40,6 @@ import json
 import math
 import statistics
 import subprocess
-import threading
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -55,8 +54,8 @@ from scripts.bench.attack_servers import (
     VERIFIER_KEYS,
     Outcome,
     Servers,
+    flood_while_probing,
     hang_ups,
-    health_waits,
 )
 from verifier_service.launch import BIN
 
@@ -178,27 +177,10 @@ def target_alone(s: Servers) -> Outcome:
 
 
 def empty_messages(s: Servers) -> Outcome:
-    statuses: Counter[str] = Counter()
     body = orjson.dumps({"model": s.model, "max_tokens": 4,
                          "messages": [{"role": "user", "content": ""}] * 31_000})
-    senders = [httpx.Client(timeout=120) for _ in range(4)]  # made before the clock starts
-    stop, counting = threading.Event(), threading.Lock()
-
-    def send(client: httpx.Client) -> None:
-        while not stop.is_set():
-            answer = client.post(s.gateway_url + CHAT, headers={**AUTH, **JSON}, content=body)
-            with counting:
-                statuses[str(answer.status_code)] += 1
-
-    threads = [threading.Thread(target=send, args=(client,)) for client in senders]
-    for thread in threads:
-        thread.start()
-    waits = health_waits(s.gateway_url, 2.0 if s.quick else 10.0)
-    stop.set()
-    for thread in threads:
-        thread.join()
-    for client in senders:
-        client.close()
+    statuses, waits = flood_while_probing(s.gateway_url + CHAT, body, {**AUTH, **JSON}, 4,
+                                          s.gateway_url, 2.0 if s.quick else 10.0)
     median = statistics.median(waits)
     answered = all(status == "200" or status.startswith("4") for status in statuses)
     return statuses, {"under the body limit": len(body) < BODY_LIMIT,

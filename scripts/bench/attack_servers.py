@@ -137,6 +137,33 @@ def health_waits(url: str, seconds: float) -> list[float]:
     return waits
 
 
+def flood_while_probing(url: str, body: bytes, headers: dict[str, str], senders: int,
+                        probe_url: str, seconds: float) -> tuple[Counter[str], list[float]]:
+    """``senders`` threads post ``body`` to ``url`` back to back while ``probe_url``'s
+    ``/health`` is timed for ``seconds``: the answers by status, and the probes' waits. Every
+    client is made before the clock starts (see :func:`health_waits`)."""
+    statuses: Counter[str] = Counter()
+    clients = [httpx.Client(timeout=120) for _ in range(senders)]
+    stop, counting = threading.Event(), threading.Lock()
+
+    def send(client: httpx.Client) -> None:
+        while not stop.is_set():
+            answer = client.post(url, headers=headers, content=body)
+            with counting:  # hundreds of increments from many threads: none may be lost
+                statuses[str(answer.status_code)] += 1
+
+    threads = [threading.Thread(target=send, args=(client,)) for client in clients]
+    for thread in threads:
+        thread.start()
+    waits = health_waits(probe_url, seconds)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    for client in clients:
+        client.close()
+    return statuses, waits
+
+
 def hang_ups(s: Servers, extra: dict[str, Any], per_client: int = 2,
              clients: int = 12) -> Outcome:
     """Non-streaming chats without max_tokens (``extra`` added to their bodies) whose clients
