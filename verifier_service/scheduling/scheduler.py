@@ -186,6 +186,9 @@ class Scheduler:
                 elif ok:
                     pending.future.set_result(value)
                 else:
+                    # Most often a session that is gone (evicted, expired, lost in a restart):
+                    # no batch waits for it; its client's next job marks it active again.
+                    self.forget(pending.job.session_key)
                     pending.future.set_exception(value)
 
 
