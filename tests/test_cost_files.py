@@ -19,10 +19,8 @@ import math
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -30,7 +28,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from shared.engines.target import VERIFY_KS, BatchForward, verify_costs_path
+from shared.engines.target import VERIFY_KS, verify_costs_path
+from tests.support.cost_writers import Timed, write_records
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.tiny_models import build_tokenizer, save_tiny, save_tiny_qwen2
 from verifier_service.cli import load_target, parse_settings
@@ -241,29 +240,6 @@ def test_a_hostile_amx_record_is_probed_again(hostile: Any, tmp_path: Path,
 
 
 # -- 5. concurrent writers ----------------------------------------------------------------------
-class Timed(BatchForward):
-    """Only what ``measured_verify_ms`` uses: a context and an instant 'sweep'."""
-
-    def __init__(self) -> None:
-        self.info = SimpleNamespace(max_context=64)  # type: ignore[assignment]
-
-    def time_verify_blocks(self, slot: int, ids: list[int], ks: Any = ()) -> list[Any]:
-        return [(k, 1.5 + k) for k in ks]
-
-
-def write_records(prefix: str, threads: int, each: int) -> None:
-    """``threads`` threads, each recording ``each`` verify costs under keys of its own."""
-    def one(t: int) -> None:
-        for r in range(each):
-            Timed().measured_verify_ms(0, [1] * 16, f"{prefix}-t{t}-r{r}")
-
-    workers = [threading.Thread(target=one, args=(t,)) for t in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-
-
 def test_concurrent_writers_lose_nothing_and_readers_never_see_half_a_file(
         tmp_path: Path) -> None:
     """4 processes of 5 threads each record 10 verify costs (200 records, each a
@@ -271,7 +247,7 @@ def test_concurrent_writers_lose_nothing_and_readers_never_see_half_a_file(
     do, each PID 1 in its container) while this process reads the file back to back."""
     path = tmp_path / "verify-costs.json"
     env = {**os.environ, "SPECDEC_VERIFY_COSTS": str(path), "PYTHONPATH": str(ROOT)}
-    code = "import sys; from tests.test_cost_files import write_records as w; " \
+    code = "import sys; from tests.support.cost_writers import write_records as w; " \
            "w(sys.argv[1], 5, 10)"
     writers = [subprocess.Popen([sys.executable, "-c", code, f"p{p}"], env=env, cwd=ROOT)
                for p in range(4)]
