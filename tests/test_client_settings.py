@@ -98,3 +98,48 @@ def test_the_client_uses_its_settings_where_a_call_is_silent(
     other = SpecDecClient(verifier, "ngram", tokenizer=str(tiny_models["gpt2-target"]),
                           settings=settings, timeout_s=3.0)
     assert other.settings == dataclasses.replace(settings, timeout_s=3.0)
+
+
+def test_every_field_is_a_flag_or_says_why_not() -> None:
+    """The flags are generated from the settings' fields: each field of every settings object
+    is a flag of some command, but the nested objects and the two a flag must not carry (the
+    chat template's text: a file names it; the gateway's key: ps would show it)."""
+    from drafter_client.apps.flags import flag_of
+    from drafter_client.settings import GatewaySettings
+    from tests.test_documented_defaults import parser_defaults
+
+    flags = parser_defaults()
+    missing = [f"{cls.__name__}.{name}" for cls in (ClientSettings, DrafterOptions, Sampling,
+                                                    GatewaySettings)
+               for name in cls.__pydantic_fields__  # type: ignore[attr-defined]
+               if flag_of(cls, name) not in flags]
+    assert missing == ["ClientSettings.options", "ClientSettings.sampling",
+                       "ClientSettings.gateway", "GatewaySettings.chat_template",
+                       "GatewaySettings.api_key"]
+
+
+@pytest.mark.parametrize(("values", "field"), [
+    ({"sampling": {"temperature": -1.0}}, "temperature"),
+    ({"sampling": {"top_p": 0.0}}, "top_p"),
+    ({"options": {"tree_width": 0}}, "tree_width"),
+    ({"options": {"engine": "vllm"}}, "engine"),
+    ({"num_draft_tokens": "many"}, "num_draft_tokens"),
+    ({"gateway": {"allowed_hosts": ("http://x/",)}}, "allowed_hosts"),
+])
+def test_the_python_api_checks_values_as_the_flags_do(values: dict, field: str) -> None:
+    """One set of checks: a value a field refuses is refused in Python as on the command line
+    (pydantic's error names the field); the same value through its flag is one line naming the
+    flag (tests/test_cli_e2e.py)."""
+    from pydantic import ValidationError
+
+    from drafter_client.settings import GatewaySettings
+
+    nested = {"sampling": Sampling, "options": DrafterOptions, "gateway": GatewaySettings}
+    built = {key: nested[key](**value) if key in nested else value
+             for key, value in values.items() if key not in nested}
+    with pytest.raises(ValidationError) as refused:
+        for key, value in values.items():
+            if key in nested:
+                nested[key](**value)
+        ClientSettings(**built)
+    assert refused.value.errors()[0]["loc"][0] == field

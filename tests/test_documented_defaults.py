@@ -1,20 +1,22 @@
 """Every default written once: what the docs and compose say equals what the objects hold.
 
 The verifier's table in docs/configuration.md is generated from its settings
-(tests/test_settings.py); this file checks the defaults written in prose - the client's and the
-gateway's flags - against the parser that reads them, and the values more than one object
-starts from against their one source."""
+(tests/test_settings.py), and so are the client's and the gateway's (their flags come from the
+client's settings fields: drafter_client/apps/flags.py); this file checks the client's tables,
+any default still written in prose against the parser that reads it, and the values more than
+one object starts from against their one source."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
-from drafter_client.apps.cli import build_parser
-from drafter_client.settings import DEFAULTS
+from drafter_client.apps.cli import build_parser, configuration_tables
+from drafter_client.settings import DEFAULTS, GATEWAY
 from shared.http.limits import HTTP_LIMITS
 from shared.protocol import GREEDY_TEMPERATURE, NO_TOP_K, NO_TOP_P
 from shared.protocol.sampling import SamplingConfig
@@ -50,11 +52,28 @@ def same(said: str, default: object) -> bool:
         return said == str(default)
 
 
-def test_the_client_docs_state_the_parsers_defaults() -> None:
+def client_docs() -> str:
     text = (ROOT / "docs" / "configuration.md").read_text()
-    client = text[text.index("## Client"):]
-    said = documented(client)
-    assert len(said) >= 8  # the check reads what it should
+    return text[text.index("## Client"):text.index("## Drafters")]
+
+
+def test_the_client_docs_hold_the_tables_generated_from_the_settings() -> None:
+    assert configuration_tables() in client_docs(), (
+        "docs/configuration.md is out of date: paste `python -m drafter_client.apps.flags`")
+
+
+def test_a_changed_default_changes_the_table() -> None:
+    """Negative control: the tables are read from the settings' values, so the docs check
+    sees a default that is not the documented one."""
+    other = dataclasses.replace(DEFAULTS, gateway=dataclasses.replace(GATEWAY,
+                                                                      max_concurrency=9))
+    tables = configuration_tables(other)
+    assert "| `--max-concurrency` | `9` |" in tables
+    assert tables not in client_docs()
+
+
+def test_the_client_docs_state_the_parsers_defaults() -> None:
+    said = documented(client_docs())
     flags = parser_defaults()
     wrong = {flag: (value, flags.get(flag)) for flag, value in said.items()
              if flag not in flags or not same(value, flags[flag])}

@@ -14,6 +14,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from drafter_client.apps.flags import add_flags, built, flag_problem, settings_rows
 from drafter_client.settings import (
     DEFAULTS,
     ClientSettings,
@@ -24,15 +25,30 @@ from drafter_client.settings import (
 
 # Only light imports here: the parser, --help and the flag checks run before torch and
 # transformers load (they take seconds); each command imports what it runs.
-from shared.engines import DRAFTING_ENGINES
 
 if TYPE_CHECKING:
-    from pydantic import ValidationError
 
     from drafter_client.api import SpecDecClient
     from drafter_client.speculative import GenerationResult
 
-OPTIONS, SAMPLING, GATEWAY = DEFAULTS.options, DEFAULTS.sampling, DEFAULTS.gateway
+# ClientSettings' fields by the commands that take them (the nested objects: their classes)
+CONNECTION = ("timeout_s", "retry_budget_s", "simulated_rtt_ms")
+DRAFTING = ("num_draft_tokens", "load_aware", "dtype", "device")
+
+
+def configuration_tables(settings: ClientSettings = DEFAULTS) -> str:
+    """The tables of every settings flag by command, with ``settings``' values as defaults
+    (docs/configuration.md holds this text: ``python -m drafter_client.apps.flags``)."""
+    head = ["| flag | default | meaning |", "|---|---|---|"]
+    groups = {
+        "Every command (the connection)": settings_rows(settings, CONNECTION),
+        "`generate`, `baseline` and `chat` (sampling)": settings_rows(settings.sampling),
+        "`generate`, `serve` and `chat` (drafting)": [*settings_rows(settings, DRAFTING),
+                                                     *settings_rows(settings.options)],
+        "`serve` (the gateway)": settings_rows(settings.gateway),
+    }
+    return "\n\n".join(f"{title}:\n\n" + "\n".join(head + rows)
+                       for title, rows in groups.items())
 
 
 def _connection(p: argparse.ArgumentParser) -> None:
@@ -42,26 +58,7 @@ def _connection(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                    help="the verifier's API key (default: $SPECDEC_API_KEY; prefer the "
                    "variable, a flag shows in ps)")
-    p.add_argument("--timeout-s", type=float, default=DEFAULTS.timeout_s,
-                   help="HTTP timeout per call")
-    p.add_argument("--retry-budget-s", type=float, default=DEFAULTS.retry_budget_s,
-                   help="how long to keep retrying a verifier that is down or overloaded "
-                   "before giving up (the first contact: at most 10 s)")
-    p.add_argument("--simulated-rtt-ms", type=float, default=DEFAULTS.simulated_rtt_ms,
-                   help="add this delay before every call to the verifier (network studies)")
-
-
-def _sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int, default=SAMPLING.max_new_tokens)
-    p.add_argument("--temperature", type=float, default=SAMPLING.temperature,
-                   help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=SAMPLING.top_k, help="0 disables top-k")
-    p.add_argument("--top-p", type=float, default=SAMPLING.top_p, help="1.0 disables top-p")
-    p.add_argument("--seed", type=int, default=SAMPLING.seed)
-    p.add_argument("--reproducible", action="store_true",
-                   help="sampled output identical to the target alone's with the same --seed, "
-                   "whatever the drafter, -k or timing (Gumbel-max with noise shared by drafter "
-                   "and target; costs some acceptance)")
+    add_flags(p, ClientSettings, only=CONNECTION)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -70,7 +67,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-file", help="read the prompt from this file ('-' for stdin)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    _sampling(p)
+    add_flags(p, Sampling)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
@@ -78,51 +75,8 @@ def _drafter(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", required=True,
                    help="a model (short name, local folder, .gguf file, hub id), or one of "
                    "ngram, prompt-lookup, bigram")
-    p.add_argument("-k", "--num-draft-tokens", default=DEFAULTS.num_draft_tokens,
-                   help="drafts per block: an integer, 'auto' (default: a cost model of "
-                   "measured acceptance, drafting time and round trip per k) or 'heuristic' "
-                   "(grow by 2 after a fully accepted block, shrink by 1 otherwise)")
-    p.add_argument("--ngram-n", type=int, default=OPTIONS.ngram_n, help="ngram: the order n")
-    p.add_argument("--ngram-kind", choices=["simple", "multi"], default=OPTIONS.ngram_kind,
-                   help="ngram: fixed n (SimpleDynaGram) or all orders 2..n longest first "
-                   "(MultiDynaGram)")
-    p.add_argument("--ngram-top-k-filler", type=int, default=OPTIONS.ngram_top_k_filler,
-                   metavar="K",
-                   help="ngram: also learn the target's top-K ids at each scored position")
-    p.add_argument("--ngram-stop-if-unknown", action="store_true",
-                   help="ngram: stop a draft at an unknown context instead of padding it")
-    p.add_argument("--lookup-min-ngram", type=int, default=OPTIONS.lookup_min_ngram,
-                   help="prompt-lookup: shortest match")
-    p.add_argument("--lookup-max-ngram", type=int, default=OPTIONS.lookup_max_ngram,
-                   help="prompt-lookup: longest match")
-    p.add_argument("--draft-min-prob", type=float, default=OPTIONS.draft_min_prob, metavar="P",
-                   help="model drafter: stop a block when its top probability drops below P")
-    p.add_argument("--tree-width", type=int, default=OPTIONS.tree_width, metavar="W",
-                   help="model drafter: draft a token tree - the drafter's best chain and, at "
-                   "each position, up to W-1 runner-up tokens as leaves (1: a chain)")
-    p.add_argument("--lookup", action=argparse.BooleanOptionalAction,
-                   default=OPTIONS.lookup,
-                   help="model drafter: hybrid with prompt lookup - a trusted match in the "
-                   "context drafts for free, the model drafts where there is none (default: "
-                   "on; --no-lookup: the model alone)")
-    p.add_argument("--lookup-tokens", type=int, default=OPTIONS.lookup_tokens, metavar="N",
-                   help="hybrid: the longest prompt-lookup draft (0: the block's k)")
-    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=OPTIONS.overlap,
-                   help="model drafter: draft the next block while this one is verified "
-                   "(pays off when the verifier runs on other cores or another host)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="model drafter: keep its KV cache in a preallocated slot and replay "
-                   "its one-token steps as captured CUDA graphs (a GPU client; on a CPU the "
-                   "same static steps run eagerly)")
-    p.add_argument("--dtype", default=DEFAULTS.dtype,
-                   choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=DEFAULTS.device, help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--drafter-engine", default=OPTIONS.engine, choices=DRAFTING_ENGINES,
-                   help="what runs a model drafter (shared/engines); auto: the first engine "
-                   "that claims the model (on a CPU with the [llama] extra, llama.cpp for a "
-                   ".gguf file or a short name whose GGUF is kept; else transformers)")
-    p.add_argument("--threads", type=int, default=OPTIONS.threads,
-                   help="CPU threads of the drafter (torch's, or llama.cpp's); 0: the default")
+    add_flags(p, ClientSettings, only=DRAFTING)
+    add_flags(p, DrafterOptions)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,24 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "streaming) that drafts here and verifies on the verifier")
     _connection(serve)
     _drafter(serve)
-    serve.add_argument("--host", default=GATEWAY.host)
-    serve.add_argument("--port", type=int, default=GATEWAY.port)
-    serve.add_argument("--served-model-name",
-                       help="the model name clients send (default: the verifier's model)")
+    add_flags(serve, GatewaySettings)
     serve.add_argument("--chat-template", metavar="FILE",
                        help="a Jinja chat template file to use instead of the tokenizer's")
-    serve.add_argument("--max-concurrency", type=int, default=GATEWAY.max_concurrency,
-                       help="generations running at once (the verifier batches them)")
-    serve.add_argument("--max-waiting", type=int, default=GATEWAY.max_waiting,
-                       help="requests waiting for a slot beyond --max-concurrency; more get 429")
-    serve.add_argument("--max-body-bytes", type=int, default=GATEWAY.max_body_bytes,
-                       help="largest request body; beyond it 413, before it is parsed")
-    serve.add_argument("--body-timeout-s", type=float, default=GATEWAY.body_timeout_s,
-                       help="a request body must arrive within this many seconds, or 408")
-    serve.add_argument("--header-timeout-s", type=float,
-                       default=GATEWAY.header_timeout_s,
-                       help="a request head must arrive within this many seconds of connecting "
-                       "or of the last response, or 408 and closed")
     # The key itself never on the command line (it would show in ps): --serve-api-key is
     # refused (run), SPECDEC_SERVE_API_KEY or a file holds it.
     serve.add_argument("--serve-api-key-file", metavar="PATH",
@@ -172,21 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require the Bearer key in this file (its first line) from the "
                        "server's own clients (default: $SPECDEC_SERVE_API_KEY_FILE; or the key "
                        "in $SPECDEC_SERVE_API_KEY; neither: open)")
-    serve.add_argument("--allowed-hosts", metavar="HOSTS",
-                       default=os.environ.get("SPECDEC_SERVE_ALLOWED_HOSTS", ""),
-                       help="comma-separated Host names to answer to besides 127.0.0.1, "
-                       "localhost, [::1] and --host (name: any port, name:port; *: any Host); "
-                       "other Hosts get 421 (DNS rebinding). With --host 0.0.0.0 and none set, "
-                       "any Host (default: $SPECDEC_SERVE_ALLOWED_HOSTS)")
-    serve.add_argument("--cors-origins", metavar="ORIGINS",
-                       default=os.environ.get("SPECDEC_SERVE_CORS_ORIGINS", ""),
-                       help="comma-separated origins (https://app.example.com) whose web pages "
-                       "may call this API; none: no CORS headers, pages on other sites cannot "
-                       "(default: $SPECDEC_SERVE_CORS_ORIGINS)")
     chat = sub.add_parser("chat", help="an interactive console against a verifier")
     _connection(chat)
     _drafter(chat)
-    _sampling(chat)
+    add_flags(chat, Sampling)
     chat.add_argument("--system", help="a system message opening the conversation")
     chat.add_argument("--compare", action="store_true",
                       help="also run the target alone on every turn and compare")
@@ -229,11 +157,6 @@ def _print_json(result: GenerationResult, error: str | None = None) -> None:
     sys.stdout.write(orjson.dumps(body).decode() + "\n")
 
 
-def _listed(value: str) -> tuple[str, ...]:
-    """A comma-separated flag's entries."""
-    return tuple(entry.strip() for entry in value.split(",") if entry.strip())
-
-
 # argparse takes a flag's prefix for the flag: each of these would reach --serve-api-key-file.
 KEY_FLAG = "--serve-api-key"
 
@@ -267,97 +190,39 @@ def serve_api_key(args: argparse.Namespace) -> str | None:
     return key
 
 
-def _flag_problem(exc: ValidationError) -> str:
-    """The first error of a wire model built from flags, naming the flag."""
-    err = exc.errors()[0]
-    flag = "--" + str(err["loc"][0]).replace("_", "-")
-    flag = {"--coupling-seed": "--seed"}.get(flag, flag)
-    return f"{flag}: {err['msg']} (got {err.get('input')!r})"
-
-
 def _check_arguments(args: argparse.Namespace) -> str | None:
     """One line naming the first bad flag, or None."""
     from pydantic import ValidationError
 
-    from shared.protocol.schema import GenerateRequest, SamplingParams
+    from shared.protocol.schema import GenerateRequest
 
-    if "temperature" in args:
-        try:
-            SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                           coupling_seed=args.seed if args.reproducible else None)
-        except ValidationError as exc:
-            return _flag_problem(exc)
-        if args.max_new_tokens < 1:
-            return f"--max-new-tokens must be at least 1 (got {args.max_new_tokens})"
+    try:
+        settings = client_settings(args)
+    except ValueError as exc:
+        return str(exc)
     if "num_beams" in args:
         try:
             GenerateRequest(prompt_ids=[0], num_beams=args.num_beams,
                             length_penalty=args.length_penalty,
                             no_repeat_ngram_size=args.no_repeat_ngram_size)
         except ValidationError as exc:
-            return _flag_problem(exc)
-        if args.num_beams > 1 and args.temperature != 0.0:
+            return flag_problem(GenerateRequest, exc)
+        if args.num_beams > 1 and settings.sampling.temperature != 0.0:
             return "--num-beams: beam search is greedy; use --temperature 0"
-    if "tree_width" in args:
-        from drafter_client.draft_length import parse_k
-
-        try:  # the form of -k here; its bound, the verifier's max_draft_tokens, once connected
-            parse_k(str(args.num_draft_tokens))
-        except ValueError as exc:
-            return str(exc)
-        if args.tree_width < 1:
-            return f"--tree-width must be at least 1 (got {args.tree_width})"
-        if args.lookup_tokens < 0:
-            return f"--lookup-tokens must be at least 0 (got {args.lookup_tokens})"
-    if args.command == "serve":
-        for flag in ("max_concurrency", "port"):
-            if getattr(args, flag) < 1:
-                return f"--{flag.replace('_', '-')} must be at least 1 (got {getattr(args, flag)})"
-        if args.max_waiting < 0:
-            return f"--max-waiting must be at least 0 (got {args.max_waiting})"
-        from shared.http.cross_site import check_allowed_hosts, check_cors_origins
-
-        problem = (check_allowed_hosts(_listed(args.allowed_hosts))
-                   or check_cors_origins(_listed(args.cors_origins)))
-        if problem is not None:
-            return problem
-        try:
-            serve_api_key(args)
-        except ValueError as exc:
-            return str(exc)
     return None
 
 
 def client_settings(args: argparse.Namespace) -> ClientSettings:
     """The client settings the flags describe (a command without drafter flags keeps the
-    defaults for them)."""
-    sampling = (Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                         reproducible=args.reproducible)
-                if "temperature" in args else SAMPLING)
-    connection = {"timeout_s": args.timeout_s, "retry_budget_s": args.retry_budget_s,
-                  "simulated_rtt_ms": args.simulated_rtt_ms}
-    if "drafter" not in args:
-        return ClientSettings(sampling=sampling, **connection)
-    options = DrafterOptions(
-        ngram_n=args.ngram_n, ngram_kind=args.ngram_kind,
-        ngram_top_k_filler=args.ngram_top_k_filler,
-        ngram_stop_if_unknown=args.ngram_stop_if_unknown,
-        lookup_min_ngram=args.lookup_min_ngram, lookup_max_ngram=args.lookup_max_ngram,
-        draft_min_prob=args.draft_min_prob, tree_width=args.tree_width, lookup=args.lookup,
-        lookup_tokens=args.lookup_tokens, overlap=args.overlap,
-        cuda_graphs=args.cuda_graphs, engine=args.drafter_engine, threads=args.threads)
-    gateway = GATEWAY
+    defaults for them). ValueError, one line naming the flag, for a value a field refuses."""
+    nested: dict[str, Any] = {}
+    if "temperature" in args:
+        nested["sampling"] = built(Sampling, args)
+    if "drafter" in args:
+        nested["options"] = built(DrafterOptions, args)
     if "max_concurrency" in args:  # specdec serve
-        gateway = GatewaySettings(
-            served_model_name=args.served_model_name or "", host=args.host, port=args.port,
-            max_concurrency=args.max_concurrency, max_waiting=args.max_waiting,
-            max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout_s,
-            header_timeout_s=args.header_timeout_s, api_key=serve_api_key(args),
-            allowed_hosts=_listed(args.allowed_hosts), cors_origins=_listed(args.cors_origins))
-    return ClientSettings(num_draft_tokens=str(args.num_draft_tokens), options=options,
-                          sampling=sampling, dtype=args.dtype, device=args.device,
-                          gateway=gateway, **connection)
+        nested["gateway"] = built(GatewaySettings, args, api_key=serve_api_key(args))
+    return built(ClientSettings, args, **nested)
 
 
 def make_client(args: argparse.Namespace, with_drafter: bool = True) -> SpecDecClient:
