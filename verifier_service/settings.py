@@ -65,7 +65,8 @@ class CommonSettings(BaseSettings):
     max_batch_size: int = Field(16, ge=1, description="jobs per batched forward")
     max_batch_tokens: int = Field(2048, ge=1, description="tokens per batched forward")
     batch_wait_ms: float = Field(10.0, ge=0, description="how long a batch may wait for "
-                                 "sessions active in the last second that are not in it yet")
+                                 "sessions active in the last second that are not in it yet "
+                                 "(not for one whose last call failed: most often it is gone)")
     max_queue: int = Field(256, ge=1, description="queued jobs; beyond it 429 + Retry-After")
     acceptance: Literal["device", "host"] = Field(
         "device", description="device: decide every verify block of a batch in one vectorised "
