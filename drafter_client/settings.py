@@ -105,8 +105,9 @@ class DrafterOptions:
     @model_validator(mode="after")
     def _lookup_range(self) -> DrafterOptions:
         if self.lookup_min_ngram > self.lookup_max_ngram:
-            raise ValueError(f"lookup_min_ngram {self.lookup_min_ngram} is above "
-                             f"lookup_max_ngram {self.lookup_max_ngram}")
+            raise ValueError(f"lookup_min_ngram (--lookup-min-ngram) {self.lookup_min_ngram} "
+                             f"is above lookup_max_ngram (--lookup-max-ngram) "
+                             f"{self.lookup_max_ngram}")
         return self
 
 

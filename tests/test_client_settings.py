@@ -143,3 +143,13 @@ def test_the_python_api_checks_values_as_the_flags_do(values: dict, field: str) 
                 nested[key](**value)
         ClientSettings(**built)
     assert refused.value.errors()[0]["loc"][0] == field
+
+
+def test_a_field_without_a_flag_is_not_read_from_a_flag_of_its_name(tmp_path: Path) -> None:
+    """`--chat-template FILE` names a file; the gateway's `chat_template` field holds the text,
+    read by `specdec serve` itself: the path must not land in the field."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ messages }}")
+    args = build_parser().parse_args(["serve", *URL, "--drafter", "ngram", "--chat-template",
+                                      str(template)])
+    assert client_settings(args).gateway.chat_template is None

@@ -149,7 +149,10 @@ class Console:
         self.say(f"max tokens = {value}")
 
     def _set_seed(self, arg: str) -> None:
-        self.settings.sampling = replaced(self.settings.sampling, seed=int(arg))
+        seed = int(arg)
+        if not 0 <= seed < 2**63:
+            raise ValueError(f"must lie in [0, 2**63); got {seed}")
+        self.settings.sampling = replaced(self.settings.sampling, seed=seed)
         self.say(f"seed = {self.settings.sampling.seed}")
 
     def _set_min_prob(self, arg: str) -> None:
@@ -210,7 +213,7 @@ class Console:
         s = self.settings
         ids = self.prompt_ids(text)
         stream = TextStream(self.client.decode, self._show)
-        sampling = replaced(s.sampling, seed=s.sampling.seed + self.turn)
+        sampling = replaced(s.sampling, seed=(s.sampling.seed + self.turn) % 2**63)
         try:
             result = self.client.generate(ids, num_draft_tokens=s.k, on_block=stream.block,
                                           sampling=sampling)

@@ -87,7 +87,8 @@ def built(cls: type[T], args: argparse.Namespace, **values: Any) -> T:
     line naming the flag, for a value its field refuses."""
     given = {name: listed(getattr(args, name)) if typing.get_origin(_scalar(info.annotation))
              is tuple else getattr(args, name)
-             for name, info in _fields(cls).items() if name in args and name not in values}
+             for name, info in _fields(cls).items()
+             if name in args and name not in values and flag_of(cls, name)}
     try:
         return cls(**given, **values)
     except ValidationError as exc:
@@ -101,7 +102,10 @@ def flag_problem(cls: type, exc: ValidationError) -> str:
     if not err["loc"]:
         return message
     name = str(err["loc"][0])
-    return f"{flag_of(cls, name) or name}: {message} (got {err.get('input')!r})"
+    value = err.get("input")
+    shown = ",".join(value) if isinstance(value, tuple) else value
+    said = "" if "got " in message else f" (got {shown!r})"
+    return f"{flag_of(cls, name) or name}: {message}{said}"
 
 
 def settings_rows(defaults: Any, only: tuple[str, ...] = ()) -> list[str]:
