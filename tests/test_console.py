@@ -62,6 +62,9 @@ def test_chat_console_streams_in_colour_and_obeys_commands(
     assert "draft min prob = 0.3" in answer(child, "/draft-min-prob 0.3")
     assert "error" in answer(child, "/k zero")
     assert "error" in answer(child, "/temperature -1")
+    # a settings field's own bound, said in one line that names the field
+    assert "error: /seed: seed: Input should be less than" in answer(child, f"/seed {2**63}")
+    assert "error: /max-tokens: max_new_tokens:" in answer(child, "/max-tokens 0")
     assert "compare with the target alone: on" in answer(child, "/compare")
     assert "new conversation" in answer(child, "/reset")
     compared = ANSI.sub("", answer(child, "the cat sat"))

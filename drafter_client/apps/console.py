@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from pydantic import ValidationError
+
 from drafter_client.api import SpecDecClient
 from drafter_client.apps.output import TextStream, summary, utf8_text
 from drafter_client.draft_length import make_draft_length
@@ -118,6 +120,10 @@ class Console:
             return True
         try:
             handler(arg)
+        except ValidationError as exc:  # a settings field's own bound: one line naming it
+            error = exc.errors()[0]
+            self.say(f"error: /{name}: {error['loc'][0]}: {error['msg']} "
+                     f"(got {error.get('input')!r})")
         except (ValueError, SpecDecError) as exc:
             self.say(f"error: /{name}: {exc}")
         return True
@@ -142,17 +148,11 @@ class Console:
         return set_value
 
     def _set_max_tokens(self, arg: str) -> None:
-        value = int(arg)
-        if value < 1:
-            raise ValueError("must be at least 1")
-        self.settings.sampling = replaced(self.settings.sampling, max_new_tokens=value)
-        self.say(f"max tokens = {value}")
+        self.settings.sampling = replaced(self.settings.sampling, max_new_tokens=int(arg))
+        self.say(f"max tokens = {self.settings.sampling.max_new_tokens}")
 
     def _set_seed(self, arg: str) -> None:
-        seed = int(arg)
-        if not 0 <= seed < 2**63:
-            raise ValueError(f"must lie in [0, 2**63); got {seed}")
-        self.settings.sampling = replaced(self.settings.sampling, seed=seed)
+        self.settings.sampling = replaced(self.settings.sampling, seed=int(arg))
         self.say(f"seed = {self.settings.sampling.seed}")
 
     def _set_min_prob(self, arg: str) -> None:
