@@ -30,6 +30,7 @@ from drafter_client.model_free import (
     special_ids,
 )
 from drafter_client.outcome import BlockOutcome
+from drafter_client.prediction import PredictionDrafter
 from drafter_client.settings import (
     MODEL_FREE_DRAFTERS,
     ClientSettings,
@@ -297,6 +298,13 @@ class SpecDecClient:
             return ids, None
         return [self.info.decoder_start_token_id or 0], ids
 
+    def prediction_ids(self, prediction: str | list[int]) -> list[int]:
+        """A prediction's ids: the text as it would appear inside an answer (no special
+        tokens), or ids as given."""
+        if isinstance(prediction, list):
+            return prediction
+        return list(self.tokenizer.encode(prediction, add_special_tokens=False))
+
     def encode_chat(self, messages: list[dict[str, str]],
                     chat_template: str | None = None) -> list[int]:
         """A conversation in the model's chat template (or ``chat_template``), ready for the
@@ -319,7 +327,8 @@ class SpecDecClient:
                  on_tokens: Callable[[list[int]], None] | None = None,
                  on_block: Callable[[BlockOutcome], bool | None] | None = None,
                  overlap: bool | None = None, reproducible: bool | None = None,
-                 sampling: Sampling | None = None) -> GenerationResult:
+                 sampling: Sampling | None = None,
+                 prediction: str | list[int] | None = None) -> GenerationResult:
         """Speculative generation; exactly the target's distribution for these settings.
 
         An argument left out (None) is ``sampling``'s, else the client's ``settings``'
@@ -330,7 +339,9 @@ class SpecDecClient:
         (finish_reason "stop"). ``overlap``: draft the next block while this one is verified
         (default: the client's ``DrafterOptions.overlap``). ``reproducible``: sampled output
         identical to ``baseline(..., reproducible=True)`` with the same seed, whatever the
-        drafter, k or timing (Gumbel-max with noise shared by drafter and target)."""
+        drafter, k or timing (Gumbel-max with noise shared by drafter and target).
+        ``prediction``: text (or ids) the answer will mostly repeat, drafted from first
+        (Predicted Outputs: ``drafter_client/prediction.py``; counts in ``result.prediction``)."""
         if self.drafter is None:
             raise SpecDecError("this client has no drafter; use baseline() or pass drafter=")
         s = self._sampling(sampling, max_new_tokens, temperature, top_k, top_p, seed,
@@ -347,8 +358,12 @@ class SpecDecClient:
             settings = GenerationSettings(
                 s.params(), s.max_new_tokens, draft_length, s.seed, encoder_ids,
                 overlap=self.options.overlap if overlap is None else overlap)
-            result = speculative_generate(self.verifier, self.drafter, prompt_ids, settings,
+            drafter = (self.drafter if prediction is None
+                       else PredictionDrafter(self.drafter, self.prediction_ids(prediction)))
+            result = speculative_generate(self.verifier, drafter, prompt_ids, settings,
                                           self.info, _block_callback(on_tokens, on_block))
+            if isinstance(drafter, PredictionDrafter):
+                result.prediction = drafter.counts
         except SpecDecError as exc:
             if exc.partial is not None:
                 exc.partial.text = self.decode(exc.partial.token_ids)

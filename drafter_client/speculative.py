@@ -27,6 +27,7 @@ from drafter_client.draft_length import DraftLength, FixedLength
 from drafter_client.metrics import GenerationMetrics, MetricsRecorder
 from drafter_client.outcome import BlockOutcome
 from drafter_client.policy import BlockPlan, BlockPolicy
+from drafter_client.prediction import PredictionCounts
 from drafter_client.reply_checks import read_verdict
 from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
 from shared.engines.drafter import Draft, Drafter
@@ -52,6 +53,7 @@ class GenerationResult:
     # "stop": an EOS token; "length": max_new_tokens; "context": the verifier's context limit;
     # "error": cut short by an unrecoverable error (a partial result)
     finish_reason: str = "length"
+    prediction: PredictionCounts | None = None  # with a prediction (Predicted Outputs)
 
 
 def finish_reason(token_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> str:

@@ -207,7 +207,7 @@ def error_of(exc: openai.APIStatusError) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("kwargs", "param"), [
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"temperature": 3.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),

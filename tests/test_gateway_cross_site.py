@@ -318,16 +318,16 @@ def test_no_script_or_doc_passes_the_key_on_the_command_line() -> None:
     assert "--serve-api-key" not in (root / "docker-compose.yml").read_text()
 
 
-# -- fields not implemented are 400s -------------------------------------------------------
+# -- fields not implemented, or malformed, are 400s ----------------------------------------
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"prediction": {"type": "content", "content": "the cat sat"}}, "prediction"),
+    ({"prediction": {"type": "content", "content": 3}}, "prediction.content"),
     ({"prediction": "the cat"}, "prediction"),
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
 ])
-def test_unsupported_fields_get_a_400_naming_them(gateway: ThreadedServer,
+def test_unsupported_or_malformed_fields_get_a_400_naming_them(gateway: ThreadedServer,
                                                   gpt2_server: LiveServer,
                                                   extra: dict[str, Any], param: str) -> None:
     before = work(gateway, gpt2_server)

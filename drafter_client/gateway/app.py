@@ -35,6 +35,7 @@ from starlette.responses import Response, StreamingResponse
 
 from drafter_client.api import SpecDecClient
 from drafter_client.gateway.engine import (
+    Chunk,
     ClientGone,
     Finished,
     Gateway,
@@ -56,16 +57,33 @@ from shared.http.metrics import RequestMetrics
 __all__ = ["Gateway", "GatewaySettings", "create_gateway", "server_options"]
 
 
-def _usage(prompt_tokens: int, done: Finished) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": prompt_tokens + done.completion_tokens}
+def _usage(prompt_tokens: int, done: list[Finished]) -> dict[str, Any]:
+    """OpenAI's usage: the prompt once, every choice's tokens; with a prediction, its drafted
+    tokens the target accepted and rejected (``drafter_client/prediction.py``)."""
+    completion = sum(d.completion_tokens for d in done)
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                             "total_tokens": prompt_tokens + completion}
+    counts = [d.result.prediction for d in done if d.result.prediction is not None]
+    if counts:
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(c.accepted for c in counts),
+            "rejected_prediction_tokens": sum(c.rejected for c in counts)}
+    return usage
 
 
-def _with_blocks(payload: dict[str, Any], done: Finished) -> dict[str, Any]:
-    """A plain answer with its blocks' events when the request asked (``specdec.blocks``)."""
-    if done.blocks is not None:
-        payload["specdec_blocks"] = done.blocks
+def _with_blocks(payload: dict[str, Any], done: list[Finished]) -> dict[str, Any]:
+    """A plain answer with its blocks' events when the request asked (``specdec.blocks``):
+    one list per choice when it asked for several."""
+    if done[0].blocks is not None:
+        payload["specdec_blocks"] = (done[0].blocks if len(done) == 1
+                                     else [d.blocks for d in done])
     return payload
+
+
+def _metrics(done: list[Finished]) -> dict[str, Any] | list[dict[str, Any]]:
+    """The speculative metrics: one choice's, or a list of every choice's."""
+    metrics = [d.result.metrics.to_dict() for d in done]
+    return metrics[0] if len(metrics) == 1 else metrics
 
 
 def _json(payload: dict[str, Any], status: int = 200,
@@ -98,65 +116,70 @@ async def _json_body(request: Request) -> bytes:
     return await request.body()
 
 
-async def _stream(request: Request, gateway: Gateway, job: Job,
-                  body: CompletionRequest | ChatCompletionRequest,
-                  chunk: Callable[[str, str | None], dict[str, Any]],
-                  first: dict[str, Any] | None = None) -> Response:
+async def _stream(request: Request, gateway: Gateway, jobs: list[Job],
+                  body: CompletionRequest | ChatCompletionRequest, chunk: Chunk,
+                  first: Callable[[int], dict[str, Any]] | None = None) -> Response:
     """The SSE answer; a usage chunk (no choices) at the end when the request asked for one."""
     include = body.stream_options is not None and body.stream_options.include_usage
 
-    def usage(done: Finished) -> dict[str, Any] | None:
+    def usage(done: list[Finished]) -> dict[str, Any] | None:
         if not include:
             return None
-        return {**chunk("", None), "choices": [], "usage": _usage(len(job.prompt_ids), done)}
+        return {**chunk(0, "", None), "choices": [],
+                "usage": _usage(len(jobs[0].prompt_ids), done)}
 
-    events = await gateway.stream(job, chunk, usage, first, gone=_hang_up(request))
+    events = await gateway.stream(jobs, chunk, usage, first, gone=_hang_up(request))
     return StreamingResponse(events, media_type="text/event-stream")
 
 
 async def completions(request: Request) -> Response:
     gateway = _gateway(request)
     body = parse_request(CompletionRequest, await _json_body(request))
-    job = await gateway.prepare(body)
+    jobs = gateway.choices(await gateway.prepare(body), body.n)
     rid, created, name = f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.model
 
-    def chunk(text: str, finish: str | None) -> dict[str, Any]:
+    def choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def chunk(index: int, text: str, finish: str | None) -> dict[str, Any]:
         return {"id": rid, "object": "text_completion", "created": created, "model": name,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
-                             "finish_reason": finish}]}
+                "choices": [choice(index, text, finish)]}
 
     if body.stream:
-        return await _stream(request, gateway, job, body, chunk)
-    done = await gateway.run(job, gone=_hang_up(request))
-    payload = chunk(done.text, done.finish_reason)
-    payload.update(usage=_usage(len(job.prompt_ids), done),
-                   specdec=done.result.metrics.to_dict())
-    return _json(_with_blocks(payload, done))
+        return await _stream(request, gateway, jobs, body, chunk)
+    done = await gateway.run(jobs, gone=_hang_up(request))
+    return _json(_with_blocks({
+        "id": rid, "object": "text_completion", "created": created, "model": name,
+        "choices": [choice(i, d.text, d.finish_reason) for i, d in enumerate(done)],
+        "usage": _usage(len(jobs[0].prompt_ids), done), "specdec": _metrics(done)}, done))
 
 
 async def chat_completions(request: Request) -> Response:
     gateway = _gateway(request)
     body = parse_request(ChatCompletionRequest, await _json_body(request))
-    job = await gateway.prepare(body)
+    jobs = gateway.choices(await gateway.prepare(body), body.n)
     rid, created, name = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model
 
-    def chunk(text: str, finish: str | None) -> dict[str, Any]:
+    def chunk(index: int, text: str, finish: str | None) -> dict[str, Any]:
         delta = {"content": text} if text else {}
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                "choices": [{"index": index, "delta": delta, "logprobs": None,
                              "finish_reason": finish}]}
 
+    def first(index: int) -> dict[str, Any]:
+        opening = chunk(index, "", None)
+        opening["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        return opening
+
     if body.stream:
-        first = chunk("", None)
-        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        return await _stream(request, gateway, job, body, chunk, first)
-    done = await gateway.run(job, gone=_hang_up(request))
+        return await _stream(request, gateway, jobs, body, chunk, first)
+    done = await gateway.run(jobs, gone=_hang_up(request))
     return _json(_with_blocks({
         "id": rid, "object": "chat.completion", "created": created, "model": name,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text},
-                     "logprobs": None, "finish_reason": done.finish_reason}],
-        "usage": _usage(len(job.prompt_ids), done),
-        "specdec": done.result.metrics.to_dict(),
+        "choices": [{"index": i, "message": {"role": "assistant", "content": d.text},
+                     "logprobs": None, "finish_reason": d.finish_reason}
+                    for i, d in enumerate(done)],
+        "usage": _usage(len(jobs[0].prompt_ids), done), "specdec": _metrics(done),
     }, done))
 
 

@@ -11,6 +11,7 @@ worker took it never starts.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import secrets
 import threading
@@ -49,6 +50,7 @@ class Job:
     k: int | str | None = None  # the k policy; None: the client's
     target_alone: bool = False  # plain steps on the verifier, no drafts (a race's reference)
     blocks: bool = False  # describe every verified block (``block_event``)
+    prediction: list[int] | None = None  # Predicted Outputs: ids drafted from first
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -89,8 +91,9 @@ def tokenize_cost(body: CompletionRequest | ChatCompletionRequest) -> int:
     """The request's tokenizing work in characters: its text (0 for token ids), and for a
     chat :data:`TEMPLATE_CHARS_PER_MESSAGE` more per message."""
     if isinstance(body, ChatCompletionRequest):
-        return sum(len(message.text()) + TEMPLATE_CHARS_PER_MESSAGE
-                   for message in body.messages)
+        predicted = len(body.prediction.text()) if body.prediction is not None else 0
+        return predicted + sum(len(message.text()) + TEMPLATE_CHARS_PER_MESSAGE
+                               for message in body.messages)
     prompt = body.prompt
     if isinstance(prompt, str):
         return len(prompt)
@@ -219,6 +222,14 @@ class Gateway:
                    reproducible=body.seed is not None, k=options.k,
                    target_alone=options.target_alone, blocks=options.blocks)
 
+    @staticmethod
+    def choices(job: Job, n: int) -> list[Job]:
+        """A request's ``n`` choices: choice i's seed is the request's plus i (a seeded request
+        gives the same n answers again), else a fresh seed each."""
+        return [job, *(dataclasses.replace(
+            job, seed=(job.seed + i) % 2**63 if job.reproducible else secrets.randbits(62),
+            cancelled=threading.Event()) for i in range(1, n))]
+
     def check_text_length(self, texts: list[str], param: str) -> None:
         """A 400 for text that surely exceeds the context, decided without tokenizing it."""
         if sum(map(len, texts)) <= self.max_prompt_chars:
@@ -226,7 +237,7 @@ class Gateway:
         chars = sum(visible_chars(text) for text in texts)
         if chars > self.max_prompt_chars:
             raise OpenAIError(400, f"this model's maximum context length is "
-                              f"{self.client.info.max_context} tokens; the prompt's {chars} "
+                              f"{self.client.info.max_context} tokens; the text's {chars} "
                               f"non-space characters make at least {chars // self.token_chars} "
                               "tokens", param, code="context_length_exceeded")
 
@@ -250,16 +261,33 @@ class Gateway:
         except Exception as exc:  # noqa: BLE001 - a template that fails on these messages
             raise OpenAIError(400, f"the chat template failed on these messages: {exc}",
                               "messages") from None
-        return self.job(body, ids, "messages", None)
+        job = self.job(body, ids, "messages", None)
+        if body.prediction is not None:
+            job.prediction = self.prediction_ids(body.prediction.text())
+        return job
+
+    def prediction_ids(self, text: str) -> list[int]:
+        """A prediction's ids; one as long as the context is refused (it could never be
+        repeated whole) before it is tokenized where its length says so."""
+        self.check_text_length([text], "prediction")
+        ids = self.client.prediction_ids(text)
+        if len(ids) >= self.client.info.max_context:
+            raise OpenAIError(400, f"the prediction has {len(ids)} tokens; this model's "
+                              f"maximum context length is {self.client.info.max_context}",
+                              "prediction", code="context_length_exceeded")
+        return ids
 
     # -- running -----------------------------------------------------------------------------
-    def admit(self) -> None:
+    def admit(self, count: int = 1) -> None:
+        """Room for ``count`` generations (a request's choices), or a 429."""
         with self._lock:
-            if self._admitted >= self.settings.max_concurrency + self.settings.max_waiting:
-                raise OpenAIError(429, f"the gateway is at its limit of "
-                                  f"{self._admitted} requests; retry later",
+            limit = self.settings.max_concurrency + self.settings.max_waiting
+            if self._admitted + count > limit:
+                raise OpenAIError(429, f"the gateway is at its limit of {limit} generations "
+                                  f"({self._admitted} admitted, this request asks "
+                                  f"{count}); retry later",
                                   code="too_many_requests", retry_after_s=1)
-            self._admitted += 1
+            self._admitted += count
             self.metrics.waiting.set(self._admitted - self._running)
 
     def _started(self, delta: int) -> None:
@@ -322,7 +350,8 @@ class Gateway:
                     job.prompt_ids, num_draft_tokens=job.k,  # None: the client's settings
                     max_new_tokens=job.max_tokens, temperature=job.sampling.temperature,
                     top_k=job.sampling.top_k, top_p=job.sampling.top_p, seed=job.seed,
-                    reproducible=job.reproducible, on_block=on_block)
+                    reproducible=job.reproducible, on_block=on_block,
+                    prediction=job.prediction)
         finally:
             client.close()
         tail = tracker.delta(final=True)  # what was held back: an incomplete character at the end
@@ -333,58 +362,74 @@ class Gateway:
         return Finished(tracker.text, finish, len(tracker.ids), result,
                         blocks if job.blocks else None)
 
-    async def run(self, job: Job, gone: Gone = None) -> Finished:
-        self.admit()
-        work = asyncio.wrap_future(self.executor.submit(self.generate, job, None))
+    async def run(self, jobs: list[Job], gone: Gone = None) -> list[Finished]:
+        """The request's choices (``n`` jobs, run side by side), each finished."""
+        self.admit(len(jobs))
+        works = [asyncio.wrap_future(self.executor.submit(self.generate, job, None))
+                 for job in jobs]
         try:
-            return await _unless_gone(work, gone)  # type: ignore[no-any-return]
-        except SpecDecError as exc:
-            raise _verifier_error(exc) from None
+            done = await _unless_gone(asyncio.gather(*works, return_exceptions=True), gone)
         finally:
-            job.cancelled.set()  # the caller went away: stop at the next block
+            for job in jobs:
+                job.cancelled.set()  # the caller went away: stop at the next block
+        for result in done:
+            if isinstance(result, SpecDecError):
+                raise _verifier_error(result) from None
+            if isinstance(result, BaseException):
+                raise result
+        return done  # type: ignore[no-any-return]
 
-    async def stream(self, job: Job, chunk: Callable[[str, str | None], dict[str, Any]],
-                     usage_chunk: Callable[[Finished], dict[str, Any] | None],
-                     first: dict[str, Any] | None = None, gone: Gone = None
-                     ) -> AsyncIterator[bytes]:
-        """Start the generation; once its first block is verified (or it failed, which is then
-        an ordinary HTTP error) return the SSE body: ``first``, one chunk per piece of text, a
-        last chunk with the finish reason and the metrics, usage when asked, ``[DONE]``."""
-        self.admit()
+    async def stream(self, jobs: list[Job], chunk: Chunk,
+                     usage_chunk: Callable[[list[Finished]], dict[str, Any] | None],
+                     first: Callable[[int], dict[str, Any]] | None = None,
+                     gone: Gone = None) -> AsyncIterator[bytes]:
+        """Start the request's choices (``n`` jobs, side by side); once a first block is
+        verified (or a choice failed, which is then an ordinary HTTP error) return the SSE body:
+        ``first`` per choice, one chunk per piece of text (with its choice's index), a last
+        chunk per choice with its finish reason and metrics, usage when asked, ``[DONE]``."""
+        self.admit(len(jobs))
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
 
-        def emit(piece: str, block: dict[str, Any] | None) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, ("text", (piece, block)))
+        def start(index: int, job: Job) -> None:
+            def emit(piece: str, block: dict[str, Any] | None) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, (index, "text", (piece, block)))
 
-        future: Future[Finished] = self.executor.submit(self.generate, job, emit)
-        future.add_done_callback(
-            lambda f: loop.call_soon_threadsafe(queue.put_nowait, ("done", f)))
+            future: Future[Finished] = self.executor.submit(self.generate, job, emit)
+            future.add_done_callback(
+                lambda f: loop.call_soon_threadsafe(queue.put_nowait, (index, "done", f)))
+
+        for index, job in enumerate(jobs):
+            start(index, job)
         getter = asyncio.ensure_future(queue.get())
         try:
-            kind, value = await _unless_gone(getter, gone)
+            item = await _unless_gone(getter, gone)
         except BaseException:
             getter.cancel()
-            job.cancelled.set()
+            _cancel(jobs)
             raise
+        _, kind, value = item
         if kind == "done" and value.exception() is not None:
+            _cancel(jobs)
             exc = value.exception()
             raise _verifier_error(exc) if isinstance(exc, SpecDecError) else exc
-        return self._events(job, queue, (kind, value), chunk, usage_chunk, first)
+        return self._events(jobs, queue, item, chunk, usage_chunk, first)
 
-    async def _events(self, job: Job, queue: asyncio.Queue[tuple[str, Any]],
-                      item: tuple[str, Any], chunk: Callable[[str, str | None], dict[str, Any]],
-                      usage_chunk: Callable[[Finished], dict[str, Any] | None],
-                      first: dict[str, Any] | None) -> AsyncIterator[bytes]:
+    async def _events(self, jobs: list[Job], queue: asyncio.Queue[tuple[int, str, Any]],
+                      item: tuple[int, str, Any], chunk: Chunk,
+                      usage_chunk: Callable[[list[Finished]], dict[str, Any] | None],
+                      first: Callable[[int], dict[str, Any]] | None) -> AsyncIterator[bytes]:
+        finished: dict[int, Finished] = {}
         try:
             if first is not None:
-                yield _sse(first)
+                for index in range(len(jobs)):
+                    yield _sse(first(index))
             while True:
-                kind, value = item
+                index, kind, value = item
                 if kind == "text":
                     piece, block = value
                     if piece or block is not None:
-                        event = chunk(piece, None)
+                        event = chunk(index, piece, None)
                         if block is not None:
                             event["specdec_block"] = block
                         yield _sse(event)
@@ -394,19 +439,30 @@ class Gateway:
                         error = (_verifier_error(exc) if isinstance(exc, SpecDecError)
                                  else OpenAIError(500, f"internal error: {exc}"))
                         yield _sse(error.body())
-                    else:
-                        done: Finished = value.result()
-                        last = chunk("", done.finish_reason)
-                        last["specdec"] = done.result.metrics.to_dict()
-                        yield _sse(last)
-                        usage = usage_chunk(done)
+                        break
+                    done: Finished = value.result()
+                    finished[index] = done
+                    last = chunk(index, "", done.finish_reason)
+                    last["specdec"] = done.result.metrics.to_dict()
+                    yield _sse(last)
+                    if len(finished) == len(jobs):
+                        usage = usage_chunk([finished[i] for i in range(len(jobs))])
                         if usage is not None:
                             yield _sse(usage)
-                    break
+                        break
                 item = await queue.get()
             yield b"data: [DONE]\n\n"
         finally:
-            job.cancelled.set()  # a client that hung up stops the generation at its next block
+            _cancel(jobs)  # a client that hung up stops the generations at their next block
+
+
+# A stream chunk: (choice index, text, finish reason or None) -> the event's payload.
+Chunk = Callable[[int, str, str | None], dict[str, Any]]
+
+
+def _cancel(jobs: list[Job]) -> None:
+    for job in jobs:
+        job.cancelled.set()
 
 
 class ClientGone(Exception):

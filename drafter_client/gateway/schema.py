@@ -4,9 +4,10 @@ Fields follow OpenAI's API reference for ``/v1/completions`` and ``/v1/chat/comp
 ``top_k`` is the common extension (vLLM, llama.cpp). Unknown fields are ignored, as vLLM does
 (clients send ``user``, ``store``, ``metadata``, ``parallel_tool_calls`` and the like); known
 fields that would change the distribution or the shape of the answer in ways we do not
-implement (``n`` > 1, penalties, ``logit_bias``, ``logprobs``, tools and the older
-``functions``, ``echo``, ``suffix``, ``best_of``, JSON modes, ``prediction``, audio output) get a
-400 naming the field rather than being silently dropped, until they are supported.
+implement (penalties, ``logit_bias``, ``logprobs``, tools and the older ``functions``, ``echo``,
+``suffix``, ``best_of``, JSON modes, audio output) get a 400 naming the field rather than being
+silently dropped, until they are supported. ``n`` (up to :data:`MAX_CHOICES`) and ``prediction``
+(Predicted Outputs, chat) are served.
 
 Types are strict, as OpenAI's API and vLLM are: an integer is a JSON integer (not ``"5"``, not
 ``5.0``, not ``true``), a boolean is ``true`` / ``false``, a string is a string; numbers are finite
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 MAX_INT32 = 2**31 - 1
 MAX_SEED = 2**63 - 1
+MAX_CHOICES = 16  # the most answers (``n``) one request may ask for
 # Strict types, no NaN or infinity, unknown fields ignored: every request model's config.
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
@@ -79,7 +81,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1, le=MAX_INT32)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -98,7 +100,6 @@ class _Common(BaseModel):
     def check_supported(self) -> None:
         """400 for a field we would otherwise have to ignore."""
         unsupported = [
-            ("n", self.n != 1, "only n=1 is supported (send n requests)"),
             ("presence_penalty", self.presence_penalty != 0, "penalties are not supported"),
             ("frequency_penalty", self.frequency_penalty != 0, "penalties are not supported"),
             ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
@@ -157,6 +158,19 @@ class ChatMessage(BaseModel):
         return self.content
 
 
+class Prediction(BaseModel):
+    """Predicted Outputs: text the answer will mostly repeat (an edited file), drafted from."""
+
+    model_config = STRICT
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT32)
@@ -164,7 +178,7 @@ class ChatCompletionRequest(_Common):
     response_format: dict[str, Any] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_INT32)
     functions: list[Any] | None = None  # the older name of tools
-    prediction: dict[str, Any] | None = None  # predicted outputs
+    prediction: Prediction | None = None  # predicted outputs
     audio: dict[str, Any] | None = None
     modalities: list[str] | None = None
 
@@ -185,9 +199,6 @@ class ChatCompletionRequest(_Common):
             raise OpenAIError(400, "logprobs are not supported", "top_logprobs")
         if self.functions:
             raise OpenAIError(400, "functions (tools) are not supported", "functions")
-        if self.prediction is not None:
-            raise OpenAIError(400, "prediction (predicted outputs) is not supported",
-                              "prediction")
         if self.audio is not None or any(m != "text" for m in self.modalities or []):
             raise OpenAIError(400, "only text output is supported",
                               "audio" if self.audio is not None else "modalities")
@@ -202,7 +213,8 @@ Request = TypeVar("Request", CompletionRequest, ChatCompletionRequest)
 # Field names of every request model: anything else in an error's location is a union member's
 # tag ("str", "list[int]"), which names no field.
 _FIELDS = frozenset(name for model in (CompletionRequest, ChatCompletionRequest, ChatMessage,
-                                        TextPart, StreamOptions, SpecdecOptions)
+                                        TextPart, StreamOptions, SpecdecOptions,
+                                        Prediction)
                     for name in model.model_fields)
 # What a field of several accepted shapes must be, said once instead of once per shape.
 _SHAPES = {
