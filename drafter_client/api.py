@@ -29,7 +29,7 @@ from drafter_client.model_free import (
     PromptLookupDrafter,
     special_ids,
 )
-from drafter_client.outcome import BlockOutcome
+from drafter_client.outcome import BlockOutcome, TokenLogprob
 from drafter_client.prediction import PredictionDrafter
 from drafter_client.settings import (
     MODEL_FREE_DRAFTERS,
@@ -52,7 +52,12 @@ from shared.models.catalog import (
     load_tokenizer,
     tokenizer_fingerprint,
 )
-from shared.protocol.schema import PROTOCOL_VERSION, GenerateRequest, InfoResponse
+from shared.protocol.schema import (
+    PROTOCOL_VERSION,
+    GenerateRequest,
+    GenerateResponse,
+    InfoResponse,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,20 @@ def build_model_free(name: str, options: DrafterOptions,
         return PromptLookupDrafter(options.lookup_min_ngram, options.lookup_max_ngram,
                                    stop_ids)
     return BigramDrafter()
+
+
+def baseline_logprobs(reply: GenerateResponse, info: InfoResponse) -> list[TokenLogprob]:
+    """A ``/v1/generate`` reply's log-probabilities, one per token."""
+    entries = reply.logprobs or []
+    if len(entries) != len(reply.token_ids):
+        raise SpecDecError(f"the verifier sent an invalid reply: {len(entries)} logprobs "
+                           f"entries for {len(reply.token_ids)} tokens")
+    try:
+        return [TokenLogprob(token, (entry := wire.entry()).of(token),
+                             [(i, v) for i, v in entry.top if 0 <= i < info.vocab_size])
+                for token, wire in zip(reply.token_ids, entries, strict=True)]
+    except ValueError as exc:
+        raise SpecDecError(f"the verifier sent an invalid reply: logprobs: {exc}") from exc
 
 
 def _block_callback(on_tokens: Callable[[list[int]], None] | None,
@@ -328,7 +347,8 @@ class SpecDecClient:
                  on_block: Callable[[BlockOutcome], bool | None] | None = None,
                  overlap: bool | None = None, reproducible: bool | None = None,
                  sampling: Sampling | None = None,
-                 prediction: str | list[int] | None = None) -> GenerationResult:
+                 prediction: str | list[int] | None = None,
+                 logprobs: int | None = None) -> GenerationResult:
         """Speculative generation; exactly the target's distribution for these settings.
 
         An argument left out (None) is ``sampling``'s, else the client's ``settings``'
@@ -341,7 +361,9 @@ class SpecDecClient:
         identical to ``baseline(..., reproducible=True)`` with the same seed, whatever the
         drafter, k or timing (Gumbel-max with noise shared by drafter and target).
         ``prediction``: text (or ids) the answer will mostly repeat, drafted from first
-        (Predicted Outputs: ``drafter_client/prediction.py``; counts in ``result.prediction``)."""
+        (Predicted Outputs: ``drafter_client/prediction.py``; counts in ``result.prediction``).
+        ``logprobs``: ``result.logprobs`` holds the target's raw log-probability of every token
+        and of this many best alternatives (0: the tokens' alone), as ``baseline`` reports."""
         if self.drafter is None:
             raise SpecDecError("this client has no drafter; use baseline() or pass drafter=")
         s = self._sampling(sampling, max_new_tokens, temperature, top_k, top_p, seed,
@@ -357,7 +379,8 @@ class SpecDecClient:
             prompt_ids, encoder_ids = self.inputs(prompt, chat)
             settings = GenerationSettings(
                 s.params(), s.max_new_tokens, draft_length, s.seed, encoder_ids,
-                overlap=self.options.overlap if overlap is None else overlap)
+                overlap=self.options.overlap if overlap is None else overlap,
+                logprobs=logprobs)
             drafter = (self.drafter if prediction is None
                        else PredictionDrafter(self.drafter, self.prediction_ids(prediction)))
             result = speculative_generate(self.verifier, drafter, prompt_ids, settings,
@@ -377,7 +400,8 @@ class SpecDecClient:
                  chat: bool = False, num_beams: int = 1, length_penalty: float = 1.0,
                  early_stopping: bool | str = False,
                  no_repeat_ngram_size: int = 0, reproducible: bool | None = None,
-                 sampling: Sampling | None = None) -> GenerationResult:
+                 sampling: Sampling | None = None,
+                 logprobs: int | None = None) -> GenerationResult:
         """Target-only generation on the verifier (``/v1/generate``), same sampling settings;
         with ``num_beams`` > 1 (greedy only) beam search as transformers' ``generate`` does it,
         with ``length_penalty``, ``early_stopping`` (True, False or "never") and
@@ -396,6 +420,7 @@ class SpecDecClient:
                 num_beams=num_beams, length_penalty=length_penalty,
                 early_stopping=early_stopping,  # type: ignore[arg-type]
                 no_repeat_ngram_size=no_repeat_ngram_size, encoder_ids=encoder_ids,
+                logprobs=logprobs,
             ))
         except SpecDecError as exc:  # one call: nothing was generated
             exc.partial = GenerationResult(prompt_ids, [], GenerationMetrics(),
@@ -417,7 +442,9 @@ class SpecDecClient:
         return GenerationResult(prompt_ids, reply.token_ids, metrics,
                                 self.decode(reply.token_ids),
                                 finish_reason(reply.token_ids, max_new_tokens,
-                                              self.info.eos_token_ids))
+                                              self.info.eos_token_ids),
+                                logprobs=(None if logprobs is None
+                                          else baseline_logprobs(reply, self.info)))
 
     def _sampling(self, sampling: Sampling | None, max_new_tokens: int | None,
                   temperature: float | None, top_k: int | None, top_p: float | None,

@@ -6,6 +6,16 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The target's raw log-probability of one output token, and its row's best alternatives
+    ((id, log-probability), best first), as the verifier reported them."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass(frozen=True)
 class BlockOutcome:
     """What one block did and cost: what ``on_block`` callbacks get, and what the k policy
     learns from (``draft_length.py``)."""
@@ -30,6 +40,7 @@ class BlockOutcome:
     # had not seen (``DrafterCosts.catch_up_s``), not part of what drafting a token costs
     free: bool = False
     catch_up_s: float = 0.0
+    logprobs: list[TokenLogprob] | None = None  # one per token of ``tokens``, when asked
 
     @property
     def plain_tokens(self) -> int:

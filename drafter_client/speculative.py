@@ -25,7 +25,7 @@ import torch
 
 from drafter_client.draft_length import DraftLength, FixedLength
 from drafter_client.metrics import GenerationMetrics, MetricsRecorder
-from drafter_client.outcome import BlockOutcome
+from drafter_client.outcome import BlockOutcome, TokenLogprob
 from drafter_client.policy import BlockPlan, BlockPolicy
 from drafter_client.prediction import PredictionCounts
 from drafter_client.reply_checks import read_verdict
@@ -54,6 +54,7 @@ class GenerationResult:
     # "error": cut short by an unrecoverable error (a partial result)
     finish_reason: str = "length"
     prediction: PredictionCounts | None = None  # with a prediction (Predicted Outputs)
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when asked
 
 
 def finish_reason(token_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> str:
@@ -75,6 +76,9 @@ class GenerationSettings:
     # bonus token is the drafter's own choice; used when that holds (drafter_client/hybrid.py,
     # HFDrafter.speculate). Exact: the draft ahead uses its own randomness.
     overlap: bool = False
+    # the target's raw log-probability of every generated token and of this many best
+    # alternatives at each (OpenAI's logprobs / top_logprobs); None: not asked
+    logprobs: int | None = None
 
     def draft_schedule(self) -> DraftLength:
         return (FixedLength(self.draft_length) if isinstance(self.draft_length, int)
@@ -129,8 +133,10 @@ class VerifierSession:
     """
 
     def __init__(self, verifier: Verifier, sampling: SamplingParams,
-                 prompt_ids: list[int], encoder_ids: list[int] | None = None) -> None:
+                 prompt_ids: list[int], encoder_ids: list[int] | None = None,
+                 logprobs: int | None = None) -> None:
         self.verifier, self.sampling, self.encoder_ids = verifier, sampling, encoder_ids
+        self.logprobs = logprobs  # asked of every verify call (``GenerationSettings``)
         self.config = sampling.to_config()  # how both sides process logits
         self.committed = list(prompt_ids)
         self.prompt_length = len(prompt_ids)
@@ -200,7 +206,7 @@ def speculative_block(session: VerifierSession, drafter: Drafter, plan: BlockPla
     #    the first rejection with our uniforms.
     block = Block(draft.ids, None if draft_logprobs is None else draft_logprobs.tolist(),
                   log_uniforms.tolist(), float(uniforms[k]), config, session.position,
-                  draft.parents, drafter.top_k_filler)
+                  draft.parents, drafter.top_k_filler, session.logprobs)
     req = VerifyRequest.of(block, session.committed[-1], uniforms[k + 1:].tolist())
     if in_flight is None:
         reply = session.verify(req)
@@ -223,9 +229,11 @@ def speculative_block(session: VerifierSession, drafter: Drafter, plan: BlockPla
     path = verdict.path if draft.parents is not None else list(range(accepted))
     assert path is not None
     tokens = [*(draft.ids[node] for node in path), next_token, *(reply.more_tokens or [])]
+    logprobs = read_logprobs(reply, tokens, info) if session.logprobs is not None else None
     eos_at = next((i for i, t in enumerate(tokens) if t in info.eos_token_ids), None)
     if eos_at is not None:
         tokens = tokens[: eos_at + 1]
+        logprobs = logprobs[: eos_at + 1] if logprobs is not None else None
     # 6. NASD filler: the target's top ids at every position it scored on the kept path.
     if verdict.top_ids is not None:
         kept = [draft.ids[node] for node in path]
@@ -238,7 +246,30 @@ def speculative_block(session: VerifierSession, drafter: Drafter, plan: BlockPla
                         depth=draft.depth,
                         parents=draft.parents, accepted_path=verdict.path,
                         drafted_ahead=drafted is not None,
-                        draft_price_s=reply.load.draft_price_ms / 1e3 if reply.load else 0.0)
+                        draft_price_s=reply.load.draft_price_ms / 1e3 if reply.load else 0.0,
+                        logprobs=logprobs)
+
+
+def read_logprobs(reply: VerifyResponse, tokens: list[int],
+                  info: InfoResponse) -> list[TokenLogprob]:
+    """The reply's log-probabilities of ``tokens`` (the block's output, before an EOS cut):
+    one entry per token, a token we drew ourselves looked up in its row's support."""
+    entries = reply.logprobs
+    if entries is None or len(entries) != len(tokens):
+        raise SpecDecError(f"the verifier sent an invalid reply: {len(entries or [])} "
+                           f"logprobs entries for {len(tokens)} tokens")
+    out = []
+    for token, wire in zip(tokens, entries, strict=True):
+        try:
+            entry = wire.entry()
+            logprob = entry.of(token)
+        except ValueError as exc:
+            raise SpecDecError(f"the verifier sent an invalid reply: logprobs: {exc}") from exc
+        if any(not 0 <= i < info.vocab_size for i, _ in entry.top):
+            raise SpecDecError("the verifier sent an invalid reply: logprobs ids outside "
+                               "the vocabulary")
+        out.append(TokenLogprob(token, logprob, entry.top))
+    return out
 
 
 def speculative_generate(
@@ -254,7 +285,8 @@ def speculative_generate(
     generation ends there with finish_reason "stop" (a stop string, a client gone; ending early
     leaves the distribution of what came before unchanged). On an unrecoverable error the
     :class:`SpecDecError` carries what was generated (``exc.partial``)."""
-    session = VerifierSession(verifier, settings.sampling, prompt_ids, settings.encoder_ids)
+    session = VerifierSession(verifier, settings.sampling, prompt_ids, settings.encoder_ids,
+                              settings.logprobs)
     policy = BlockPolicy(settings.draft_schedule(), drafter, info.max_context,
                          info.max_draft_tokens)
     generator = torch.Generator().manual_seed(settings.seed)
@@ -267,11 +299,13 @@ def speculative_generate(
                   finish_reason(generated, settings.max_new_tokens, info.eos_token_ids))
         return GenerationResult(list(prompt_ids), generated,
                                 recorder.finish(len(generated), session.reopens),
-                                finish_reason=reason)
+                                finish_reason=reason,
+                                logprobs=logprobs if settings.logprobs is not None else None)
 
     pool = (ThreadPoolExecutor(1, thread_name_prefix="specdec-verify")
             if settings.overlap and drafter.overlaps else None)
     ahead: Draft | None = None
+    logprobs: list[TokenLogprob] = []
     try:
         session.open()
         recorder.prefilled()
@@ -285,6 +319,7 @@ def speculative_generate(
                                         drafted=ahead, in_flight=in_flight)
             session.commit(outcome.tokens)  # commit
             drafter.commit(outcome.tokens)
+            logprobs.extend(outcome.logprobs or [])
             ahead = in_flight.take(outcome.tokens) if in_flight is not None else None
             recorder.block(outcome.draft_ids, outcome.num_accepted, outcome.drafting_s,
                            outcome.round_trip_s, outcome.verifier_s or 0.0)

@@ -204,6 +204,22 @@ def test_greedy_speculation_equals_the_target_alone(concurrent: int, server: Liv
     assert differ(server.url, q4k["drafter"], concurrent) == []
 
 
+def test_logprobs_equal_the_target_alones_bit_for_bit(server: LiveServer,
+                                                      q4k: dict[str, Path]) -> None:
+    """The target's log-probabilities of speculation's tokens (and the best 3 at each) are the
+    target alone's to the last bit: a block's rows are one-token steps'."""
+    alone = SpecDecClient(server.url, None, tokenizer=str(q4k["target"].parent))
+    client = SpecDecClient(server.url, str(q4k["drafter"]),
+                           options=DrafterOptions(engine="llama-cpp", threads=1))
+    for ids in PROMPTS[:2]:
+        want = alone.baseline(ids, max_new_tokens=NEW, temperature=0, logprobs=3)
+        for k in (3, 8):
+            got = client.generate(ids, num_draft_tokens=k, max_new_tokens=NEW,
+                                  temperature=0, logprobs=3)
+            assert got.token_ids == want.token_ids
+            assert got.logprobs == want.logprobs
+
+
 def test_negative_control_fast_kernels_change_greedy_output(q4k: dict[str, Path]) -> None:
     """The same check on kernels="fast" (llama.cpp's whole batches, one unified cache)."""
     settings = exact_settings(q4k["target"], "fast")

@@ -11,7 +11,7 @@ verifier's KV cache holds all of them but the last, which the next verify call f
 from __future__ import annotations
 
 import base64
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -21,12 +21,13 @@ if TYPE_CHECKING:  # torch loads where a tensor is made, not with the schema (th
     # its flags against these models before it loads torch)
     import torch
 
-    from shared.protocol.acceptance import Block, Verdict
+    from shared.protocol.acceptance import Block, TokenLogprobs, Verdict
     from shared.protocol.sampling import SamplingConfig
 
 PROTOCOL_VERSION = 1
 INT32_MAX = 2**31 - 1
 MAX_BEAMS = 64
+MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs report (OpenAI's limit)
 # Integers a client sends are bounded here, so an absurd one is a 422 naming its field, never a
 # failure deep inside (token ids are checked against the vocabulary by the verifier itself).
 TokenId = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
@@ -138,6 +139,10 @@ class VerifyRequest(_Strict):
         "draws next_token, one more plain step per uniform, each drawing its token with it, "
         "stopping after an EOS id or at the context's end; their tokens come back in "
         "more_tokens (one round trip for several tokens)")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="also return the target's raw "
+        "log-probabilities (before temperature, top-k, top-p) of the output tokens and of "
+        "this many best alternatives at each (0: the tokens' alone); null: none")
 
     @field_validator("log_uniforms")
     @classmethod
@@ -153,14 +158,16 @@ class VerifyRequest(_Strict):
         return cls(position=block.position, last_token=last_token, draft_ids=block.draft_ids,
                    draft_logprobs=block.draft_logprobs, log_uniforms=block.log_uniforms,
                    final_uniform=block.final_uniform, return_top_ids=block.top_ids,
-                   tree_parents=block.tree_parents, more_uniforms=more_uniforms)
+                   tree_parents=block.tree_parents, more_uniforms=more_uniforms,
+                   logprobs=block.logprobs)
 
     def block(self, config: SamplingConfig) -> Block:
         """The block this request carries, under its session's sampling ``config``."""
         from shared.protocol.acceptance import Block
 
         return Block(self.draft_ids, self.draft_logprobs, self.log_uniforms, self.final_uniform,
-                     config, self.position, self.tree_parents, self.return_top_ids)
+                     config, self.position, self.tree_parents, self.return_top_ids,
+                     self.logprobs)
 
 
 class EncodedRow(_Strict):
@@ -218,6 +225,69 @@ def decode_logprobs(values: list[float | None]) -> torch.Tensor:
     return torch.tensor([float("-inf") if v is None else v for v in values], dtype=torch.float64)
 
 
+def _b64(values: list[int] | list[float], dtype: str) -> str:
+    import numpy as np
+
+    return base64.b64encode(np.asarray(values, dtype=dtype).tobytes()).decode()
+
+
+def _unb64(text: str, dtype: str) -> list[Any]:
+    import numpy as np
+
+    return np.frombuffer(base64.b64decode(text, validate=True), dtype=dtype).tolist()  # type: ignore[no-any-return]
+
+
+class LogprobsEntry(_Strict):
+    """One output token's raw log-probabilities (``acceptance.TokenLogprobs``); -inf travels
+    as null. ``support_*``: base64 of little-endian int32 ids and float32 log-probabilities
+    of every id a token the client draws can be."""
+
+    logprob: float | None
+    top_ids: list[Id]
+    top_logprobs: list[float | None]
+    support_ids: str | None = None
+    support_logprobs: str | None = None
+
+    @classmethod
+    def of(cls, entry: TokenLogprobs) -> LogprobsEntry:
+        support = entry.support
+        return cls(logprob=_finite(entry.logprob), top_ids=[i for i, _ in entry.top],
+                   top_logprobs=[_finite(v) for _, v in entry.top],
+                   support_ids=_b64(support[0], "<i4") if support else None,
+                   support_logprobs=_b64(support[1], "<f4") if support else None)
+
+    def entry(self) -> TokenLogprobs:
+        """The inverse of :meth:`of`; ValueError for a support that does not decode."""
+        from shared.protocol.acceptance import TokenLogprobs
+
+        support = None
+        if self.support_ids is not None or self.support_logprobs is not None:
+            if self.support_ids is None or self.support_logprobs is None:
+                raise ValueError("support_ids and support_logprobs come together")
+            ids, values = (_unb64(self.support_ids, "<i4"),
+                           _unb64(self.support_logprobs, "<f4"))
+            if len(ids) != len(values):
+                raise ValueError("support_ids and support_logprobs differ in length")
+            support = (ids, values)
+        if len(self.top_ids) != len(self.top_logprobs):
+            raise ValueError("top_ids and top_logprobs differ in length")
+        # null with a support: a token the client draws (looked up there); else -inf
+        logprob = None if support is not None else _from_wire(self.logprob)
+        return TokenLogprobs(logprob,
+                             [(i, _from_wire(v)) for i, v in zip(self.top_ids,
+                                                                  self.top_logprobs,
+                                                                  strict=True)],
+                             support)
+
+
+def _finite(value: float | None) -> float | None:
+    return None if value is None or value == float("-inf") else value
+
+
+def _from_wire(value: float | None) -> float:
+    return float("-inf") if value is None else value
+
+
 class StepLoad(_Strict):
     """The batched forward a verify call rode in, and what its drafts cost the others there
     (load-aware speculation, after SmartSpec: Liu et al. 2024, "Optimizing Speculative
@@ -250,6 +320,9 @@ class VerifyResponse(_Strict):
     more_tokens: list[Id] | None = None
     # The batched forward that decided this block (a plain run: its last step's).
     load: StepLoad | None = None
+    # With logprobs asked: one entry per output token (accepted drafts, next_token, then
+    # more_tokens).
+    logprobs: list[LogprobsEntry] | None = None
 
     @classmethod
     def of(cls, verdict: Verdict, position: int, forward_ms: float,
@@ -264,7 +337,9 @@ class VerifyResponse(_Strict):
             next_token=verdict.next_token,
             row=EncodedRow.encode(verdict.row) if verdict.row is not None else None,
             position=position, forward_ms=forward_ms, top_ids=verdict.top_ids,
-            accepted_path=verdict.path)
+            accepted_path=verdict.path,
+            logprobs=([LogprobsEntry.of(e) for e in verdict.logprobs]
+                      if verdict.logprobs is not None else None))
 
     def verdict(self, vocab_size: int) -> Verdict:
         """The verdict this reply carries (the inverse of :meth:`of`); ValueError for a row that
@@ -301,12 +376,16 @@ class GenerateRequest(_Strict):
         False, description="beam search: true, false or \"never\", as in transformers")
     no_repeat_ngram_size: int = Field(0, ge=0, le=INT32_MAX,
                                       description="beam search: never repeat an n-gram this long")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="also return each token's raw "
+        "log-probability and this many best alternatives (not with beam search)")
 
 
 class GenerateResponse(_Strict):
     token_ids: list[Id]
     forward_ms: float
     forward_calls: int
+    logprobs: list[LogprobsEntry] | None = None  # one per token, when asked
 
 
 class ErrorBody(_Strict):

@@ -203,6 +203,9 @@ def check_beam_request(req: GenerateRequest) -> None:
                                 "early_stopping and no_repeat_ngram_size need num_beams > 1",
                                 "num_beams")
         return
+    if req.logprobs is not None:
+        raise VerifierError(422, "beam_search_logprobs", "logprobs are not reported for beam "
+                            "search", "logprobs")
     if req.sampling.temperature != 0.0:
         raise VerifierError(422, "beam_search_is_greedy", "num_beams > 1 is beam search, which "
                             "is greedy here: send temperature 0", "num_beams")

@@ -18,6 +18,7 @@ from shared.protocol.schema import (
     CreateSessionResponse,
     GenerateRequest,
     GenerateResponse,
+    LogprobsEntry,
     VerifyRequest,
     VerifyResponse,
 )
@@ -40,17 +41,22 @@ class FirstTokenJob(CreateSessionJob):
     fewer per generation). Answers (the created session, the first token)."""
 
     uniform: float = 0.0
+    logprobs: int | None = None  # also the first token's log-probabilities (and n best)
 
     def step(self, slot: int) -> Step:
         ids = self.req.prompt_ids
         return Step(ForwardItem(slot, 0, ids, keep_logits=True, keep_from=len(ids) - 1),
-                    Block([], None, [], self.uniform, self.req.sampling.to_config(), len(ids)))
+                    Block([], None, [], self.uniform, self.req.sampling.to_config(), len(ids),
+                          logprobs=self.logprobs))
 
-    def finish(self, result: StepResult) -> tuple[CreateSessionResponse, int]:  # type: ignore[override]
-        token = result.decided().next_token
+    def finish(self, result: StepResult  # type: ignore[override]
+               ) -> tuple[CreateSessionResponse, int, list[LogprobsEntry]]:
+        verdict = result.decided()
+        token = verdict.next_token
         assert token is not None  # a block without drafts: the next token is always drawn
+        entries = [LogprobsEntry.of(e) for e in verdict.logprobs or []]
         # the cache holds the prompt; the first token is committed
-        return self.open(len(self.req.prompt_ids) + 1), token
+        return self.open(len(self.req.prompt_ids) + 1), token, entries
 
 
 async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
@@ -69,9 +75,11 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
     create_req = CreateSessionRequest(prompt_ids=req.prompt_ids, sampling=req.sampling,
                                       encoder_ids=req.encoder_ids)
     first: int | None = None
+    logprobs: list[LogprobsEntry] = []
     if fused:
-        created, first = await scheduler.submit(FirstTokenJob(
-            ctx, create_req, owner, uniform=float(draw_uniforms(generator, 1)[0])))
+        created, first, logprobs = await scheduler.submit(FirstTokenJob(
+            ctx, create_req, owner, uniform=float(draw_uniforms(generator, 1)[0]),
+            logprobs=req.logprobs))
     else:
         created = await scheduler.submit(CreateSessionJob(ctx, create_req, owner))
     session_id, position, last = created.session_id, created.position, req.prompt_ids[-1]
@@ -90,7 +98,7 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
                 break
             try:
                 reply = await scheduler.submit(VerifyJob(ctx, session_id, VerifyRequest(
-                    position=position, last_token=last,
+                    position=position, last_token=last, logprobs=req.logprobs,
                     final_uniform=float(draw_uniforms(generator, 1)[0])), owner))
             except VerifierError as exc:
                 if exc.code != "session_not_found":
@@ -101,12 +109,15 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
             last, position = reply.next_token, reply.position
             forward_ms += reply.forward_ms
             tokens.append(last)
+            logprobs.extend(reply.logprobs or [])
             if req.stop_at_eos and last in eos_token_ids:
                 break
     finally:
         scheduler.forget((owner, session_id))
         await scheduler.run(ctx.sessions.discard, session_id, owner)
-    return GenerateResponse(token_ids=tokens, forward_ms=forward_ms, forward_calls=len(tokens))
+    return GenerateResponse(token_ids=tokens, forward_ms=forward_ms, forward_calls=len(tokens),
+                            logprobs=logprobs[:len(tokens)] if req.logprobs is not None
+                            else None)
 
 
 async def verify_call(ctx: JobContext, scheduler: Scheduler, session_id: str,
@@ -159,17 +170,21 @@ async def _plain_run(ctx: JobContext, scheduler: Scheduler, session_id: str,
     last, position, forward_ms = first.next_token, first.position, first.forward_ms
     load = first.load
     tokens: list[int] = []
+    logprobs = list(first.logprobs or [])
     for uniform in req.more_uniforms:
         if last in eos_token_ids or position > ctx.validator.max_context:
             break
         reply = await scheduler.submit(VerifyJob(ctx, session_id, VerifyRequest(
-            position=position, last_token=last, final_uniform=uniform), owner))
+            position=position, last_token=last, final_uniform=uniform,
+            logprobs=req.logprobs), owner))
         assert reply.next_token is not None
         last, position, load = reply.next_token, reply.position, reply.load
         forward_ms += reply.forward_ms
         tokens.append(last)
-    whole = first.model_copy(update={"position": position, "more_tokens": tokens,
-                                     "forward_ms": forward_ms, "load": load})
+        logprobs.extend(reply.logprobs or [])
+    whole = first.model_copy(update={
+        "position": position, "more_tokens": tokens, "forward_ms": forward_ms, "load": load,
+        "logprobs": logprobs if req.logprobs is not None else None})
     await scheduler.run(remember, ctx, session_id, owner, req, job.digest, whole)
     return whole
 
