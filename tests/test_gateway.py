@@ -211,7 +211,7 @@ def error_of(exc: openai.APIStatusError) -> dict[str, Any]:
     ({"temperature": 3.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": 3}, "logprobs"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": [""]}, "stop"),

@@ -49,6 +49,7 @@ from drafter_client.gateway.schema import (
     OpenAIError,
     parse_request,
 )
+from drafter_client.outcome import TokenLogprob
 from shared.http.body_limit import BodyLimit
 from shared.http.connections import disconnected, guarded_protocol
 from shared.http.cross_site import HostCheck, HostPolicy, json_body_problem
@@ -84,6 +85,79 @@ def _metrics(done: list[Finished]) -> dict[str, Any] | list[dict[str, Any]]:
     """The speculative metrics: one choice's, or a list of every choice's."""
     metrics = [d.result.metrics.to_dict() for d in done]
     return metrics[0] if len(metrics) == 1 else metrics
+
+
+LOGPROB_FLOOR = -9999.0  # OpenAI's stand-in for a log-probability of -inf
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+class _TokenTexts:
+    """Each token's own text, as logprobs name tokens: what it adds to the text after the
+    token before it (a tokenizer may put the space between words in neither token), one decode
+    per (token before, token), remembered. One per response; ``after[i]``: choice i's last
+    token so far (streamed logprobs continue where the last chunk ended)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.decode = gateway.client.decode
+        self.seen: dict[tuple[int | None, int], str] = {}
+        self.after: dict[int, int] = {}
+
+    def text(self, before: int | None, token: int) -> str:
+        key = (before, token)
+        if key not in self.seen:
+            if before is None:
+                self.seen[key] = self.decode([token])
+            else:
+                head, both = self.decode([before]), self.decode([before, token])
+                self.seen[key] = (both[len(head):] if both.startswith(head)
+                                  else self.decode([token]))
+        return self.seen[key]
+
+    def of(self, index: int, entries: list[TokenLogprob]
+           ) -> list[tuple[str, TokenLogprob, list[tuple[str, float]]]]:
+        """(text, entry, [(alternative's text, log-probability)]) of choice ``index``'s next
+        tokens."""
+        out = []
+        for entry in entries:
+            before = self.after.get(index)
+            out.append((self.text(before, entry.token), entry,
+                        [(self.text(before, i), v) for i, v in entry.top]))
+            self.after[index] = entry.token
+        return out
+
+
+def _chat_logprobs(texts: _TokenTexts, index: int, entries: list[TokenLogprob] | None
+                   ) -> dict[str, Any] | None:
+    """Chat's ``choices[i].logprobs``: every token with its bytes and its best alternatives."""
+    if entries is None:
+        return None
+
+    def item(text: str, value: float) -> dict[str, Any]:
+        return {"token": text, "logprob": _logprob(value), "bytes": list(text.encode())}
+
+    return {"content": [{**item(text, entry.logprob),
+                         "top_logprobs": [item(t, v) for t, v in top]}
+                        for text, entry, top in texts.of(index, entries)],
+            "refusal": None}
+
+
+def _completion_logprobs(texts: _TokenTexts, index: int, entries: list[TokenLogprob] | None,
+                         offset: int = 0) -> dict[str, Any] | None:
+    """Completions' ``choices[i].logprobs``: tokens, their log-probabilities, the best
+    alternatives as {text: log-probability}, and where each token starts in the text (from
+    ``offset``, the characters before it)."""
+    if entries is None:
+        return None
+    rendered = texts.of(index, entries)
+    tokens = [text for text, _, _ in rendered]
+    offsets = [offset + sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    return {"tokens": tokens,
+            "token_logprobs": [_logprob(entry.logprob) for _, entry, _ in rendered],
+            "top_logprobs": [{t: _logprob(v) for t, v in top} for _, _, top in rendered],
+            "text_offset": offsets}
 
 
 def _json(payload: dict[str, Any], status: int = 200,
@@ -125,7 +199,7 @@ async def _stream(request: Request, gateway: Gateway, jobs: list[Job],
     def usage(done: list[Finished]) -> dict[str, Any] | None:
         if not include:
             return None
-        return {**chunk(0, "", None), "choices": [],
+        return {**chunk(0, "", None, None), "choices": [],
                 "usage": _usage(len(jobs[0].prompt_ids), done)}
 
     events = await gateway.stream(jobs, chunk, usage, first, gone=_hang_up(request))
@@ -137,20 +211,26 @@ async def completions(request: Request) -> Response:
     body = parse_request(CompletionRequest, await _json_body(request))
     jobs = gateway.choices(await gateway.prepare(body), body.n)
     rid, created, name = f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.model
+    text_of, sent = _TokenTexts(gateway), [0] * len(jobs)  # token text sent per choice
 
-    def choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    def choice(index: int, text: str, finish: str | None,
+               logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        rendered = _completion_logprobs(text_of, index, logprobs, sent[index])
+        if rendered is not None:
+            sent[index] += sum(map(len, rendered["tokens"]))
+        return {"index": index, "text": text, "logprobs": rendered, "finish_reason": finish}
 
-    def chunk(index: int, text: str, finish: str | None) -> dict[str, Any]:
+    def chunk(index: int, text: str, finish: str | None,
+              logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
         return {"id": rid, "object": "text_completion", "created": created, "model": name,
-                "choices": [choice(index, text, finish)]}
+                "choices": [choice(index, text, finish, logprobs)]}
 
     if body.stream:
         return await _stream(request, gateway, jobs, body, chunk)
     done = await gateway.run(jobs, gone=_hang_up(request))
     return _json(_with_blocks({
         "id": rid, "object": "text_completion", "created": created, "model": name,
-        "choices": [choice(i, d.text, d.finish_reason) for i, d in enumerate(done)],
+        "choices": [choice(i, d.text, d.finish_reason, d.logprobs) for i, d in enumerate(done)],
         "usage": _usage(len(jobs[0].prompt_ids), done), "specdec": _metrics(done)}, done))
 
 
@@ -159,11 +239,14 @@ async def chat_completions(request: Request) -> Response:
     body = parse_request(ChatCompletionRequest, await _json_body(request))
     jobs = gateway.choices(await gateway.prepare(body), body.n)
     rid, created, name = f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model
+    text_of = _TokenTexts(gateway)
 
-    def chunk(index: int, text: str, finish: str | None) -> dict[str, Any]:
+    def chunk(index: int, text: str, finish: str | None,
+              logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
         delta = {"content": text} if text else {}
         return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
-                "choices": [{"index": index, "delta": delta, "logprobs": None,
+                "choices": [{"index": index, "delta": delta,
+                             "logprobs": _chat_logprobs(text_of, index, logprobs),
                              "finish_reason": finish}]}
 
     def first(index: int) -> dict[str, Any]:
@@ -177,7 +260,8 @@ async def chat_completions(request: Request) -> Response:
     return _json(_with_blocks({
         "id": rid, "object": "chat.completion", "created": created, "model": name,
         "choices": [{"index": i, "message": {"role": "assistant", "content": d.text},
-                     "logprobs": None, "finish_reason": d.finish_reason}
+                     "logprobs": _chat_logprobs(text_of, i, d.logprobs),
+                     "finish_reason": d.finish_reason}
                     for i, d in enumerate(done)],
         "usage": _usage(len(jobs[0].prompt_ids), done), "specdec": _metrics(done),
     }, done))

@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from drafter_client.api import SpecDecClient
 from drafter_client.gateway.metrics import GatewayMetrics
 from drafter_client.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIError
-from drafter_client.outcome import BlockOutcome
+from drafter_client.outcome import BlockOutcome, TokenLogprob
 from drafter_client.settings import GatewaySettings
 from drafter_client.speculative import GenerationResult
 from drafter_client.text import TextTracker
@@ -51,6 +51,7 @@ class Job:
     target_alone: bool = False  # plain steps on the verifier, no drafts (a race's reference)
     blocks: bool = False  # describe every verified block (``block_event``)
     prediction: list[int] | None = None  # Predicted Outputs: ids drafted from first
+    logprobs: int | None = None  # report the tokens' log-probabilities and this many best
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -61,11 +62,13 @@ class Finished:
     completion_tokens: int
     result: GenerationResult
     blocks: list[dict[str, Any]] | None = None  # every block's event, when the job asked
+    logprobs: list[TokenLogprob] | None = None  # one per token of the answer, when asked
 
 
-# What a worker hands the answer as it goes: a piece of text that can no longer change, and the
-# verified block it completed (``Job.blocks``; else None).
-Emit = Callable[[str, dict[str, Any] | None], None]
+# What a worker hands the answer as it goes: a piece of text that can no longer change, the
+# verified block it completed (``Job.blocks``; else None), and the log-probabilities of the
+# tokens that block added to the answer (``Job.logprobs``; else None).
+Emit = Callable[[str, dict[str, Any] | None, list[TokenLogprob] | None], None]
 
 
 def block_event(index: int, outcome: BlockOutcome, pieces: list[str]) -> dict[str, Any]:
@@ -220,7 +223,8 @@ class Gateway:
                               f"verifier's max_draft_tokens); got {options.k}", "specdec.k")
         return Job(prompt_ids, max_tokens, sampling, seed, body.stop_list(),
                    reproducible=body.seed is not None, k=options.k,
-                   target_alone=options.target_alone, blocks=options.blocks)
+                   target_alone=options.target_alone, blocks=options.blocks,
+                   logprobs=body.logprobs_asked())
 
     @staticmethod
     def choices(job: Job, n: int) -> list[Job]:
@@ -315,6 +319,7 @@ class Gateway:
         client = self.client.fork()
         tracker = TextTracker(client.decode, job.stops)
         blocks: list[dict[str, Any]] = []
+        logprobs: list[TokenLogprob] = []
         verified = 0
 
         def on_block(outcome: BlockOutcome) -> bool:
@@ -322,6 +327,7 @@ class Gateway:
             first, verified = verified == 0, verified + 1
             if first:
                 self.metrics.first_token.observe(time.perf_counter() - admitted)
+            kept = len(tracker.ids)
             if job.blocks:  # token by token: each token's own piece of the text
                 pieces = []
                 for token in outcome.tokens:
@@ -334,8 +340,10 @@ class Gateway:
             else:
                 tracker.add(outcome.tokens)
                 piece, block = tracker.delta(), None
-            if emit is not None and (piece or first or block is not None):
-                emit(piece, block)
+            added = (outcome.logprobs or [])[:max(len(tracker.ids) - kept, 0)]  # the answer's
+            logprobs.extend(added)
+            if emit is not None and (piece or first or block is not None or added):
+                emit(piece, block, added if job.logprobs is not None else None)
             return tracker.stopped or job.cancelled.is_set()
 
         try:
@@ -344,23 +352,24 @@ class Gateway:
                     job.prompt_ids, num_draft_tokens=0, max_new_tokens=job.max_tokens,
                     temperature=job.sampling.temperature, top_k=job.sampling.top_k,
                     top_p=job.sampling.top_p, seed=job.seed, reproducible=job.reproducible,
-                    on_block=on_block)
+                    on_block=on_block, logprobs=job.logprobs)
             else:
                 result = client.generate(
                     job.prompt_ids, num_draft_tokens=job.k,  # None: the client's settings
                     max_new_tokens=job.max_tokens, temperature=job.sampling.temperature,
                     top_k=job.sampling.top_k, top_p=job.sampling.top_p, seed=job.seed,
                     reproducible=job.reproducible, on_block=on_block,
-                    prediction=job.prediction)
+                    prediction=job.prediction, logprobs=job.logprobs)
         finally:
             client.close()
         tail = tracker.delta(final=True)  # what was held back: an incomplete character at the end
         if emit is not None and tail:
-            emit(tail, None)
+            emit(tail, None, None)
         self.metrics.finished(len(job.prompt_ids), result)
         finish = "stop" if tracker.stopped or result.finish_reason == "stop" else "length"
         return Finished(tracker.text, finish, len(tracker.ids), result,
-                        blocks if job.blocks else None)
+                        blocks if job.blocks else None,
+                        logprobs if job.logprobs is not None else None)
 
     async def run(self, jobs: list[Job], gone: Gone = None) -> list[Finished]:
         """The request's choices (``n`` jobs, run side by side), each finished."""
@@ -392,8 +401,10 @@ class Gateway:
         queue: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
 
         def start(index: int, job: Job) -> None:
-            def emit(piece: str, block: dict[str, Any] | None) -> None:
-                loop.call_soon_threadsafe(queue.put_nowait, (index, "text", (piece, block)))
+            def emit(piece: str, block: dict[str, Any] | None,
+                     logprobs: list[TokenLogprob] | None) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait,
+                                          (index, "text", (piece, block, logprobs)))
 
             future: Future[Finished] = self.executor.submit(self.generate, job, emit)
             future.add_done_callback(
@@ -427,9 +438,9 @@ class Gateway:
             while True:
                 index, kind, value = item
                 if kind == "text":
-                    piece, block = value
-                    if piece or block is not None:
-                        event = chunk(index, piece, None)
+                    piece, block, logprobs = value
+                    if piece or block is not None or logprobs:
+                        event = chunk(index, piece, None, logprobs)
                         if block is not None:
                             event["specdec_block"] = block
                         yield _sse(event)
@@ -442,7 +453,7 @@ class Gateway:
                         break
                     done: Finished = value.result()
                     finished[index] = done
-                    last = chunk(index, "", done.finish_reason)
+                    last = chunk(index, "", done.finish_reason, None)
                     last["specdec"] = done.result.metrics.to_dict()
                     yield _sse(last)
                     if len(finished) == len(jobs):
@@ -456,8 +467,9 @@ class Gateway:
             _cancel(jobs)  # a client that hung up stops the generations at their next block
 
 
-# A stream chunk: (choice index, text, finish reason or None) -> the event's payload.
-Chunk = Callable[[int, str, str | None], dict[str, Any]]
+# A stream chunk: (choice index, text, finish reason or None, the log-probabilities of the
+# tokens it adds or None) -> the event's payload.
+Chunk = Callable[[int, str, str | None, list[TokenLogprob] | None], dict[str, Any]]
 
 
 def _cancel(jobs: list[Job]) -> None:

@@ -4,10 +4,10 @@ Fields follow OpenAI's API reference for ``/v1/completions`` and ``/v1/chat/comp
 ``top_k`` is the common extension (vLLM, llama.cpp). Unknown fields are ignored, as vLLM does
 (clients send ``user``, ``store``, ``metadata``, ``parallel_tool_calls`` and the like); known
 fields that would change the distribution or the shape of the answer in ways we do not
-implement (penalties, ``logit_bias``, ``logprobs``, tools and the older ``functions``, ``echo``,
+implement (penalties, ``logit_bias``, tools and the older ``functions``, ``echo``,
 ``suffix``, ``best_of``, JSON modes, audio output) get a 400 naming the field rather than being
-silently dropped, until they are supported. ``n`` (up to :data:`MAX_CHOICES`) and ``prediction``
-(Predicted Outputs, chat) are served.
+silently dropped, until they are supported. ``n`` (up to :data:`MAX_CHOICES`), ``prediction``
+(Predicted Outputs, chat) and ``logprobs`` / ``top_logprobs`` are served.
 
 Types are strict, as OpenAI's API and vLLM are: an integer is a JSON integer (not ``"5"``, not
 ``5.0``, not ``true``), a boolean is ``true`` / ``false``, a string is a string; numbers are finite
@@ -24,6 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 MAX_INT32 = 2**31 - 1
 MAX_SEED = 2**63 - 1
 MAX_CHOICES = 16  # the most answers (``n``) one request may ask for
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's bound)
+MAX_COMPLETION_LOGPROBS = 5  # completions' logprobs (OpenAI's bound)
 # Strict types, no NaN or infinity, unknown fields ignored: every request model's config.
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
@@ -97,13 +99,16 @@ class _Common(BaseModel):
             raise OpenAIError(400, "stop sequences must not be empty", "stop")
         return stops
 
+    def logprobs_asked(self) -> int | None:
+        """Alternatives per token the request's logprobs ask for; None: no logprobs."""
+        raise NotImplementedError
+
     def check_supported(self) -> None:
         """400 for a field we would otherwise have to ignore."""
         unsupported = [
             ("presence_penalty", self.presence_penalty != 0, "penalties are not supported"),
             ("frequency_penalty", self.frequency_penalty != 0, "penalties are not supported"),
             ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
-            ("logprobs", self.logprobs not in (None, False, 0), "logprobs are not supported"),
         ]
         for param, bad, message in unsupported:
             if bad:
@@ -115,6 +120,18 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_INT32)
+
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives per token the request asks for (0: the tokens' own
+        log-probabilities alone); None: no logprobs."""
+        if self.logprobs is None:
+            return None
+        if isinstance(self.logprobs, bool):
+            raise OpenAIError(400, "logprobs: must be an integer (completions)", "logprobs")
+        if not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise OpenAIError(400, f"logprobs: must be in [0, {MAX_COMPLETION_LOGPROBS}]",
+                              "logprobs")
+        return self.logprobs
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -188,6 +205,19 @@ class ChatCompletionRequest(_Common):
             self.max_tokens = self.max_completion_tokens  # the newer name wins
         return self
 
+    def logprobs_asked(self) -> int | None:
+        """``top_logprobs`` alternatives per token when ``logprobs`` is true; None: none."""
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise OpenAIError(400, "logprobs: must be a boolean (chat)", "logprobs")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise OpenAIError(400, "top_logprobs: needs logprobs to be true",
+                                  "top_logprobs")
+            if self.top_logprobs > MAX_TOP_LOGPROBS:
+                raise OpenAIError(400, f"top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}]",
+                                  "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools:
@@ -195,8 +225,6 @@ class ChatCompletionRequest(_Common):
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise OpenAIError(400, "only the text response format is supported",
                               "response_format")
-        if self.top_logprobs:
-            raise OpenAIError(400, "logprobs are not supported", "top_logprobs")
         if self.functions:
             raise OpenAIError(400, "functions (tools) are not supported", "functions")
         if self.audio is not None or any(m != "text" for m in self.modalities or []):
