@@ -57,6 +57,7 @@ from shared.protocol.schema import (
     GenerateRequest,
     GenerateResponse,
     InfoResponse,
+    SamplingParams,
 )
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,27 @@ def build_model_free(name: str, options: DrafterOptions,
         return PromptLookupDrafter(options.lookup_min_ngram, options.lookup_max_ngram,
                                    stop_ids)
     return BigramDrafter()
+
+
+@dataclasses.dataclass(frozen=True)
+class Penalties:
+    """OpenAI's ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` ({id: bias})."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+
+
+def with_penalties(params: SamplingParams, penalties: Penalties | None) -> SamplingParams:
+    """``params`` with ``penalties`` in (checked against their bounds: SpecDecError)."""
+    if penalties is None:
+        return params
+    try:
+        return SamplingParams(**{**params.model_dump(), "presence_penalty": penalties.presence,
+                                 "frequency_penalty": penalties.frequency,
+                                 "logit_bias": sorted(penalties.logit_bias.items())})
+    except ValueError as exc:
+        raise SpecDecError(f"penalties: {exc}") from None
 
 
 def baseline_logprobs(reply: GenerateResponse, info: InfoResponse) -> list[TokenLogprob]:
@@ -348,7 +370,8 @@ class SpecDecClient:
                  overlap: bool | None = None, reproducible: bool | None = None,
                  sampling: Sampling | None = None,
                  prediction: str | list[int] | None = None,
-                 logprobs: int | None = None) -> GenerationResult:
+                 logprobs: int | None = None,
+                 penalties: Penalties | None = None) -> GenerationResult:
         """Speculative generation; exactly the target's distribution for these settings.
 
         An argument left out (None) is ``sampling``'s, else the client's ``settings``'
@@ -363,7 +386,9 @@ class SpecDecClient:
         ``prediction``: text (or ids) the answer will mostly repeat, drafted from first
         (Predicted Outputs: ``drafter_client/prediction.py``; counts in ``result.prediction``).
         ``logprobs``: ``result.logprobs`` holds the target's raw log-probability of every token
-        and of this many best alternatives (0: the tokens' alone), as ``baseline`` reports."""
+        and of this many best alternatives (0: the tokens' alone), as ``baseline`` reports.
+        ``penalties``: OpenAI's presence / frequency penalties and logit bias, applied to the
+        target's rows as a plain decode applies them."""
         if self.drafter is None:
             raise SpecDecError("this client has no drafter; use baseline() or pass drafter=")
         s = self._sampling(sampling, max_new_tokens, temperature, top_k, top_p, seed,
@@ -378,7 +403,8 @@ class SpecDecClient:
         try:
             prompt_ids, encoder_ids = self.inputs(prompt, chat)
             settings = GenerationSettings(
-                s.params(), s.max_new_tokens, draft_length, s.seed, encoder_ids,
+                with_penalties(s.params(), penalties), s.max_new_tokens, draft_length, s.seed,
+                encoder_ids,
                 overlap=self.options.overlap if overlap is None else overlap,
                 logprobs=logprobs)
             drafter = (self.drafter if prediction is None
@@ -401,7 +427,8 @@ class SpecDecClient:
                  early_stopping: bool | str = False,
                  no_repeat_ngram_size: int = 0, reproducible: bool | None = None,
                  sampling: Sampling | None = None,
-                 logprobs: int | None = None) -> GenerationResult:
+                 logprobs: int | None = None,
+                 penalties: Penalties | None = None) -> GenerationResult:
         """Target-only generation on the verifier (``/v1/generate``), same sampling settings;
         with ``num_beams`` > 1 (greedy only) beam search as transformers' ``generate`` does it,
         with ``length_penalty``, ``early_stopping`` (True, False or "never") and
@@ -416,7 +443,7 @@ class SpecDecClient:
         try:
             reply = self.verifier.generate(GenerateRequest(
                 prompt_ids=prompt_ids, max_new_tokens=max_new_tokens, seed=s.seed,
-                sampling=s.params(),
+                sampling=with_penalties(s.params(), penalties),
                 num_beams=num_beams, length_penalty=length_penalty,
                 early_stopping=early_stopping,  # type: ignore[arg-type]
                 no_repeat_ngram_size=no_repeat_ngram_size, encoder_ids=encoder_ids,

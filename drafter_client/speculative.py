@@ -142,6 +142,7 @@ class VerifierSession:
         self.prompt_length = len(prompt_ids)
         self.session_id: str | None = None
         self.reopens = 0
+        self.counts: dict[int, int] = {}  # each generated token's count (penalties read it)
 
     @property
     def position(self) -> int:
@@ -171,6 +172,12 @@ class VerifierSession:
 
     def commit(self, tokens: list[int]) -> None:
         self.committed.extend(tokens)
+        for token in tokens:
+            self.counts[token] = self.counts.get(token, 0) + 1
+
+    def history(self) -> tuple[tuple[int, int], ...]:
+        """What a block's penalties read: every generated token's count (none without)."""
+        return tuple(self.counts.items()) if self.config.penalized else ()
 
     def close(self) -> None:
         if self.session_id is not None:
@@ -206,7 +213,7 @@ def speculative_block(session: VerifierSession, drafter: Drafter, plan: BlockPla
     #    the first rejection with our uniforms.
     block = Block(draft.ids, None if draft_logprobs is None else draft_logprobs.tolist(),
                   log_uniforms.tolist(), float(uniforms[k]), config, session.position,
-                  draft.parents, drafter.top_k_filler, session.logprobs)
+                  draft.parents, drafter.top_k_filler, session.logprobs, session.history())
     req = VerifyRequest.of(block, session.committed[-1], uniforms[k + 1:].tolist())
     if in_flight is None:
         reply = session.verify(req)

@@ -212,7 +212,7 @@ def error_of(exc: openai.APIStatusError) -> dict[str, Any]:
     ({"top_p": 0.0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"logprobs": 3}, "logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": [""]}, "stop"),
     ({"messages": []}, "messages"),

@@ -92,7 +92,7 @@ async def create_session(body: CreateSessionRequest, request: Request) -> Create
     ``session_id``: the same request again answers the same while the session is unused."""
     state = state_of(request)
     state.jobs.validator.check_create(body.protocol_version, body.prompt_ids, body.encoder_ids,
-                                      body.prompt_length)
+                                      body.prompt_length, body.sampling)
     return await state.scheduler.submit(  # type: ignore[no-any-return]
         CreateSessionJob(state.jobs, body, owner_of(request)))
 

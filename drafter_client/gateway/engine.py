@@ -25,7 +25,7 @@ import orjson
 from fastapi import Request
 from pydantic import ValidationError
 
-from drafter_client.api import SpecDecClient
+from drafter_client.api import Penalties, SpecDecClient
 from drafter_client.gateway.metrics import GatewayMetrics
 from drafter_client.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIError
 from drafter_client.outcome import BlockOutcome, TokenLogprob
@@ -210,7 +210,10 @@ class Gateway:
         try:
             sampling = SamplingParams(
                 temperature=1.0 if body.temperature is None else body.temperature,
-                top_k=max(body.top_k or 0, 0), top_p=1.0 if body.top_p is None else body.top_p)
+                top_k=max(body.top_k or 0, 0), top_p=1.0 if body.top_p is None else body.top_p,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                logit_bias=body.bias_pairs(info.vocab_size))
         except ValidationError as exc:
             error = exc.errors()[0]
             raise OpenAIError(400, error["msg"], str(error["loc"][0])) from None
@@ -346,20 +349,23 @@ class Gateway:
                 emit(piece, block, added if job.logprobs is not None else None)
             return tracker.stopped or job.cancelled.is_set()
 
+        sampling = job.sampling
+        penalties = Penalties(sampling.presence_penalty, sampling.frequency_penalty,
+                              dict(sampling.logit_bias))
         try:
             if job.target_alone:  # plain steps through a session, in runs: no drafts at all
                 result = client.generate(
                     job.prompt_ids, num_draft_tokens=0, max_new_tokens=job.max_tokens,
                     temperature=job.sampling.temperature, top_k=job.sampling.top_k,
                     top_p=job.sampling.top_p, seed=job.seed, reproducible=job.reproducible,
-                    on_block=on_block, logprobs=job.logprobs)
+                    on_block=on_block, logprobs=job.logprobs, penalties=penalties)
             else:
                 result = client.generate(
                     job.prompt_ids, num_draft_tokens=job.k,  # None: the client's settings
                     max_new_tokens=job.max_tokens, temperature=job.sampling.temperature,
                     top_k=job.sampling.top_k, top_p=job.sampling.top_p, seed=job.seed,
                     reproducible=job.reproducible, on_block=on_block,
-                    prediction=job.prediction, logprobs=job.logprobs)
+                    prediction=job.prediction, logprobs=job.logprobs, penalties=penalties)
         finally:
             client.close()
         tail = tracker.delta(final=True)  # what was held back: an incomplete character at the end

@@ -4,10 +4,11 @@ Fields follow OpenAI's API reference for ``/v1/completions`` and ``/v1/chat/comp
 ``top_k`` is the common extension (vLLM, llama.cpp). Unknown fields are ignored, as vLLM does
 (clients send ``user``, ``store``, ``metadata``, ``parallel_tool_calls`` and the like); known
 fields that would change the distribution or the shape of the answer in ways we do not
-implement (penalties, ``logit_bias``, tools and the older ``functions``, ``echo``,
+implement (tools and the older ``functions``, ``echo``,
 ``suffix``, ``best_of``, JSON modes, audio output) get a 400 naming the field rather than being
 silently dropped, until they are supported. ``n`` (up to :data:`MAX_CHOICES`), ``prediction``
-(Predicted Outputs, chat) and ``logprobs`` / ``top_logprobs`` are served.
+(Predicted Outputs, chat), ``logprobs`` / ``top_logprobs``, the penalties and ``logit_bias`` are
+served.
 
 Types are strict, as OpenAI's API and vLLM are: an integer is a JSON integer (not ``"5"``, not
 ``5.0``, not ``true``), a boolean is ``true`` / ``false``, a string is a string; numbers are finite
@@ -103,16 +104,19 @@ class _Common(BaseModel):
         """Alternatives per token the request's logprobs ask for; None: no logprobs."""
         raise NotImplementedError
 
+    def bias_pairs(self, vocab_size: int) -> list[tuple[int, float]]:
+        """``logit_bias`` as [id, bias] pairs; a key that is not an id of the vocabulary is a
+        400 naming the field."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab_size:
+                raise OpenAIError(400, f"logit_bias: {key!r} is not a token id in [0, "
+                                  f"{vocab_size})", "logit_bias")
+            pairs.append((int(key), bias))
+        return pairs
+
     def check_supported(self) -> None:
-        """400 for a field we would otherwise have to ignore."""
-        unsupported = [
-            ("presence_penalty", self.presence_penalty != 0, "penalties are not supported"),
-            ("frequency_penalty", self.frequency_penalty != 0, "penalties are not supported"),
-            ("logit_bias", bool(self.logit_bias), "logit_bias is not supported"),
-        ]
-        for param, bad, message in unsupported:
-            if bad:
-                raise OpenAIError(400, message, param)
+        """400 for a field we would otherwise have to ignore (each request kind's own)."""
 
 
 class CompletionRequest(_Common):

@@ -43,6 +43,7 @@ import torch
 from shared.protocol.sampling import (
     SamplingConfig,
     choose_tokens,
+    penalize,
     process_logits,
     process_rows,
     sample_from_probs,
@@ -72,6 +73,21 @@ class Block:
     # the target's own log-probabilities of the block's output tokens and of their rows' best
     # ``logprobs`` alternatives (:func:`output_logprobs`); None: not asked
     logprobs: int | None = None
+    # with penalties (``config.penalized``): each generated token's count among the committed
+    # tokens up to row 0 (the last token included); the drafts before each row add theirs
+    history: tuple[tuple[int, int], ...] = ()
+
+    def penalized(self, rows: torch.Tensor) -> torch.Tensor:
+        """The block's rows with its config's bias and penalties (``sampling.penalize``): row
+        0 after the history, a draft's row after the drafts on its path too."""
+        if self.tree_parents is None:
+            before = [self.draft_ids[:i] for i in range(rows.shape[0])]
+        else:
+            paths: list[list[int]] = []
+            for node, parent in enumerate(self.tree_parents):
+                paths.append([*(paths[parent] if parent >= 0 else []), self.draft_ids[node]])
+            before = [[], *paths][:rows.shape[0]]
+        return penalize(rows, self.config, dict(self.history), before)
 
     @property
     def on_device(self) -> bool:
@@ -399,6 +415,9 @@ def decide(rows: list[torch.Tensor], blocks: list[Block], on_device: bool = True
     ``together``: sampled blocks decided in one step. Default: all of them on an accelerator;
     on a CPU as many as keep the stacked rows under ``CPU_BLOCK`` values, because there a block
     that stays in cache wins over one large stack."""
+    raw = rows  # logprobs report the target's own distributions
+    rows = [block.penalized(row) if block.config.penalized else row
+            for row, block in zip(rows, blocks, strict=True)]
     verdicts: list[Verdict | None] = [None] * len(blocks)
     device = [j for j, block in enumerate(blocks) if on_device and block.on_device]
     greedy = [j for j in device if blocks[j].config.greedy]
@@ -421,7 +440,7 @@ def decide(rows: list[torch.Tensor], blocks: list[Block], on_device: bool = True
         if block.top_ids:  # few callers ask; one topk each
             verdict = replace(verdict, top_ids=top_ids(rows[j], block.top_ids))
         if block.logprobs is not None:
-            verdict = replace(verdict, logprobs=output_logprobs(rows[j], block, verdict))
+            verdict = replace(verdict, logprobs=output_logprobs(raw[j], block, verdict))
         done.append(verdict)
     return done
 

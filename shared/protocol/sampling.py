@@ -39,6 +39,17 @@ class SamplingConfig:
     # Reproducible sampling: every position's token is the Gumbel-max choice under noise drawn
     # from (coupling_seed, position), shared by drafter and target (see ``coupled_tokens``).
     coupling_seed: int | None = None
+    # OpenAI's penalties and bias, on the raw logits before everything else (as a plain decode
+    # applies them): logit - frequency_penalty * count - presence_penalty * (count > 0) + bias,
+    # with count a token's occurrences among the generated tokens before the row
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        """Some row's logits change with the sequence or the bias (:func:`penalize`)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -53,6 +64,31 @@ class SamplingConfig:
         """The target's token at a position is a function of its logits (greedy, or coupled
         sampling): drafts are one-hot and accepted while they equal it."""
         return self.greedy or self.coupled
+
+
+def penalize(rows: torch.Tensor, config: SamplingConfig, history: dict[int, int],
+             before: list[list[int]]) -> torch.Tensor:
+    """[n, vocab] logits -> float32 logits with ``config``'s bias and penalties. ``history``:
+    each generated token's count up to the rows (the committed ones); ``before[r]``: the
+    tokens between the history and row r (a block's drafts on row r's path). A row's answer
+    depends on that row, its counts and the config alone."""
+    out = rows.float().clone()
+    if config.logit_bias:
+        ids = to_device([i for i, _ in config.logit_bias], torch.long, rows.device)
+        bias = to_device([b for _, b in config.logit_bias], torch.float32, rows.device)
+        out[:, ids] += bias
+    if not (config.presence_penalty or config.frequency_penalty):
+        return out
+    for r, extra in enumerate(before):
+        counts = dict(history)
+        for token in extra:
+            counts[token] = counts.get(token, 0) + 1
+        if not counts:
+            continue
+        ids = to_device(list(counts), torch.long, rows.device)
+        seen = to_device(list(counts.values()), torch.float32, rows.device)
+        out[r, ids] -= config.frequency_penalty * seen + config.presence_penalty
+    return out
 
 
 NUCLEUS_CANDIDATES = 1024  # top-p looks at the best 1024 tokens first; the rest when needed

@@ -11,9 +11,9 @@ verifier's KV cache holds all of them but the last, which the next verify call f
 from __future__ import annotations
 
 import base64
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator
 
 from shared.protocol import GREEDY_TEMPERATURE, NO_TOP_K, NO_TOP_P
 
@@ -28,10 +28,17 @@ PROTOCOL_VERSION = 1
 INT32_MAX = 2**31 - 1
 MAX_BEAMS = 64
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs report (OpenAI's limit)
+MAX_LOGIT_BIAS = 1024  # the most ids a logit_bias names
 # Integers a client sends are bounded here, so an absurd one is a 422 naming its field, never a
 # failure deep inside (token ids are checked against the vocabulary by the verifier itself).
 TokenId = Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX)]
 Count = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Id = Annotated[int, Field(ge=0, le=INT32_MAX)]
+Positive = Annotated[int, Field(ge=1, le=INT32_MAX)]
+Value = TypeVar("Value")
+# [id, value] on the wire (a JSON array of two; the container alone is not strict: a list is
+# read as the pair, its items strictly)
+Pair = Annotated[tuple[Annotated[int, Field(ge=0, le=INT32_MAX), Strict()], Value], Strict(False)]
 
 
 class _Strict(BaseModel):
@@ -50,17 +57,34 @@ class SamplingParams(_Strict):
         "the Gumbel-max choice under noise from (this seed, position), the same for the drafter "
         "and the target, so the output equals the target alone's with this seed whatever the "
         "drafter, k or timing; null: the client's uniforms decide")
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, allow_inf_nan=False, description="subtracted from the logit of "
+        "every token generated before (OpenAI's presence_penalty)")
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, allow_inf_nan=False, description="times a token's count among "
+        "the tokens generated before, subtracted from its logit (OpenAI's frequency_penalty)")
+    logit_bias: list[Pair[Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False),
+                                    Strict()]]] = Field(
+        default_factory=list, max_length=MAX_LOGIT_BIAS, description="[id, bias] pairs added "
+        "to those ids' logits (OpenAI's logit_bias); each id once")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _once(cls, pairs: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        if len({i for i, _ in pairs}) != len(pairs):
+            raise ValueError("an id appears more than once")
+        return pairs
 
     def to_config(self) -> SamplingConfig:
         from shared.protocol.sampling import SamplingConfig
 
-        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.coupling_seed)
+        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.coupling_seed,
+                              self.presence_penalty, self.frequency_penalty,
+                              tuple((i, b) for i, b in self.logit_bias))
 
 
 # Bounds on what a verifier answers: a client checks them before using a reply (relations to
 # the request, such as next_token < vocab_size, are checked by the client's loop).
-Id = Annotated[int, Field(ge=0, le=INT32_MAX)]
-Positive = Annotated[int, Field(ge=1, le=INT32_MAX)]
 
 
 class InfoResponse(_Strict):
@@ -143,6 +167,10 @@ class VerifyRequest(_Strict):
         None, ge=0, le=MAX_TOP_LOGPROBS, description="also return the target's raw "
         "log-probabilities (before temperature, top-k, top-p) of the output tokens and of "
         "this many best alternatives at each (0: the tokens' alone); null: none")
+    history: list[Pair[Annotated[int, Field(ge=1, le=INT32_MAX), Strict()]]] = Field(
+        default_factory=list, max_length=INT32_MAX, description="with presence or frequency "
+        "penalties: [id, count] of every token generated so far (last_token included), each "
+        "id once; the drafts before a row add theirs")
 
     @field_validator("log_uniforms")
     @classmethod
@@ -159,7 +187,8 @@ class VerifyRequest(_Strict):
                    draft_logprobs=block.draft_logprobs, log_uniforms=block.log_uniforms,
                    final_uniform=block.final_uniform, return_top_ids=block.top_ids,
                    tree_parents=block.tree_parents, more_uniforms=more_uniforms,
-                   logprobs=block.logprobs)
+                   logprobs=block.logprobs,
+                   history=[(i, c) for i, c in block.history])
 
     def block(self, config: SamplingConfig) -> Block:
         """The block this request carries, under its session's sampling ``config``."""
@@ -167,7 +196,7 @@ class VerifyRequest(_Strict):
 
         return Block(self.draft_ids, self.draft_logprobs, self.log_uniforms, self.final_uniform,
                      config, self.position, self.tree_parents, self.return_top_ids,
-                     self.logprobs)
+                     self.logprobs, tuple((i, c) for i, c in self.history))
 
 
 class EncodedRow(_Strict):

@@ -65,7 +65,8 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
     """``gone`` set (the caller hung up): stop before the next step; the session is freed and
     the tokens so far are answered to nobody. Never in the middle of a job, whose session would
     then outlive the call."""
-    ctx.validator.check_create(req.protocol_version, req.prompt_ids, req.encoder_ids)
+    ctx.validator.check_create(req.protocol_version, req.prompt_ids, req.encoder_ids,
+                               sampling=req.sampling)
     ctx.validator.check_new_tokens(req.max_new_tokens)
     check_beam_request(req)
     if req.num_beams > 1:
@@ -85,6 +86,7 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
     session_id, position, last = created.session_id, created.position, req.prompt_ids[-1]
     tokens: list[int] = []
     forward_ms = 0.0
+    penalized = req.sampling.to_config().penalized
     try:
         steps = min(req.max_new_tokens, ctx.validator.max_context - len(req.prompt_ids) + 1)
         if first is not None and steps:
@@ -99,6 +101,7 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
             try:
                 reply = await scheduler.submit(VerifyJob(ctx, session_id, VerifyRequest(
                     position=position, last_token=last, logprobs=req.logprobs,
+                    history=counted([], tokens) if penalized else [],
                     final_uniform=float(draw_uniforms(generator, 1)[0])), owner))
             except VerifierError as exc:
                 if exc.code != "session_not_found":
@@ -167,6 +170,8 @@ async def _plain_run(ctx: JobContext, scheduler: Scheduler, session_id: str,
     if job.replay is not None:
         return first
     assert first.next_token is not None  # a step without drafts draws its token
+    assert job.session is not None
+    penalized = job.session.config.penalized
     last, position, forward_ms = first.next_token, first.position, first.forward_ms
     load = first.load
     tokens: list[int] = []
@@ -176,7 +181,9 @@ async def _plain_run(ctx: JobContext, scheduler: Scheduler, session_id: str,
             break
         reply = await scheduler.submit(VerifyJob(ctx, session_id, VerifyRequest(
             position=position, last_token=last, final_uniform=uniform,
-            logprobs=req.logprobs), owner))
+            logprobs=req.logprobs,
+            history=counted(req.history, [first.next_token, *tokens]) if penalized else []),
+            owner))
         assert reply.next_token is not None
         last, position, load = reply.next_token, reply.position, reply.load
         forward_ms += reply.forward_ms
@@ -187,6 +194,14 @@ async def _plain_run(ctx: JobContext, scheduler: Scheduler, session_id: str,
         "logprobs": logprobs if req.logprobs is not None else None})
     await scheduler.run(remember, ctx, session_id, owner, req, job.digest, whole)
     return whole
+
+
+def counted(history: list[tuple[int, int]], tokens: list[int]) -> list[tuple[int, int]]:
+    """``history``'s [id, count] pairs with ``tokens`` counted in."""
+    counts = dict(history)
+    for token in tokens:
+        counts[token] = counts.get(token, 0) + 1
+    return list(counts.items())
 
 
 def remember(ctx: JobContext, session_id: str, owner: str | None, req: VerifyRequest,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.protocol.schema import PROTOCOL_VERSION, VerifyRequest
+from shared.protocol.schema import PROTOCOL_VERSION, SamplingParams, VerifyRequest
 from verifier_service.errors import VerifierError
 from verifier_service.scheduling.sessions import Session
 
@@ -39,10 +39,13 @@ class RequestValidator:
 
     def check_create(self, protocol_version: int, prompt_ids: list[int],
                      encoder_ids: list[int] | None = None,
-                     prompt_length: int | None = None) -> None:
+                     prompt_length: int | None = None,
+                     sampling: SamplingParams | None = None) -> None:
         """What a create (or /v1/generate) can be refused for before it is queued."""
         self.check_protocol(protocol_version)
         self.check_prompt(prompt_ids)
+        if sampling is not None:
+            self.check_ids([i for i, _ in sampling.logit_bias], "sampling.logit_bias")
         if prompt_length is not None and prompt_length > len(prompt_ids):
             raise VerifierError(422, "invalid_prompt_length", f"prompt_length {prompt_length} "
                                 f"is more than the {len(prompt_ids)} tokens of prompt_ids",
@@ -74,6 +77,11 @@ class RequestValidator:
                                 f"verifier takes at most {self.max_draft_tokens}", "draft_ids")
         self.check_ids(req.draft_ids, "draft_ids")
         self.check_ids([req.last_token], "last_token")
+        if req.history:
+            self.check_ids([i for i, _ in req.history], "history")
+            if len({i for i, _ in req.history}) != len(req.history):
+                raise VerifierError(422, "invalid_history", "history names an id more than "
+                                    "once", "history")
         if len(req.log_uniforms) != k:
             raise VerifierError(422, "length_mismatch", f"log_uniforms has "
                                 f"{len(req.log_uniforms)} entries for {k} drafts", "log_uniforms")
