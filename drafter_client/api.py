@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import torch
 
+from drafter_client.constraint import LL_TOKENIZERS, Constraint
 from drafter_client.draft_length import make_draft_length
 from drafter_client.hybrid import HybridDrafter
 from drafter_client.metrics import GenerationMetrics
@@ -339,6 +340,14 @@ class SpecDecClient:
             return ids, None
         return [self.info.decoder_start_token_id or 0], ids
 
+    def constraint(self, grammar: str | None) -> Constraint | None:
+        """A generation's grammar state (None: unconstrained)."""
+        if grammar is None:
+            return None
+        ll_tokenizer = LL_TOKENIZERS.get(self.tokenizer, self.info.vocab_size,
+                                         self.info.eos_token_ids)
+        return Constraint(grammar, ll_tokenizer, self.info.vocab_size, self.info.eos_token_ids)
+
     def prediction_ids(self, prediction: str | list[int]) -> list[int]:
         """A prediction's ids: the text as it would appear inside an answer (no special
         tokens), or ids as given."""
@@ -371,7 +380,8 @@ class SpecDecClient:
                  sampling: Sampling | None = None,
                  prediction: str | list[int] | None = None,
                  logprobs: int | None = None,
-                 penalties: Penalties | None = None) -> GenerationResult:
+                 penalties: Penalties | None = None,
+                 grammar: str | None = None) -> GenerationResult:
         """Speculative generation; exactly the target's distribution for these settings.
 
         An argument left out (None) is ``sampling``'s, else the client's ``settings``'
@@ -388,7 +398,9 @@ class SpecDecClient:
         ``logprobs``: ``result.logprobs`` holds the target's raw log-probability of every token
         and of this many best alternatives (0: the tokens' alone), as ``baseline`` reports.
         ``penalties``: OpenAI's presence / frequency penalties and logit bias, applied to the
-        target's rows as a plain decode applies them."""
+        target's rows as a plain decode applies them. ``grammar``: structured output, an
+        llguidance grammar (``constraint.json_schema_grammar``, ``lark_grammar``) that every
+        generated token keeps; the output follows the target constrained to it."""
         if self.drafter is None:
             raise SpecDecError("this client has no drafter; use baseline() or pass drafter=")
         s = self._sampling(sampling, max_new_tokens, temperature, top_k, top_p, seed,
@@ -410,7 +422,8 @@ class SpecDecClient:
             drafter = (self.drafter if prediction is None
                        else PredictionDrafter(self.drafter, self.prediction_ids(prediction)))
             result = speculative_generate(self.verifier, drafter, prompt_ids, settings,
-                                          self.info, _block_callback(on_tokens, on_block))
+                                          self.info, _block_callback(on_tokens, on_block),
+                                          self.constraint(grammar))
             if isinstance(drafter, PredictionDrafter):
                 result.prediction = drafter.counts
         except SpecDecError as exc:

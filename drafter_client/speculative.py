@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from drafter_client.constraint import Constraint
 from drafter_client.draft_length import DraftLength, FixedLength
 from drafter_client.metrics import GenerationMetrics, MetricsRecorder
 from drafter_client.outcome import BlockOutcome, TokenLogprob
@@ -134,8 +135,9 @@ class VerifierSession:
 
     def __init__(self, verifier: Verifier, sampling: SamplingParams,
                  prompt_ids: list[int], encoder_ids: list[int] | None = None,
-                 logprobs: int | None = None) -> None:
+                 logprobs: int | None = None, constraint: Constraint | None = None) -> None:
         self.verifier, self.sampling, self.encoder_ids = verifier, sampling, encoder_ids
+        self.constraint = constraint  # structured output: the grammar's state
         self.logprobs = logprobs  # asked of every verify call (``GenerationSettings``)
         self.config = sampling.to_config()  # how both sides process logits
         self.committed = list(prompt_ids)
@@ -172,6 +174,8 @@ class VerifierSession:
 
     def commit(self, tokens: list[int]) -> None:
         self.committed.extend(tokens)
+        if self.constraint is not None:
+            self.constraint.commit(tokens)
         for token in tokens:
             self.counts[token] = self.counts.get(token, 0) + 1
 
@@ -200,12 +204,18 @@ def speculative_block(session: VerifierSession, drafter: Drafter, plan: BlockPla
     proposed = drafted if drafted is not None else drafter.propose(plan.k, config, generator)
     draft = proposed.limited(plan.depth,
                              min(info.max_draft_tokens, info.max_context - session.position))
+    masks = None
+    if session.constraint is not None:  # the grammar's mask of every row; its drafts only
+        if draft.parents is not None:
+            draft = Draft(draft.first_chain(), None, None)
+        allowed, masks = session.constraint.block(draft.ids)
+        draft = draft.limited(allowed, allowed)
     k = len(draft.ids)
     t1 = time.perf_counter()
     # 2. Our randomness for the verdict: k acceptance uniforms + 1 for the last token (and a
     #    plain run's: one per extra step). log(1 - u) with u in [0, 1) is the log of a uniform
     #    on (0, 1], never -inf.
-    more = plan.plain_run if k == 0 else 0
+    more = plan.plain_run if k == 0 and masks is None else 0  # a grammar masks step by step
     uniforms = draw_uniforms(generator, k + 1 + more)  # [k + 1 + more]
     log_uniforms = torch.log1p(-uniforms[:k])  # [k]
     draft_logprobs = None if config.deterministic else draft.logprobs  # None: one-hot draft
@@ -213,7 +223,8 @@ def speculative_block(session: VerifierSession, drafter: Drafter, plan: BlockPla
     #    the first rejection with our uniforms.
     block = Block(draft.ids, None if draft_logprobs is None else draft_logprobs.tolist(),
                   log_uniforms.tolist(), float(uniforms[k]), config, session.position,
-                  draft.parents, drafter.top_k_filler, session.logprobs, session.history())
+                  draft.parents, drafter.top_k_filler, session.logprobs, session.history(),
+                  tuple(masks) if masks is not None else None)
     req = VerifyRequest.of(block, session.committed[-1], uniforms[k + 1:].tolist())
     if in_flight is None:
         reply = session.verify(req)
@@ -286,14 +297,17 @@ def speculative_generate(
     settings: GenerationSettings,
     info: InfoResponse,
     on_block: Callable[[BlockOutcome], bool | None] | None = None,
+    constraint: Constraint | None = None,
 ) -> GenerationResult:
     """Generate up to ``settings.max_new_tokens`` tokens whose distribution is exactly the
-    target's. ``on_block`` sees every block as it is committed; when it returns True the
-    generation ends there with finish_reason "stop" (a stop string, a client gone; ending early
-    leaves the distribution of what came before unchanged). On an unrecoverable error the
-    :class:`SpecDecError` carries what was generated (``exc.partial``)."""
+    target's (with ``constraint``: the target's under that grammar, every row masked to what
+    it allows; a fresh one per generation). ``on_block`` sees every block as it is committed;
+    when it returns True the generation ends there with finish_reason "stop" (a stop string,
+    a client gone; ending early leaves the distribution of what came before unchanged). On an
+    unrecoverable error the :class:`SpecDecError` carries what was generated
+    (``exc.partial``)."""
     session = VerifierSession(verifier, settings.sampling, prompt_ids, settings.encoder_ids,
-                              settings.logprobs)
+                              settings.logprobs, constraint)
     policy = BlockPolicy(settings.draft_schedule(), drafter, info.max_context,
                          info.max_draft_tokens)
     generator = torch.Generator().manual_seed(settings.seed)

@@ -26,6 +26,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from drafter_client.api import Penalties, SpecDecClient
+from drafter_client.constraint import json_schema_grammar
 from drafter_client.gateway.metrics import GatewayMetrics
 from drafter_client.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIError
 from drafter_client.outcome import BlockOutcome, TokenLogprob
@@ -52,6 +53,7 @@ class Job:
     blocks: bool = False  # describe every verified block (``block_event``)
     prediction: list[int] | None = None  # Predicted Outputs: ids drafted from first
     logprobs: int | None = None  # report the tokens' log-probabilities and this many best
+    grammar: str | None = None  # structured output: the grammar every token keeps
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -269,9 +271,22 @@ class Gateway:
             raise OpenAIError(400, f"the chat template failed on these messages: {exc}",
                               "messages") from None
         job = self.job(body, ids, "messages", None)
+        constrained, schema = body.output_schema()
+        if constrained:
+            job.grammar = self.grammar(schema)
         if body.prediction is not None:
             job.prediction = self.prediction_ids(body.prediction.text())
         return job
+
+    def grammar(self, schema: dict[str, Any] | None) -> str:
+        """The grammar of a JSON schema (None: any JSON object), compiled for this tokenizer
+        once here so that a schema the engine refuses is a 400, not a failed generation."""
+        try:
+            grammar = json_schema_grammar(schema)
+            self.client.constraint(grammar)
+        except (ValueError, SpecDecError) as exc:
+            raise OpenAIError(400, f"response_format: {exc}", "response_format") from None
+        return grammar
 
     def prediction_ids(self, text: str) -> list[int]:
         """A prediction's ids; one as long as the context is refused (it could never be
@@ -358,14 +373,16 @@ class Gateway:
                     job.prompt_ids, num_draft_tokens=0, max_new_tokens=job.max_tokens,
                     temperature=job.sampling.temperature, top_k=job.sampling.top_k,
                     top_p=job.sampling.top_p, seed=job.seed, reproducible=job.reproducible,
-                    on_block=on_block, logprobs=job.logprobs, penalties=penalties)
+                    on_block=on_block, logprobs=job.logprobs, penalties=penalties,
+                    grammar=job.grammar)
             else:
                 result = client.generate(
                     job.prompt_ids, num_draft_tokens=job.k,  # None: the client's settings
                     max_new_tokens=job.max_tokens, temperature=job.sampling.temperature,
                     top_k=job.sampling.top_k, top_p=job.sampling.top_p, seed=job.seed,
                     reproducible=job.reproducible, on_block=on_block,
-                    prediction=job.prediction, logprobs=job.logprobs, penalties=penalties)
+                    prediction=job.prediction, logprobs=job.logprobs, penalties=penalties,
+                    grammar=job.grammar)
         finally:
             client.close()
         tail = tracker.delta(final=True)  # what was held back: an incomplete character at the end

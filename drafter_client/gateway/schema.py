@@ -5,10 +5,10 @@ Fields follow OpenAI's API reference for ``/v1/completions`` and ``/v1/chat/comp
 (clients send ``user``, ``store``, ``metadata``, ``parallel_tool_calls`` and the like); known
 fields that would change the distribution or the shape of the answer in ways we do not
 implement (tools and the older ``functions``, ``echo``,
-``suffix``, ``best_of``, JSON modes, audio output) get a 400 naming the field rather than being
+``suffix``, ``best_of``, audio output) get a 400 naming the field rather than being
 silently dropped, until they are supported. ``n`` (up to :data:`MAX_CHOICES`), ``prediction``
-(Predicted Outputs, chat), ``logprobs`` / ``top_logprobs``, the penalties and ``logit_bias`` are
-served.
+(Predicted Outputs, chat), ``logprobs`` / ``top_logprobs``, the penalties, ``logit_bias`` and
+``response_format`` (JSON object, JSON schema) are served.
 
 Types are strict, as OpenAI's API and vLLM are: an integer is a JSON integer (not ``"5"``, not
 ``5.0``, not ``true``), a boolean is ``true`` / ``false``, a string is a string; numbers are finite
@@ -226,14 +226,29 @@ class ChatCompletionRequest(_Common):
         super().check_supported()
         if self.tools:
             raise OpenAIError(400, "tools are not supported", "tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise OpenAIError(400, "only the text response format is supported",
-                              "response_format")
         if self.functions:
             raise OpenAIError(400, "functions (tools) are not supported", "functions")
         if self.audio is not None or any(m != "text" for m in self.modalities or []):
             raise OpenAIError(400, "only text output is supported",
                               "audio" if self.audio is not None else "modalities")
+
+    def output_schema(self) -> tuple[bool, dict[str, Any] | None]:
+        """(constrained, schema) from ``response_format``: text (False, None), any JSON object
+        (True, None) or a JSON schema (True, schema); anything else a 400 naming the field."""
+        form = self.response_format or {"type": "text"}
+        kind = form.get("type")
+        if kind == "text":
+            return False, None
+        if kind == "json_object":
+            return True, None
+        if kind == "json_schema":
+            spec = form.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise OpenAIError(400, "response_format.json_schema: must be an object with "
+                                  "a name and a schema (an object)", "response_format")
+            return True, spec.get("schema", {})
+        raise OpenAIError(400, "response_format.type: must be \"text\", \"json_object\" or "
+                          "\"json_schema\"", "response_format")
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -37,8 +37,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from shared.protocol.schema import RowMask
 
 from shared.protocol.sampling import (
     SamplingConfig,
@@ -76,6 +80,15 @@ class Block:
     # with penalties (``config.penalized``): each generated token's count among the committed
     # tokens up to row 0 (the last token included); the drafts before each row add theirs
     history: tuple[tuple[int, int], ...] = ()
+    # structured output: the tokens the grammar allows at each row (``RowMask``, one per row)
+    masks: tuple[RowMask, ...] | None = None
+
+    def constrained(self, rows: torch.Tensor) -> torch.Tensor:
+        """The rows with every token the grammar refuses at -inf: the target's constrained
+        distribution, once processed (its rows renormalise over what is left)."""
+        assert self.masks is not None
+        keep = torch.stack([mask.keep(rows.shape[-1]) for mask in self.masks])
+        return rows.float().masked_fill(~keep.to(rows.device), float("-inf"))
 
     def penalized(self, rows: torch.Tensor) -> torch.Tensor:
         """The block's rows with its config's bias and penalties (``sampling.penalize``): row
@@ -417,6 +430,8 @@ def decide(rows: list[torch.Tensor], blocks: list[Block], on_device: bool = True
     that stays in cache wins over one large stack."""
     raw = rows  # logprobs report the target's own distributions
     rows = [block.penalized(row) if block.config.penalized else row
+            for row, block in zip(rows, blocks, strict=True)]
+    rows = [block.constrained(row) if block.masks is not None else row
             for row, block in zip(rows, blocks, strict=True)]
     verdicts: list[Verdict | None] = [None] * len(blocks)
     device = [j for j, block in enumerate(blocks) if on_device and block.on_device]

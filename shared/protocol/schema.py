@@ -142,6 +142,43 @@ class CreateSessionResponse(_Strict):
     prefill_ms: float
 
 
+class RowMask(_Strict):
+    """The tokens a grammar allows at one row (structured output): the ``allowed`` ids, or
+    every id but the ``forbidden`` ones, whichever list is shorter; base64 of little-endian
+    int32 ids."""
+
+    allowed: str | None = None
+    forbidden: str | None = None
+
+    @classmethod
+    def of(cls, allowed: Any) -> RowMask:
+        """From a [vocab] boolean array (numpy)."""
+        import numpy as np
+
+        ids = np.nonzero(allowed)[0]
+        if len(ids) <= len(allowed) // 2:
+            return cls(allowed=_b64(ids.tolist(), "<i4"))
+        return cls(forbidden=_b64(np.nonzero(~allowed)[0].tolist(), "<i4"))
+
+    def keep(self, vocab_size: int) -> torch.Tensor:
+        """[vocab_size] bool; ValueError for a mask that is not one (both lists or neither,
+        ids outside the vocabulary, nothing allowed)."""
+        import torch
+
+        if (self.allowed is None) == (self.forbidden is None):
+            raise ValueError("a row mask has either allowed or forbidden ids")
+        ids = _unb64(self.allowed if self.allowed is not None else self.forbidden or "", "<i4")
+        if any(not 0 <= i < vocab_size for i in ids):
+            raise ValueError(f"a row mask names ids outside [0, {vocab_size})")
+        keep = torch.zeros(vocab_size, dtype=torch.bool)
+        keep[torch.tensor(ids, dtype=torch.long)] = True
+        if self.forbidden is not None:
+            keep = ~keep
+        if not bool(keep.any()):
+            raise ValueError("a row mask allows no token")
+        return keep
+
+
 class VerifyRequest(_Strict):
     position: int = Field(ge=1, le=INT32_MAX,
                           description="committed tokens so far; must equal the session's")
@@ -171,6 +208,10 @@ class VerifyRequest(_Strict):
         default_factory=list, max_length=INT32_MAX, description="with presence or frequency "
         "penalties: [id, count] of every token generated so far (last_token included), each "
         "id once; the drafts before a row add theirs")
+    masks: list[RowMask] | None = Field(
+        None, description="structured output: the tokens the grammar allows at each scored "
+        "row (k + 1: row 0 after last_token, row i after the first i drafts); the target's "
+        "rows are masked to them before anything is decided")
 
     @field_validator("log_uniforms")
     @classmethod
@@ -188,7 +229,8 @@ class VerifyRequest(_Strict):
                    final_uniform=block.final_uniform, return_top_ids=block.top_ids,
                    tree_parents=block.tree_parents, more_uniforms=more_uniforms,
                    logprobs=block.logprobs,
-                   history=[(i, c) for i, c in block.history])
+                   history=[(i, c) for i, c in block.history],
+                   masks=list(block.masks) if block.masks is not None else None)
 
     def block(self, config: SamplingConfig) -> Block:
         """The block this request carries, under its session's sampling ``config``."""
@@ -196,7 +238,8 @@ class VerifyRequest(_Strict):
 
         return Block(self.draft_ids, self.draft_logprobs, self.log_uniforms, self.final_uniform,
                      config, self.position, self.tree_parents, self.return_top_ids,
-                     self.logprobs, tuple((i, c) for i, c in self.history))
+                     self.logprobs, tuple((i, c) for i, c in self.history),
+                     tuple(self.masks) if self.masks is not None else None)
 
 
 class EncodedRow(_Strict):

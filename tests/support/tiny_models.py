@@ -11,6 +11,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
+    AutoTokenizer,
     BartConfig,
     BartForConditionalGeneration,
     GPT2Config,
@@ -88,6 +89,27 @@ def save_tiny(folder: Path, arch: str, vocab_size: int, seed: int,
               init_range: float = 0.02) -> Path:
     build_model(arch, vocab_size, seed, init_range).save_pretrained(folder)
     build_tokenizer(vocab_size).save_pretrained(folder)
+    return folder
+
+
+def build_ascii_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer of 97 ids: <unk>, <eos>, the space and printable ASCII, one byte
+    each - enough for any JSON text (structured output's tests)."""
+    names = ["<unk>", "<eos>", "\u0120", *(chr(c) for c in range(33, 127))]  # U+0120: a space
+    core = Tokenizer(models.BPE(vocab={name: i for i, name in enumerate(names)}, merges=[],
+                                unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>",
+                                        eos_token="<eos>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def save_ascii(folder: Path, seed: int) -> Path:
+    """A GPT-2 over ``build_ascii_tokenizer``'s 97 ids."""
+    build_model("gpt2", 97, seed, init_range=0.3).save_pretrained(folder)
+    build_ascii_tokenizer().save_pretrained(folder)
     return folder
 
 
@@ -172,7 +194,7 @@ def save_perturbed(source: Path, folder: Path, noise: float, seed: int) -> Path:
         for param in model.parameters():
             param.add_(noise * torch.randn(param.shape, generator=generator))
     model.save_pretrained(folder)
-    build_tokenizer(model.config.vocab_size).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)  # the target's own
     return folder
 
 
@@ -180,19 +202,21 @@ def save_perturbed(source: Path, folder: Path, noise: float, seed: int) -> Path:
 def build_tiny_set(root: Path) -> dict[str, Path]:
     """The fixture's model folders. 'gpt2-*' and 'llama-*': vocab 64 target/drafter pairs;
     'peaky-*': vocab 16 with peaked distributions, for the statistical tests; 't5-*',
-    'bart-*' and 'peaky-t5-*': encoder-decoder pairs."""
+    'bart-*' and 'peaky-t5-*': encoder-decoder pairs; 'json-*': printable ASCII, one byte a
+    token (structured output)."""
     paths = {
         "gpt2-target": save_tiny(root / "gpt2-target", "gpt2", 64, seed=1, init_range=0.3),
         "llama-target": save_tiny(root / "llama-target", "llama", 64, seed=3, init_range=0.3),
         "peaky-target": save_tiny(root / "peaky-target", "llama", 16, seed=5, init_range=0.5),
         "other-vocab": save_tiny(root / "other-vocab", "gpt2", 48, seed=7),
+        "json-target": save_ascii(root / "json-target", seed=23),
     }
     paths["t5-target"] = save_seq2seq(root / "t5-target", "t5", 64, seed=13, init_std=10.0)
     paths["bart-target"] = save_seq2seq(root / "bart-target", "bart", 64, seed=17, init_std=0.3)
     paths["peaky-t5-target"] = save_seq2seq(root / "peaky-t5-target", "t5", 16, seed=19,
                                             init_std=0.3)
     for name, noise in (("gpt2", 0.02), ("llama", 0.01), ("peaky", 0.02), ("t5", 0.02),
-                        ("bart", 0.02), ("peaky-t5", 0.3)):
+                        ("bart", 0.02), ("peaky-t5", 0.3), ("json", 0.02)):
         paths[f"{name}-drafter"] = save_perturbed(paths[f"{name}-target"],
                                                   root / f"{name}-drafter", noise, seed=11)
     return paths

@@ -91,6 +91,8 @@ class RequestValidator:
                                 "draft_logprobs")
         if req.tree_parents is not None:
             self.check_tree(req)
+        if req.masks is not None:
+            self.check_masks(req)
         if req.more_uniforms and (k or req.tree_parents is not None):
             raise VerifierError(422, "plain_run_with_drafts", "more_uniforms asks for a plain "
                                 "run, which drafts nothing: send no draft_ids", "more_uniforms")
@@ -109,6 +111,20 @@ class RequestValidator:
         if session.position + k > self.max_context:
             raise VerifierError(422, "context_overflow", f"position {session.position} + {k} "
                                 f"drafts exceeds max_context {self.max_context}", "draft_ids")
+
+    def check_masks(self, req: VerifyRequest) -> None:
+        masks, k = req.masks or [], len(req.draft_ids)
+        if len(masks) != k + 1:
+            raise VerifierError(422, "length_mismatch", f"masks has {len(masks)} entries for "
+                                f"{k + 1} rows", "masks")
+        if req.tree_parents is not None or req.more_uniforms:
+            raise VerifierError(422, "masks_unsupported", "masks go with a chain of drafts or "
+                                "one plain step (no tree_parents, no more_uniforms)", "masks")
+        for mask in masks:
+            try:
+                mask.keep(self.vocab_size)
+            except ValueError as exc:
+                raise VerifierError(422, "invalid_mask", str(exc), "masks") from None
 
     def check_tree(self, req: VerifyRequest) -> None:
         parents = req.tree_parents or []

@@ -1,0 +1,148 @@
+"""Structured output: a grammar (a JSON schema, any JSON object, a Lark grammar) that every
+generated token must keep, through llguidance.
+
+Why llguidance: it computes a token mask from a compiled grammar in tens of microseconds on a
+150k vocabulary (its README's measurements; Microsoft's guidance and vLLM use it), compiles
+JSON schemas and Lark directly, and can roll back consumed tokens, which a block needs: the mask
+of row i depends on the block's drafts before it.
+
+The constrained target distribution at a position is the target's, masked to the tokens the
+grammar allows there and renormalised. The client owns the sequence, so it owns the grammar's
+state: for each block it computes the mask of every row - row 0 after the committed tokens, row
+i after the first i drafts - and sends them with the block; the verifier applies them to the
+rows before deciding (``shared.protocol.acceptance``), so acceptance, the recovered token and
+the bonus token all use the masked distribution. A draft the grammar refuses ends the block
+there (the target gives it probability 0: it would be rejected; nothing after it can count).
+The drafter's own proposals are checked, not masked: a model drafter that drafted outside the
+grammar loses that block's tail, never exactness.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+from drafter_client.transport import SpecDecError
+from shared.protocol.schema import RowMask
+
+MAX_SCHEMA_BYTES = 65536  # a schema larger than this (as JSON) is refused
+MAX_SCHEMA_DEPTH = 32  # and one nested deeper
+
+
+def _depth(value: Any, level: int = 0) -> int:
+    if isinstance(value, dict):
+        return max((_depth(v, level + 1) for v in value.values()), default=level + 1)
+    if isinstance(value, list):
+        return max((_depth(v, level + 1) for v in value), default=level + 1)
+    return level
+
+
+def json_schema_grammar(schema: dict[str, Any] | None) -> str:
+    """The llguidance grammar of a JSON schema (None: any JSON object); ValueError naming what
+    is wrong for a schema too large, too deep or not compilable."""
+    import llguidance
+
+    if schema is None:
+        schema = {"type": "object"}
+    if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
+        raise ValueError(f"the schema is larger than {MAX_SCHEMA_BYTES} bytes")
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"the schema is nested deeper than {MAX_SCHEMA_DEPTH} levels")
+    try:
+        grammar = str(llguidance.LLMatcher.grammar_from_json_schema(schema))
+    except Exception as exc:  # noqa: BLE001 - llguidance's own error says what is wrong
+        raise ValueError(f"the schema does not compile: {exc}") from None
+    _check(grammar)
+    return grammar
+
+
+def _check(grammar: str, ll_tokenizer: Any = None) -> None:
+    """ValueError with llguidance's message for a grammar it cannot compile."""
+    import llguidance
+
+    problem = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)
+    if problem and not problem.startswith("WARNING"):
+        raise ValueError(f"the grammar does not compile: {problem}")
+
+
+def lark_grammar(lark: str) -> str:
+    """The llguidance grammar of a Lark grammar; ValueError for one that does not compile."""
+    import llguidance
+
+    grammar = str(llguidance.LLMatcher.grammar_from_lark(lark))
+    _check(grammar)
+    return grammar
+
+
+class TokenizerCache:
+    """llguidance's view of a tokenizer (about a second to build): built once per client."""
+
+    def __init__(self) -> None:
+        self._built: dict[int, Any] = {}
+
+    def get(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Any:
+        key = id(tokenizer)
+        if key not in self._built:
+            import llguidance.hf
+
+            self._built[key] = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids or None)
+        return self._built[key]
+
+
+LL_TOKENIZERS = TokenizerCache()
+
+
+class Constraint:
+    """One generation's grammar state: the masks of a block's rows, and the committed tokens."""
+
+    def __init__(self, grammar: str, ll_tokenizer: Any, vocab_size: int,
+                 eos_ids: list[int]) -> None:
+        import llguidance
+
+        try:
+            _check(grammar, ll_tokenizer)
+        except ValueError as exc:
+            raise SpecDecError(str(exc)) from None
+        self.matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
+        if self.matcher.is_error():
+            raise SpecDecError(f"the grammar does not compile: {self.matcher.get_error()}")
+        self.vocab_size, self.eos_ids = vocab_size, frozenset(eos_ids)
+        words = (vocab_size + 31) // 32
+        self._bits = np.zeros(words, dtype=np.int32)
+
+    def allowed(self) -> np.ndarray:
+        """[vocab] bool: the tokens the grammar allows next."""
+        # straight into our buffer (llguidance.torch's helper does the same, after compiling
+        # a kernel at import that this never needs)
+        self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size]
+        return bits.astype(bool)
+
+    def block(self, drafts: list[int]) -> tuple[int, list[RowMask]]:
+        """(how many of ``drafts`` the grammar keeps, the masks of rows 0..that many): the
+        drafts up to the first one the grammar refuses, and a mask per row they give."""
+        masks, consumed = [], 0
+        for i in range(len(drafts) + 1):
+            allowed = self.allowed()
+            masks.append(RowMask.of(allowed))
+            if i == len(drafts) or not allowed[drafts[i]] or self.matcher.is_stopped():
+                break
+            if not self.matcher.consume_token(drafts[i]):
+                break
+            consumed += 1
+        if consumed:
+            self.matcher.rollback(consumed)
+        return len(masks) - 1, masks
+
+    def commit(self, tokens: list[int]) -> None:
+        """The committed sequence grew by ``tokens`` (each allowed where it came; an EOS
+        after the grammar's end is its end)."""
+        for token in tokens:
+            if self.matcher.is_stopped() and token in self.eos_ids:
+                continue
+            if not self.matcher.consume_token(token):
+                raise SpecDecError(f"the verifier returned token {token}, which the grammar "
+                                   f"does not allow there ({self.matcher.get_error()})")

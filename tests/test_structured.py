@@ -1,0 +1,232 @@
+"""Structured output: every row of a block masked to what the grammar allows after the tokens
+before it (``drafter_client/constraint.py``), on a tiny GPT-2 whose 97 ids are printable ASCII.
+
+Greedy speculation equals the target alone under the same grammar (plain steps, each with its
+row's mask) at every k, including blocks the schema's end cuts; every answer parses and
+validates. The first two sampled tokens follow the constrained target (an independent
+reference: the model's rows masked to the sets written out here), and a client that masks every
+row of a block with its first row's mask (a grammar not advanced along the drafts) must fail
+that test."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import numpy as np
+import openai
+import pytest
+import torch
+
+from drafter_client.api import SpecDecClient
+from drafter_client.constraint import Constraint, json_schema_grammar, lark_grammar
+from drafter_client.transport import SpecDecError
+from shared.models.catalog import load_causal_lm
+from shared.protocol.schema import RowMask
+from tests.support.in_process import InProcessVerifier
+from tests.support.live_server import LiveServer, fp32_settings
+from tests.support.servers import ThreadedServer
+from tests.support.statistics import chi_square_p, reference_probs, sample_pairs
+from tests.test_gateway import error_of
+
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "pick": {"enum": ["red", "green", "blue"]},
+                   "tags": {"type": "array", "items": {"enum": ["a", "bb"]}, "maxItems": 3}},
+    "required": ["ok", "pick", "tags"], "additionalProperties": False,
+}
+PROMPT = "give me json:"
+
+
+@pytest.fixture(scope="module")
+def json_server(tiny_models: dict[str, Path]) -> Iterator[LiveServer]:
+    with LiveServer(fp32_settings(tiny_models["json-target"], max_draft_tokens=8)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(json_server: LiveServer, tiny_models: dict[str, Path]) -> SpecDecClient:
+    return SpecDecClient(json_server.url, str(tiny_models["json-drafter"]))
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_constrained_speculation_equals_the_target_alone(client: SpecDecClient,
+                                                                k: int) -> None:
+    grammar = json_schema_grammar(SCHEMA)
+    alone = client.generate(PROMPT, num_draft_tokens=0, max_new_tokens=120, temperature=0,
+                            grammar=grammar)
+    spec = client.generate(PROMPT, num_draft_tokens=k, max_new_tokens=120, temperature=0,
+                           grammar=grammar)
+    assert spec.token_ids == alone.token_ids
+    assert spec.finish_reason == "stop"  # the schema's end: only EOS is left
+    jsonschema.validate(json.loads(spec.text), SCHEMA)
+    # negative control: unconstrained, this model writes no JSON at all
+    free = client.generate(PROMPT, num_draft_tokens=k, max_new_tokens=40, temperature=0)
+    with pytest.raises(ValueError):
+        json.loads(free.text)
+
+
+def test_sampled_constrained_answers_all_validate(client: SpecDecClient) -> None:
+    grammar = json_schema_grammar(SCHEMA)
+    for seed in range(6):
+        result = client.generate(PROMPT, num_draft_tokens=4, max_new_tokens=120,
+                                 temperature=1.0, seed=seed, grammar=grammar)
+        jsonschema.validate(json.loads(result.text), SCHEMA)
+
+
+def test_schemas_the_engine_refuses_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="compile"):
+        json_schema_grammar({"type": "nonsense"})
+    deep: dict[str, Any] = {"type": "object"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"x": deep}}
+    with pytest.raises(ValueError, match="deeper"):
+        json_schema_grammar(deep)
+    with pytest.raises(ValueError, match="larger"):
+        json_schema_grammar({"enum": ["x" * 70000]})
+
+
+def test_a_bad_mask_is_refused_by_the_verifier(json_server: LiveServer) -> None:
+    from drafter_client.transport import HttpVerifier, VerifierHTTPError
+    from shared.protocol.schema import CreateSessionRequest, VerifyRequest
+
+    verifier = HttpVerifier(json_server.url)
+    session = verifier.create_session(CreateSessionRequest(prompt_ids=[5, 6])).session_id
+    nothing = RowMask.of(np.zeros(97, dtype=bool))
+    for masks in ([nothing], [RowMask.of(np.ones(97, dtype=bool))] * 2):
+        with pytest.raises(VerifierHTTPError) as info:
+            verifier.verify(session, VerifyRequest(position=2, last_token=6, final_uniform=0.5,
+                                                   masks=masks))
+        assert info.value.field == "masks"
+    ok = verifier.verify(session, VerifyRequest(position=2, last_token=6, final_uniform=0.5,
+                                                masks=[RowMask.of(np.arange(97) == 40)]))
+    assert ok.next_token == 40  # the only token the mask allows
+
+
+# -- the sampled distribution ------------------------------------------------------------------
+
+RUNS = 3000
+CONTROL_RUNS = 250  # the wrong masks give pairs the grammar forbids: a count, not a p-value
+LARK = 'start: ("a" | "b" | "c") ("d" | "e" | "a")'
+FIRST, SECOND = "abc", "dea"
+PARAMS: dict[str, Any] = {"temperature": 1.0}
+
+
+@pytest.fixture(scope="module")
+def in_process(tiny_models: dict[str, Path]) -> SpecDecClient:
+    verifier = InProcessVerifier.load(fp32_settings(tiny_models["json-target"],
+                                                    max_draft_tokens=8))
+    return SpecDecClient(verifier, str(tiny_models["json-drafter"]), dtype="float32",
+                         device="cpu")
+
+
+def exact_constrained_pairs(client: SpecDecClient, model_dir: Path,
+                            prompt: list[int]) -> dict[tuple[int, ...], float]:
+    """P(first two tokens) of the target masked to FIRST then SECOND, without our code."""
+    model = load_causal_lm(str(model_dir), torch.float32, torch.device("cpu"))
+    first_ids = [client.tokenizer.convert_tokens_to_ids(c) for c in FIRST]
+    second_ids = [client.tokenizer.convert_tokens_to_ids(c) for c in SECOND]
+
+    def masked(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        keep = torch.full_like(logits, float("-inf"))
+        keep[..., ids] = 0.0
+        return logits + keep
+
+    with torch.no_grad():
+        first = reference_probs(masked(model(torch.tensor([prompt])).logits[:, -1],
+                                       first_ids), PARAMS)[0]
+        batch = torch.tensor([[*prompt, t] for t in first_ids])
+        second = reference_probs(masked(model(batch).logits[:, -1], second_ids), PARAMS)
+    return {(t1, t2): float(first[t1] * second[row, t2])
+            for row, t1 in enumerate(first_ids) for t2 in second_ids}
+
+
+@pytest.mark.slow
+def test_first_two_tokens_follow_the_constrained_target(in_process: SpecDecClient,
+                                                        tiny_models: dict[str, Path]) -> None:
+    prompt = in_process.encode(PROMPT)
+    exact = exact_constrained_pairs(in_process, tiny_models["json-target"], prompt)
+    counts = sample_pairs(in_process, {**PARAMS, "grammar": lark_grammar(LARK)}, RUNS,
+                          prompt=prompt)
+    assert set(counts) <= set(exact)  # nothing outside the grammar
+    p_value, tv = chi_square_p(counts, exact)
+    assert p_value > 1e-3, f"chi-square p = {p_value:.2e}, TV = {tv:.3f}"
+    assert tv < 0.1, f"TV = {tv:.3f}"
+
+
+@pytest.mark.slow
+def test_negative_control_the_first_rows_mask_for_every_row(
+        in_process: SpecDecClient, tiny_models: dict[str, Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grammar not advanced along the drafts: every row gets row 0's mask (and the client
+    takes whatever comes back). Must fail the same test."""
+    def first_mask_only(self: Constraint, drafts: list[int]) -> tuple[int, list[RowMask]]:
+        allowed = self.allowed()
+        kept = next((i for i, t in enumerate(drafts) if not allowed[t]), len(drafts))
+        return kept, [RowMask.of(allowed)] * (kept + 1)
+
+    monkeypatch.setattr(Constraint, "block", first_mask_only)
+    monkeypatch.setattr(Constraint, "commit", lambda self, tokens: None)
+    prompt = in_process.encode(PROMPT)
+    exact = exact_constrained_pairs(in_process, tiny_models["json-target"], prompt)
+    counts = sample_pairs(in_process, {**PARAMS, "grammar": lark_grammar(LARK)}, CONTROL_RUNS,
+                          prompt=prompt)
+    outside = sum(n for cell, n in counts.items() if cell not in exact)
+    assert outside > 0.05 * CONTROL_RUNS, f"wrong masks not caught: {outside} pairs outside"
+
+
+# -- the gateway -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gateway_client(client: SpecDecClient) -> SpecDecClient:
+    return client
+
+
+@pytest.fixture(scope="module")
+def oai(gateway: ThreadedServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_gateway_json_schema_answers_validate(oai: openai.OpenAI,
+                                              client: SpecDecClient) -> None:
+    messages: Any = [{"role": "user", "content": PROMPT}]
+    form: Any = {"type": "json_schema",
+                 "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
+    reply = oai.chat.completions.create(model="tiny-gpt2", messages=messages, temperature=0,
+                                        max_tokens=120, response_format=form)
+    text = reply.choices[0].message.content or ""
+    jsonschema.validate(json.loads(text), SCHEMA)
+    ids = client.encode_chat([{"role": "user", "content": PROMPT}])
+    alone = client.generate(ids, num_draft_tokens=0, max_new_tokens=120, temperature=0,
+                            grammar=json_schema_grammar(SCHEMA))
+    assert text == alone.text
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
+        model="tiny-gpt2", messages=messages, temperature=0, max_tokens=120,
+        response_format=form, stream=True) if c.choices)
+    assert streamed == text
+    anything = oai.chat.completions.create(model="tiny-gpt2", messages=messages,
+                                           temperature=0.8, seed=3, max_tokens=200,
+                                           response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content or ""), dict)
+
+
+@pytest.mark.parametrize("form", [
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+    {"type": "json_schema", "json_schema": "no"},
+    {"type": "xml"},
+])
+def test_gateway_bad_response_formats_are_400s(oai: openai.OpenAI, form: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model="tiny-gpt2", max_tokens=4, response_format=form,
+                                    messages=[{"role": "user", "content": PROMPT}])
+    assert error_of(info.value)["param"] == "response_format"
+
+
+def test_a_grammar_that_does_not_compile_is_refused(client: SpecDecClient) -> None:
+    with pytest.raises(SpecDecError, match="grammar"):
+        client.generate(PROMPT, max_new_tokens=4, grammar='{"grammars": [{"lark": "start: ("}]}')
