@@ -20,6 +20,8 @@ grammar loses that block's tail, never exactness.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -95,20 +97,42 @@ class TokenizerCache:
 LL_TOKENIZERS = TokenizerCache()
 
 
+COMPILED_GRAMMARS = 64  # grammars kept compiled (a gateway sees the same schemas again)
+_compiled: OrderedDict[tuple[int, str], Any] = OrderedDict()
+_compiled_lock = threading.Lock()
+
+
+def _fresh_matcher(grammar: str, ll_tokenizer: Any) -> Any:
+    """A matcher at the grammar's start: a copy of one compiled earlier for this tokenizer,
+    else compiled now (SpecDecError naming the problem)."""
+    import llguidance
+
+    key = (id(ll_tokenizer), grammar)
+    with _compiled_lock:
+        prototype = _compiled.get(key)
+        if prototype is not None:
+            _compiled.move_to_end(key)
+            return prototype.deep_copy()
+    try:
+        _check(grammar, ll_tokenizer)
+    except ValueError as exc:
+        raise SpecDecError(str(exc)) from None
+    prototype = llguidance.LLMatcher(ll_tokenizer, grammar)
+    if prototype.is_error():
+        raise SpecDecError(f"the grammar does not compile: {prototype.get_error()}")
+    with _compiled_lock:
+        _compiled[key] = prototype
+        while len(_compiled) > COMPILED_GRAMMARS:
+            _compiled.popitem(last=False)
+    return prototype.deep_copy()
+
+
 class Constraint:
     """One generation's grammar state: the masks of a block's rows, and the committed tokens."""
 
     def __init__(self, grammar: str, ll_tokenizer: Any, vocab_size: int,
                  eos_ids: list[int]) -> None:
-        import llguidance
-
-        try:
-            _check(grammar, ll_tokenizer)
-        except ValueError as exc:
-            raise SpecDecError(str(exc)) from None
-        self.matcher = llguidance.LLMatcher(ll_tokenizer, grammar)
-        if self.matcher.is_error():
-            raise SpecDecError(f"the grammar does not compile: {self.matcher.get_error()}")
+        self.matcher = _fresh_matcher(grammar, ll_tokenizer)
         self.vocab_size, self.eos_ids = vocab_size, frozenset(eos_ids)
         words = (vocab_size + 31) // 32
         self._bits = np.zeros(words, dtype=np.int32)
