@@ -105,6 +105,33 @@ def test_the_page_answers_as_the_api_does(browser: Any, gateway: ThreadedServer)
     assert page.errors == []
 
 
+def test_the_prediction_and_schema_boxes(browser: Any, gateway: ThreadedServer) -> None:
+    """A prediction (the API's own answer) leaves the answer the API's and shows how many of
+    its drafted tokens the target accepted; a schema box that is not JSON is the page's own
+    error, and a schema the engine refuses is the gateway's 400, shown."""
+    page = open_page(browser, gateway.url)
+    page.fill("#max-tokens", "24")
+    oai = openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
+    api = oai.chat.completions.create(model=MODEL, temperature=0, max_tokens=24, seed=0,
+                                      messages=[{"role": "user", "content": "the cat sat on"}])
+    expected = api.choices[0].message.content or ""
+    page.fill("#prediction", expected)
+    answer = ask(page, "the cat sat on")
+    assert text_of(answer) == expected
+    assert re.fullmatch(r"[1-9]\d* of \d+ drafted", page.text_content("#fig-prediction"))
+    page.click("#reset")
+    page.fill("#prediction", "")
+    page.fill("#schema", "{not json")
+    page.fill("#prompt", "the dog")
+    page.press("#prompt", "Enter")
+    expect(page.locator("#error")).to_contain_text("JSON schema: not JSON")
+    page.fill("#schema", '{"type": "nonsense"}')
+    page.fill("#prompt", "the dog")
+    page.press("#prompt", "Enter")
+    expect(page.locator("#error")).to_contain_text("response_format")
+    assert page.errors == []
+
+
 def test_completion_mode_answers_as_the_api_does(browser: Any, gateway: ThreadedServer) -> None:
     """Plain completion: the prompt as it is, continued; sampled with the page's seed, as the
     API samples the same request."""

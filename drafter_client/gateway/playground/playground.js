@@ -90,6 +90,19 @@ function requestBody(prompt, targetAlone) {
   if (k !== "") body.specdec.k = /^\d+$/.test(k) ? parseInt(k, 10) : k;
   if ($("mode").value === "chat") {
     body.messages = [...state.history, {role: "user", content: prompt}];
+    const schema = $("schema").value.trim();
+    if (schema !== "") {
+      let parsed;
+      try {
+        parsed = JSON.parse(schema);
+      } catch (e) {
+        throw new Error(`JSON schema: not JSON (${e.message})`);
+      }
+      body.response_format = {type: "json_schema",
+        json_schema: {name: "playground", schema: parsed, strict: true}};
+    }
+    const prediction = $("prediction").value;
+    if (prediction.trim() !== "") body.prediction = {type: "content", content: prediction};
   } else {
     body.prompt = prompt;
   }
@@ -210,6 +223,11 @@ class Answer {
     $("fig-mean").textContent = this.draftBlocks
       ? (this.accepted / this.draftBlocks).toFixed(2) : "-";
     $("fig-calls").textContent = m ? m.verify_calls : this.blocks;
+    const details = this.usage && this.usage.completion_tokens_details;
+    $("fig-prediction").textContent = details
+      ? `${details.accepted_prediction_tokens} of ` +
+        `${details.accepted_prediction_tokens + details.rejected_prediction_tokens} drafted`
+      : "-";
   }
 }
 
@@ -271,8 +289,15 @@ async function ask(racing) {
   $("race-result").hidden = !racing;
   try {
     // both legs of a race ask the same: built before this turn joins the conversation
-    const targetBody = requestBody(prompt, true);
-    const spec = await run(requestBody(prompt, false), newTurn(prompt));
+    let targetBody, specBody;
+    try {
+      targetBody = requestBody(prompt, true);
+      specBody = requestBody(prompt, false);
+    } catch (e) {  // a box the page can check itself (the schema is not JSON)
+      showError(e.message);
+      return;
+    }
+    const spec = await run(specBody, newTurn(prompt));
     if (spec.done === "error") return;
     if (spec.done !== "stopped" && $("mode").value === "chat") {
       state.history.push({role: "user", content: prompt}, {role: "assistant", content: spec.text});
