@@ -15,7 +15,7 @@ COMMANDS = {"suite": "suite", "client": "client", "batching": "batching", "calls
             "gateway": "gateway", "gpu": "gpu", "gpu-smoke": "gpu_smoke", "llama": "llama",
             "llama-blocks": "llama_blocks", "cpu-blocks": "cpu_blocks",
             "cpu-kernels": "cpu_kernels", "prompt-memory": "prompt_memory", "quality": "quality",
-            "serving": "serving", "report": "report"}
+            "serving": "serving", "report": "report", "prediction": "prediction"}
 
 
 def command_module(name: str) -> ModuleType:
