@@ -42,8 +42,10 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from shared.protocol.logprobs import TokenLogprobs
     from shared.protocol.schema import RowMask
 
+from shared.protocol.logprobs import output_logprobs
 from shared.protocol.sampling import (
     SamplingConfig,
     choose_tokens,
@@ -75,7 +77,7 @@ class Block:
     tree_parents: list[int] | None = None  # the drafts form this tree below row 0's token
     top_ids: int = 0  # also the top-n ids of every row
     # the target's own log-probabilities of the block's output tokens and of their rows' best
-    # ``logprobs`` alternatives (:func:`output_logprobs`); None: not asked
+    # ``logprobs`` alternatives (``shared.protocol.logprobs``); None: not asked
     logprobs: int | None = None
     # with penalties (``config.penalized``): each generated token's count among the committed
     # tokens up to row 0 (the last token included); the drafts before each row add theirs
@@ -131,29 +133,6 @@ class Verdict:
     path: list[int] | None = None  # a tree's accepted nodes, root's child first
     top_ids: list[list[int]] | None = None  # the target's best ids of every row, when asked
     logprobs: list[TokenLogprobs] | None = None  # per output token, when the block asked
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """The target's raw log-probabilities (log-softmax of its logits, before temperature,
-    top-k, top-p: what OpenAI's ``logprobs`` report) at one output token's row.
-
-    ``logprob``: of the token, when the verifier knows it; a token the client draws itself
-    (a model draft's recovered token) has None, and ``support`` holds (ids, log-probabilities)
-    of every id it can be (the processed row's support). ``top``: the row's best
-    (id, log-probability) pairs, best first."""
-
-    logprob: float | None
-    top: list[tuple[int, float]]
-    support: tuple[list[int], list[float]] | None = None
-
-    def of(self, token: int) -> float:
-        """The token's log-probability."""
-        if self.logprob is not None:
-            return self.logprob
-        if self.support is not None and token in self.support[0]:
-            return self.support[1][self.support[0].index(token)]
-        raise ValueError(f"no log-probability for token {token} at this row")
 
 
 # -- 2. the rule -------------------------------------------------------------------------------
@@ -458,30 +437,6 @@ def decide(rows: list[torch.Tensor], blocks: list[Block], on_device: bool = True
             verdict = replace(verdict, logprobs=output_logprobs(raw[j], block, verdict))
         done.append(verdict)
     return done
-
-
-def output_logprobs(rows: torch.Tensor, block: Block, verdict: Verdict) -> list[TokenLogprobs]:
-    """The raw log-probabilities of the block's output tokens (the accepted drafts, then the
-    recovered or bonus token) and their rows' best ``block.logprobs`` ids: rows [n, vocab]
-    logits where the forward left them. Row by row in float32, as a one-token step's row."""
-    path = verdict.path if verdict.path is not None else list(range(verdict.num_accepted))
-    scored = [0, *(node + 1 for node in path)]  # row 0 follows the root, row i + 1 node i
-    tokens = [block.draft_ids[node] for node in path] + [verdict.next_token]
-    logprobs = torch.log_softmax(rows[scored].float(), dim=-1)  # [m, vocab]
-    known = to_device([t if t is not None else 0 for t in tokens], torch.long, rows.device)
-    chosen = logprobs.gather(-1, known[:, None])[:, 0].cpu().tolist()  # [m]
-    n = min(block.logprobs or 0, rows.shape[-1])
-    best = torch.topk(logprobs, n, dim=-1) if n else None
-    top_values = best.values.cpu().tolist() if best is not None else [[]] * len(scored)
-    top_ids = best.indices.cpu().tolist() if best is not None else [[]] * len(scored)
-    out = [TokenLogprobs(lp, list(zip(ids, values, strict=True)))
-           for lp, ids, values in zip(chosen, top_ids, top_values, strict=True)]
-    if verdict.next_token is None and verdict.row is not None:  # the client draws it
-        support = torch.nonzero(verdict.row > 0).flatten()
-        values = logprobs[-1].cpu()[support]
-        out[-1] = replace(out[-1], logprob=None,
-                          support=(support.tolist(), values.tolist()))
-    return out
 
 
 def top_ids(rows: torch.Tensor, n: int) -> list[list[int]]:

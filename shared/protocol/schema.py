@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # torch loads where a tensor is made, not with the schema (th
     # its flags against these models before it loads torch)
     import torch
 
-    from shared.protocol.acceptance import Block, TokenLogprobs, Verdict
+    from shared.protocol.acceptance import Block, Verdict
+    from shared.protocol.logprobs import TokenLogprobs
     from shared.protocol.sampling import SamplingConfig
 
 PROTOCOL_VERSION = 1
@@ -310,7 +311,7 @@ def _unb64(text: str, dtype: str) -> list[Any]:
 
 
 class LogprobsEntry(_Strict):
-    """One output token's raw log-probabilities (``acceptance.TokenLogprobs``); -inf travels
+    """One output token's raw log-probabilities (``logprobs.TokenLogprobs``); -inf travels
     as null. ``support_*``: base64 of little-endian int32 ids and float32 log-probabilities
     of every id a token the client draws can be."""
 
@@ -330,7 +331,7 @@ class LogprobsEntry(_Strict):
 
     def entry(self) -> TokenLogprobs:
         """The inverse of :meth:`of`; ValueError for a support that does not decode."""
-        from shared.protocol.acceptance import TokenLogprobs
+        from shared.protocol.logprobs import TokenLogprobs
 
         support = None
         if self.support_ids is not None or self.support_logprobs is not None:

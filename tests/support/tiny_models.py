@@ -59,6 +59,12 @@ def build_byte_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     names = ["<unk>", "<eos>", "\u0120", *letters, *leads][:vocab_size]  # U+0120: a space
     names += [chr(b) for b in range(0xA1, 0xC0)][:vocab_size - len(names)]
     assert len(names) == vocab_size, len(names)
+    return _byte_level(names)
+
+
+def _byte_level(names: list[str]) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (GPT-2's byte-to-character mapping) with no merges: one id
+    per entry of ``names``, in order."""
     core = Tokenizer(models.BPE(vocab={name: i for i, name in enumerate(names)}, merges=[],
                                 unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -95,15 +101,8 @@ def save_tiny(folder: Path, arch: str, vocab_size: int, seed: int,
 def build_ascii_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer of 97 ids: <unk>, <eos>, the space and printable ASCII, one byte
     each - enough for any JSON text (structured output's tests)."""
-    names = ["<unk>", "<eos>", "\u0120", *(chr(c) for c in range(33, 127))]  # U+0120: a space
-    core = Tokenizer(models.BPE(vocab={name: i for i, name in enumerate(names)}, merges=[],
-                                unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>",
-                                        eos_token="<eos>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    # U+0120: a space
+    return _byte_level(["<unk>", "<eos>", "\u0120", *(chr(c) for c in range(33, 127))])
 
 
 def save_ascii(folder: Path, seed: int) -> Path:
