@@ -30,7 +30,7 @@ from drafter_client.model_free import (
     PromptLookupDrafter,
     special_ids,
 )
-from drafter_client.outcome import BlockOutcome, TokenLogprob
+from drafter_client.outcome import BlockOutcome
 from drafter_client.prediction import PredictionDrafter
 from drafter_client.settings import (
     MODEL_FREE_DRAFTERS,
@@ -43,6 +43,7 @@ from drafter_client.speculative import (
     GenerationResult,
     GenerationSettings,
     finish_reason,
+    read_logprobs,
     speculative_generate,
 )
 from drafter_client.transport import HttpVerifier, SpecDecError, Verifier
@@ -56,7 +57,6 @@ from shared.models.catalog import (
 from shared.protocol.schema import (
     PROTOCOL_VERSION,
     GenerateRequest,
-    GenerateResponse,
     InfoResponse,
     SamplingParams,
 )
@@ -92,20 +92,6 @@ def with_penalties(params: SamplingParams, penalties: Penalties | None) -> Sampl
                                  "logit_bias": sorted(penalties.logit_bias.items())})
     except ValueError as exc:
         raise SpecDecError(f"penalties: {exc}") from None
-
-
-def baseline_logprobs(reply: GenerateResponse, info: InfoResponse) -> list[TokenLogprob]:
-    """A ``/v1/generate`` reply's log-probabilities, one per token."""
-    entries = reply.logprobs or []
-    if len(entries) != len(reply.token_ids):
-        raise SpecDecError(f"the verifier sent an invalid reply: {len(entries)} logprobs "
-                           f"entries for {len(reply.token_ids)} tokens")
-    try:
-        return [TokenLogprob(token, (entry := wire.entry()).of(token),
-                             [(i, v) for i, v in entry.top if 0 <= i < info.vocab_size])
-                for token, wire in zip(reply.token_ids, entries, strict=True)]
-    except ValueError as exc:
-        raise SpecDecError(f"the verifier sent an invalid reply: logprobs: {exc}") from exc
 
 
 def _block_callback(on_tokens: Callable[[list[int]], None] | None,
@@ -483,8 +469,8 @@ class SpecDecClient:
                                 self.decode(reply.token_ids),
                                 finish_reason(reply.token_ids, max_new_tokens,
                                               self.info.eos_token_ids),
-                                logprobs=(None if logprobs is None
-                                          else baseline_logprobs(reply, self.info)))
+                                logprobs=(None if logprobs is None else read_logprobs(
+                                    reply.logprobs, reply.token_ids, self.info.vocab_size)))
 
     def _sampling(self, sampling: Sampling | None, max_new_tokens: int | None,
                   temperature: float | None, top_k: int | None, top_p: float | None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from shared.protocol.sampling import SamplingConfig, draw_uniforms
 from shared.protocol.schema import (
     CreateSessionRequest,
     InfoResponse,
+    LogprobsEntry,
     SamplingParams,
     VerifyRequest,
     VerifyResponse,
@@ -144,7 +146,7 @@ class VerifierSession:
         self.prompt_length = len(prompt_ids)
         self.session_id: str | None = None
         self.reopens = 0
-        self.counts: dict[int, int] = {}  # each generated token's count (penalties read it)
+        self.counts: Counter[int] = Counter()  # each generated token's count (for penalties)
 
     @property
     def position(self) -> int:
@@ -176,8 +178,7 @@ class VerifierSession:
         self.committed.extend(tokens)
         if self.constraint is not None:
             self.constraint.commit(tokens)
-        for token in tokens:
-            self.counts[token] = self.counts.get(token, 0) + 1
+        self.counts.update(tokens)
 
     def history(self) -> tuple[tuple[int, int], ...]:
         """What a block's penalties read: every generated token's count (none without)."""
@@ -247,7 +248,8 @@ def speculative_block(session: VerifierSession, drafter: Drafter, plan: BlockPla
     path = verdict.path if draft.parents is not None else list(range(accepted))
     assert path is not None
     tokens = [*(draft.ids[node] for node in path), next_token, *(reply.more_tokens or [])]
-    logprobs = read_logprobs(reply, tokens, info) if session.logprobs is not None else None
+    logprobs = (read_logprobs(reply.logprobs, tokens, info.vocab_size)
+                if session.logprobs is not None else None)
     eos_at = next((i for i, t in enumerate(tokens) if t in info.eos_token_ids), None)
     if eos_at is not None:
         tokens = tokens[: eos_at + 1]
@@ -268,11 +270,11 @@ def speculative_block(session: VerifierSession, drafter: Drafter, plan: BlockPla
                         logprobs=logprobs)
 
 
-def read_logprobs(reply: VerifyResponse, tokens: list[int],
-                  info: InfoResponse) -> list[TokenLogprob]:
-    """The reply's log-probabilities of ``tokens`` (the block's output, before an EOS cut):
-    one entry per token, a token we drew ourselves looked up in its row's support."""
-    entries = reply.logprobs
+def read_logprobs(entries: list[LogprobsEntry] | None, tokens: list[int],
+                  vocab_size: int) -> list[TokenLogprob]:
+    """A reply's log-probabilities of ``tokens`` (what it output, before an EOS cut): one
+    entry per token, a token we drew ourselves looked up in its row's support; SpecDecError
+    for entries that do not fit."""
     if entries is None or len(entries) != len(tokens):
         raise SpecDecError(f"the verifier sent an invalid reply: {len(entries or [])} "
                            f"logprobs entries for {len(tokens)} tokens")
@@ -283,7 +285,7 @@ def read_logprobs(reply: VerifyResponse, tokens: list[int],
             logprob = entry.of(token)
         except ValueError as exc:
             raise SpecDecError(f"the verifier sent an invalid reply: logprobs: {exc}") from exc
-        if any(not 0 <= i < info.vocab_size for i, _ in entry.top):
+        if any(not 0 <= i < vocab_size for i, _ in entry.top):
             raise SpecDecError("the verifier sent an invalid reply: logprobs ids outside "
                                "the vocabulary")
         out.append(TokenLogprob(token, logprob, entry.top))

@@ -402,8 +402,7 @@ class Gateway:
         try:
             done = await _unless_gone(asyncio.gather(*works, return_exceptions=True), gone)
         finally:
-            for job in jobs:
-                job.cancelled.set()  # the caller went away: stop at the next block
+            _cancel(jobs)  # the caller went away: stop at the next block
         for result in done:
             if isinstance(result, SpecDecError):
                 raise _verifier_error(result) from None

@@ -6,6 +6,7 @@ search (``num_beams`` > 1, :mod:`verifier_service.scheduling.beam`) - and a veri
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,7 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
         created = await scheduler.submit(CreateSessionJob(ctx, create_req, owner))
     session_id, position, last = created.session_id, created.position, req.prompt_ids[-1]
     tokens: list[int] = []
+    counts: Counter[int] = Counter()  # of the generated tokens: what penalties read
     forward_ms = 0.0
     penalized = req.sampling.to_config().penalized
     try:
@@ -92,6 +94,7 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
         if first is not None and steps:
             last = first
             tokens.append(last)
+            counts[last] += 1
             steps -= 1
             if req.stop_at_eos and last in eos_token_ids:
                 steps = 0
@@ -101,7 +104,7 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
             try:
                 reply = await scheduler.submit(VerifyJob(ctx, session_id, VerifyRequest(
                     position=position, last_token=last, logprobs=req.logprobs,
-                    history=counted([], tokens) if penalized else [],
+                    history=list(counts.items()) if penalized else [],
                     final_uniform=float(draw_uniforms(generator, 1)[0])), owner))
             except VerifierError as exc:
                 if exc.code != "session_not_found":
@@ -112,6 +115,7 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
             last, position = reply.next_token, reply.position
             forward_ms += reply.forward_ms
             tokens.append(last)
+            counts[last] += 1
             logprobs.extend(reply.logprobs or [])
             if req.stop_at_eos and last in eos_token_ids:
                 break
@@ -175,6 +179,8 @@ async def _plain_run(ctx: JobContext, scheduler: Scheduler, session_id: str,
     last, position, forward_ms = first.next_token, first.position, first.forward_ms
     load = first.load
     tokens: list[int] = []
+    counts = Counter(dict(req.history))  # the generated tokens so far, for penalties
+    counts[last] += 1
     logprobs = list(first.logprobs or [])
     for uniform in req.more_uniforms:
         if last in eos_token_ids or position > ctx.validator.max_context:
@@ -182,26 +188,19 @@ async def _plain_run(ctx: JobContext, scheduler: Scheduler, session_id: str,
         reply = await scheduler.submit(VerifyJob(ctx, session_id, VerifyRequest(
             position=position, last_token=last, final_uniform=uniform,
             logprobs=req.logprobs,
-            history=counted(req.history, [first.next_token, *tokens]) if penalized else []),
+            history=list(counts.items()) if penalized else []),
             owner))
         assert reply.next_token is not None
         last, position, load = reply.next_token, reply.position, reply.load
         forward_ms += reply.forward_ms
         tokens.append(last)
+        counts[last] += 1
         logprobs.extend(reply.logprobs or [])
     whole = first.model_copy(update={
         "position": position, "more_tokens": tokens, "forward_ms": forward_ms, "load": load,
         "logprobs": logprobs if req.logprobs is not None else None})
     await scheduler.run(remember, ctx, session_id, owner, req, job.digest, whole)
     return whole
-
-
-def counted(history: list[tuple[int, int]], tokens: list[int]) -> list[tuple[int, int]]:
-    """``history``'s [id, count] pairs with ``tokens`` counted in."""
-    counts = dict(history)
-    for token in tokens:
-        counts[token] = counts.get(token, 0) + 1
-    return list(counts.items())
 
 
 def remember(ctx: JobContext, session_id: str, owner: str | None, req: VerifyRequest,
