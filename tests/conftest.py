@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 
@@ -116,6 +117,12 @@ def gateway_client(gpt2_server: LiveServer, tiny_models: dict[str, Path]) -> Spe
 def gateway_settings() -> GatewaySettings:
     """The settings of the module's ``gateway``: 'tiny-gpt2'. A module overrides them."""
     return GatewaySettings("tiny-gpt2")
+
+
+@pytest.fixture(scope="module")
+def oai(gateway: ThreadedServer) -> openai.OpenAI:
+    """The official ``openai`` client on the module's ``gateway``."""
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")

@@ -26,11 +26,6 @@ MODEL = "tiny-gpt2"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def oai(gateway: ThreadedServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
-
-
 def cli_generate(verifier_url: str, drafter: Path, prompt: str, *extra: str) -> dict[str, Any]:
     """`specdec generate --json`, in-process."""
     out = io.StringIO()

@@ -12,15 +12,9 @@ import torch
 from drafter_client.prediction import PredictionDrafter
 from shared.engines.drafter import Draft, Drafter
 from shared.protocol.sampling import SamplingConfig
-from tests.support.servers import ThreadedServer
-from tests.test_gateway import MODEL, error_of, stream_text
+from tests.test_gateway import MODEL, error_of
 
 CHAT: Any = [{"role": "user", "content": "the cat sat on"}]
-
-
-@pytest.fixture(scope="module")
-def oai(gateway: ThreadedServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
 
 
 def chat(oai: openai.OpenAI, **kwargs: Any) -> Any:

@@ -19,7 +19,6 @@ from drafter_client.api import SpecDecClient
 from drafter_client.transport import SpecDecError
 from shared.protocol.schema import GenerateRequest, VerifyRequest
 from tests.support.live_server import LiveServer
-from tests.support.servers import ThreadedServer
 from tests.test_gateway import MODEL, error_of
 
 PROMPT = "the cat sat on the"
@@ -86,11 +85,6 @@ def test_beam_search_with_logprobs_is_refused(client: SpecDecClient) -> None:
 
 
 # -- the gateway -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def oai(gateway: ThreadedServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_chat_logprobs_in_openais_shape(oai: openai.OpenAI, client: SpecDecClient) -> None:

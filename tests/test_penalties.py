@@ -22,7 +22,6 @@ from shared.models.catalog import load_causal_lm
 from shared.protocol.sampling import SamplingConfig, penalize
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
-from tests.support.servers import ThreadedServer
 from tests.support.statistics import PROMPT, chi_square_p, reference_probs, sample_pairs
 from tests.test_gateway import MODEL, error_of
 
@@ -148,11 +147,6 @@ def test_negative_control_drafts_not_counted(peaky_client: SpecDecClient,
 
 
 # -- the gateway -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def oai(gateway: ThreadedServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_gateway_penalties_are_the_target_alones(oai: openai.OpenAI,

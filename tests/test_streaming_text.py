@@ -18,7 +18,6 @@ from drafter_client.apps.cli import run
 from drafter_client.gateway import GatewaySettings
 from drafter_client.text import TextTracker
 from tests.support.live_server import LiveServer, fp32_settings
-from tests.support.servers import ThreadedServer
 from tests.support.tiny_models import save_byte_level
 from verifier_service.settings import Settings
 
@@ -41,11 +40,6 @@ def gateway_client(server: LiveServer) -> SpecDecClient:
 @pytest.fixture(scope="module")
 def gateway_settings() -> GatewaySettings:
     return GatewaySettings(MODEL)
-
-
-@pytest.fixture(scope="module")
-def oai(gateway: ThreadedServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_a_stream_ending_mid_character_sends_its_last_bytes(oai: openai.OpenAI) -> None:

@@ -28,7 +28,6 @@ from shared.models.catalog import load_causal_lm
 from shared.protocol.schema import RowMask
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
-from tests.support.servers import ThreadedServer
 from tests.support.statistics import chi_square_p, reference_probs, sample_pairs
 from tests.test_gateway import error_of
 
@@ -184,11 +183,6 @@ def test_negative_control_the_first_rows_mask_for_every_row(
 @pytest.fixture(scope="module")
 def gateway_client(client: SpecDecClient) -> SpecDecClient:
     return client
-
-
-@pytest.fixture(scope="module")
-def oai(gateway: ThreadedServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=gateway.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_gateway_json_schema_answers_validate(oai: openai.OpenAI,
