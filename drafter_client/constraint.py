@@ -13,8 +13,10 @@ i after the first i drafts - and sends them with the block; the verifier applies
 rows before deciding (``shared.protocol.acceptance``), so acceptance, the recovered token and
 the bonus token all use the masked distribution. A draft the grammar refuses ends the block
 there (the target gives it probability 0: it would be rejected; nothing after it can count).
-The drafter's own proposals are checked, not masked: a model drafter that drafted outside the
-grammar loses that block's tail, never exactness.
+A model drafter drafts under the same masks (and the generation's penalties): its rows go
+through ``VerifierSession.shape_row``, so its q is the constrained drafter's and its drafts keep
+the grammar. Drafts that draw from no rows (a lookup's copies, a prediction) are checked: one
+the grammar refuses ends the block.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ class Constraint:
         self.vocab_size, self.eos_ids = vocab_size, frozenset(eos_ids)
         words = (vocab_size + 31) // 32
         self._bits = np.zeros(words, dtype=np.int32)
+        self._rows: dict[tuple[int, ...], np.ndarray | None] = {}  # this block's, by drafts
 
     def allowed(self) -> np.ndarray:
         """[vocab] bool: the tokens the grammar allows next."""
@@ -145,25 +148,47 @@ class Constraint:
         bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size]
         return bits.astype(bool)
 
+    def allowed_after(self, drafts: list[int]) -> np.ndarray | None:
+        """[vocab] bool: the tokens the grammar allows after the committed sequence and
+        ``drafts``; None where it refuses one of them (or ended before one). Kept until the
+        next commit: a model drafter asks for each row as it drafts, the block's masks reuse
+        them."""
+        key = tuple(drafts)
+        if key not in self._rows:
+            self._rows[key] = self._row_after(drafts)
+        return self._rows[key]
+
+    def _row_after(self, drafts: list[int]) -> np.ndarray | None:
+        if drafts:  # a token is consumed only where the row before allows it
+            before = self.allowed_after(drafts[:-1])
+            if before is None or not before[drafts[-1]]:
+                return None
+        consumed = 0
+        try:
+            for token in drafts:
+                if self.matcher.is_stopped() or not self.matcher.consume_token(token):
+                    return None
+                consumed += 1
+            return self.allowed()
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+
     def block(self, drafts: list[int]) -> tuple[int, list[RowMask]]:
         """(how many of ``drafts`` the grammar keeps, the masks of rows 0..that many): the
         drafts up to the first one the grammar refuses, and a mask per row they give."""
-        masks, consumed = [], 0
+        masks = []
         for i in range(len(drafts) + 1):
-            allowed = self.allowed()
+            allowed = self.allowed_after(drafts[:i])
+            if allowed is None:
+                break
             masks.append(RowMask.of(allowed))
-            if i == len(drafts) or not allowed[drafts[i]] or self.matcher.is_stopped():
-                break
-            if not self.matcher.consume_token(drafts[i]):
-                break
-            consumed += 1
-        if consumed:
-            self.matcher.rollback(consumed)
         return len(masks) - 1, masks
 
     def commit(self, tokens: list[int]) -> None:
         """The committed sequence grew by ``tokens`` (each allowed where it came; an EOS
         after the grammar's end is its end)."""
+        self._rows.clear()
         for token in tokens:
             if self.matcher.is_stopped() and token in self.eos_ids:
                 continue

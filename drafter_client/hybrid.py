@@ -42,6 +42,7 @@ from shared.engines.drafter import (
     DrafterCosts,
     FreeDraftAdvice,
     LMDrafter,
+    RowShaper,
     TreeBuilder,
     common_prefix,
 )
@@ -220,6 +221,9 @@ class HybridDrafter(Drafter):
 
     def advise(self, schedule: FreeDraftAdvice) -> None:
         self.advisor = schedule
+
+    def shape(self, shaper: RowShaper | None) -> None:
+        self.model.shape(shaper)
 
     def costs(self) -> DrafterCosts:
         model = self.model.costs()

@@ -21,7 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.engines.drafter import Draft, Drafter, DrafterCosts, FreeDraftAdvice, common_prefix
+from shared.engines.drafter import (
+    Draft,
+    Drafter,
+    DrafterCosts,
+    FreeDraftAdvice,
+    RowShaper,
+    common_prefix,
+)
 from shared.protocol.sampling import SamplingConfig
 
 PREDICTION_TOKENS = 64  # the longest prediction draft (the verifier's max_draft_tokens cuts it)
@@ -103,6 +110,9 @@ class PredictionDrafter(Drafter):
 
     def advise(self, schedule: FreeDraftAdvice) -> None:
         self.inner.advise(schedule)
+
+    def shape(self, shaper: RowShaper | None) -> None:
+        self.inner.shape(shaper)
 
     def costs(self) -> DrafterCosts:
         inner = self.inner.costs()

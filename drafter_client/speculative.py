@@ -34,7 +34,7 @@ from drafter_client.reply_checks import read_verdict
 from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
 from shared.engines.drafter import Draft, Drafter
 from shared.protocol.acceptance import Block, recover_token
-from shared.protocol.sampling import SamplingConfig, draw_uniforms
+from shared.protocol.sampling import SamplingConfig, draw_uniforms, penalize
 from shared.protocol.schema import (
     CreateSessionRequest,
     InfoResponse,
@@ -179,6 +179,18 @@ class VerifierSession:
         if self.constraint is not None:
             self.constraint.commit(tokens)
         self.counts.update(tokens)
+
+    def shape_row(self, sequence: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """A drafted row as the target's row there will be (``Drafter.shape``): penalised by
+        the generated tokens and the drafts before it, masked to what the grammar allows after
+        them. [vocab] logits after ``sequence`` (the committed tokens, then drafts)."""
+        drafts = sequence[len(self.committed):]
+        if self.config.penalized:
+            logits = penalize(logits[None], self.config, dict(self.counts), [drafts])[0]
+        allowed = self.constraint.allowed_after(drafts) if self.constraint is not None else None
+        if allowed is not None and allowed.any():  # None: a draft ahead the grammar refuses
+            logits = logits.masked_fill(~torch.from_numpy(allowed), float("-inf"))
+        return logits
 
     def history(self) -> tuple[tuple[int, int], ...]:
         """What a block's penalties read: every generated token's count (none without)."""
@@ -329,6 +341,8 @@ def speculative_generate(
             if settings.overlap and drafter.overlaps else None)
     ahead: Draft | None = None
     logprobs: list[TokenLogprob] = []
+    if constraint is not None or session.config.penalized:
+        drafter.shape(session.shape_row)  # its rows as the target's will be
     try:
         session.open()
         recorder.prefilled()
@@ -358,6 +372,7 @@ def speculative_generate(
     finally:
         if pool is not None:
             pool.shutdown(wait=True)
+        drafter.shape(None)
         session.close()
     return result()
 

@@ -18,6 +18,7 @@ import torch
 import shared.protocol.acceptance as acceptance
 from drafter_client.api import Penalties, SpecDecClient
 from drafter_client.transport import SpecDecError
+from shared.engines.drafter import LMDrafter
 from shared.models.catalog import load_causal_lm
 from shared.protocol.sampling import SamplingConfig, penalize
 from tests.support.in_process import InProcessVerifier
@@ -75,9 +76,11 @@ def test_penalize_counts_the_history_and_the_drafts_before_each_row() -> None:
 
 RUNS = 3000
 CONTROL_RUNS = 2000
-# On the peaky 16-token pair: negative penalties (a repeat gains 3 in its logit: the peaky
-# target seldom repeats itself, so a row that misses a count shows), a bias up and a ban.
-PEAKY = Penalties(presence=-2.0, frequency=-1.0, logit_bias={2: 1.5, 7: -100.0})
+# On the peaky 16-token pair: negative penalties at OpenAI's bound (a repeat gains 4 in its
+# logit: the peaky target seldom repeats itself, so a row that misses a count shows; at a gain
+# of 3, a drafter drafting under the penalties left the control short of power at 2,000 draws),
+# a bias up and a ban.
+PEAKY = Penalties(presence=-2.0, frequency=-2.0, logit_bias={2: 1.5, 7: -100.0})
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +174,24 @@ def test_gateway_bad_logit_bias_is_a_400(oai: openai.OpenAI, logit_bias: dict[st
         oai.completions.create(model=MODEL, prompt="the cat", max_tokens=2,
                                logit_bias=logit_bias)  # type: ignore[arg-type]
     assert error_of(info.value)["param"] == param
+
+
+def test_the_drafter_drafts_under_the_penalties(gpt2_server: LiveServer,
+                                                tiny_models: dict[str, Path],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The target as its own drafter: drafting each row with the penalties the target's row
+    will get (the generated tokens and the drafts before it counted), its greedy drafts are the
+    target's choices and pass; drafting the unpenalised model (the negative control: a drafter
+    that ignores ``Drafter.shape``), many fail."""
+    twin = SpecDecClient(gpt2_server.url, str(tiny_models["gpt2-target"]))
+
+    def passed(shaped: bool) -> float:
+        with monkeypatch.context() as patch:
+            if not shaped:
+                patch.setattr(LMDrafter, "shape", lambda self, shaper: None)
+            result = twin.generate("the cat sat on the", num_draft_tokens=4, max_new_tokens=60,
+                                   temperature=0, penalties=STRONG)
+        return result.metrics.accepted_tokens / result.metrics.drafted_tokens
+
+    assert passed(True) > 0.9
+    assert passed(False) < 0.5, passed(False)

@@ -24,6 +24,7 @@ import torch
 from drafter_client.api import SpecDecClient
 from drafter_client.constraint import Constraint, json_schema_grammar, lark_grammar
 from drafter_client.transport import SpecDecError
+from shared.engines.drafter import LMDrafter
 from shared.models.catalog import load_causal_lm
 from shared.protocol.schema import RowMask
 from tests.support.in_process import InProcessVerifier
@@ -224,3 +225,28 @@ def test_gateway_bad_response_formats_are_400s(oai: openai.OpenAI, form: Any) ->
 def test_a_grammar_that_does_not_compile_is_refused(client: SpecDecClient) -> None:
     with pytest.raises(SpecDecError, match="grammar"):
         client.generate(PROMPT, max_new_tokens=4, grammar='{"grammars": [{"lark": "start: ("}]}')
+
+
+def tokens_per_call(client: SpecDecClient, monkeypatch: pytest.MonkeyPatch, shaped: bool,
+                    **kwargs: Any) -> float:
+    """Tokens a greedy run commits per verify call; ``shaped=False`` is the negative control:
+    a model drafter that ignores the generation's row rule (``Drafter.shape``)."""
+    with monkeypatch.context() as patch:
+        if not shaped:
+            patch.setattr(LMDrafter, "shape", lambda self, shaper: None)
+        result = client.generate(PROMPT, num_draft_tokens=4, max_new_tokens=80,
+                                 temperature=0, **kwargs)
+    return result.metrics.new_tokens / result.metrics.verify_calls
+
+
+def test_the_drafter_drafts_under_the_grammar(json_server: LiveServer,
+                                              tiny_models: dict[str, Path],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The target as its own drafter: drafting each row under the grammar's mask after the
+    drafts before it, its drafts are the constrained target's choices and every block passes
+    whole (4 drafts + the bonus); drafting the unconstrained model, its drafts leave the
+    grammar at once and each call commits about one token."""
+    twin = SpecDecClient(json_server.url, str(tiny_models["json-target"]))
+    grammar = json_schema_grammar(SCHEMA)
+    assert tokens_per_call(twin, monkeypatch, True, grammar=grammar) > 4.0
+    assert tokens_per_call(twin, monkeypatch, False, grammar=grammar) < 2.0

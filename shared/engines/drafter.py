@@ -6,6 +6,7 @@ engines give it one forward and one rollback (``shared/engines/<engine>/drafter.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,6 +56,11 @@ class DrafterCosts:
 
 
 NO_COSTS = DrafterCosts()
+
+# What a generation asks of a drafted row beyond the drafter's own logits - its penalties, its
+# grammar's mask - as the target's rows will get it: (the sequence the row follows, the
+# committed tokens and the drafts before it; its [vocab] logits) -> its [vocab] logits.
+RowShaper = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -110,8 +116,8 @@ class Drafter:
     ``top_k_filler`` / ``observe_top_k`` (NASD: the target's top ids per scored position),
     ``speculate`` (drafting the next block while this one is verified, ``--overlap``),
     ``advise`` (a drafter whose proposals may cost nothing to make, told the loop's k policy so
-    it can judge how long such a proposal should be) and ``costs`` (what it knows of its own
-    costs: :class:`DrafterCosts`)."""
+    it can judge how long such a proposal should be), ``costs`` (what it knows of its own
+    costs: :class:`DrafterCosts`) and ``shape`` (drafting under a generation's row rule)."""
 
     name: str = "drafter"
     top_k_filler: int = 0  # how many of the target's top ids it wants back; 0: none
@@ -148,6 +154,10 @@ class Drafter:
     def costs(self) -> DrafterCosts:
         """What it knows of its own costs now (read by the loop's policy around each block)."""
         return NO_COSTS
+
+    def shape(self, shaper: RowShaper | None) -> None:
+        """Draft this generation's rows through ``shaper`` (None: no more). A drafter that
+        draws from no rows (a lookup's copies) ignores it: the loop checks its drafts."""
 
 
 class TreeBuilder:
@@ -233,6 +243,7 @@ class LMDrafter(Drafter):
         self.committed: list[int] = []
         self.cached: list[int] = []
         self.last_logits = torch.empty(0)  # [vocab] after the last cached token
+        self.shaper: RowShaper | None = None
 
     # The longest sequence the drafter's cache holds (None: no limit). Past it the drafter
     # drafts less, then nothing: the target goes on alone to its own context's end.
@@ -255,6 +266,15 @@ class LMDrafter(Drafter):
 
     def costs(self) -> DrafterCosts:
         return DrafterCosts(self.measured_draft_s, self.catch_up_s)
+
+    def shape(self, shaper: RowShaper | None) -> None:
+        self.shaper = shaper
+
+    def _shaped(self, drafts: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """The row after the committed sequence and ``drafts``, as the generation shapes it."""
+        if self.shaper is None:
+            return logits
+        return self.shaper([*self.committed, *drafts], logits)
 
     @property
     def behind(self) -> int:
@@ -311,8 +331,8 @@ class LMDrafter(Drafter):
         k = self._room(k)
         if k == 0:
             return tree.draft()
-        logits = self._catch_up()  # [vocab]
-        parent = -1
+        logits = self._shaped([], self._catch_up())  # [vocab]
+        parent, chain = -1, []
         for i in range(k):
             top = torch.topk(torch.softmax(logits, -1), self.tree_width)
             best = (self._choose(logits, config, i) if config.deterministic
@@ -325,8 +345,9 @@ class LMDrafter(Drafter):
             if float(top.values[0]) < self.min_prob:
                 break  # not confident: the target picks among the candidates
             parent = node
+            chain.append(best)
             if i < k - 1:
-                logits = self._forward([best])
+                logits = self._shaped(chain, self._forward([best]))
         return tree.draft()
 
     def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
@@ -335,7 +356,7 @@ class LMDrafter(Drafter):
         k = self._room(k)
         if k == 0:
             return Draft([], None if config.deterministic else torch.empty(0), None)
-        logits = self._catch_up()  # [vocab]
+        logits = self._shaped([], self._catch_up())  # [vocab]
         ids: list[int] = []
         logprobs, rows = [], []
         for i in range(k):
@@ -350,7 +371,7 @@ class LMDrafter(Drafter):
                 rows.append(lp.exp())
             ids.append(token)
             if i < k - 1:
-                logits = self._forward([token])
+                logits = self._shaped(ids, self._forward([token]))
         if config.deterministic:
             return Draft(ids, None, None)
         if not ids:
@@ -371,7 +392,7 @@ class LMDrafter(Drafter):
             if len(self.cached) > len(self.committed) or (
                     self.cached != self.committed[:len(self.cached)]):
                 return None  # not on the committed path (cannot happen after propose)
-            logits = self._forward(self.committed[len(self.cached):])
+            logits = self._shaped([], self._forward(self.committed[len(self.cached):]))
             guess = (self._choose(logits, config, 0) if config.deterministic
                      else int(greedy_tokens(logits).item()))
             self.committed.append(guess)

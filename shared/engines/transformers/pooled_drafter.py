@@ -96,7 +96,8 @@ class PooledDrafter(HFDrafter):
     @torch.inference_mode()
     def propose(self, k: int, config: SamplingConfig, generator: torch.Generator) -> Draft:
         k = self._room(k)
-        if not config.greedy or self.tree_width > 1 or self.min_prob or k == 0:
+        if (not config.greedy or self.tree_width > 1 or self.min_prob or k == 0
+                or self.shaper is not None):
             return super().propose(k, config, generator)
         pending = self.committed[len(self.cached):]
         row = self._feed(pending) if pending else self.last_row
