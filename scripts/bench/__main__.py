@@ -15,7 +15,8 @@ COMMANDS = {"suite": "suite", "client": "client", "batching": "batching", "calls
             "gateway": "gateway", "gpu": "gpu", "gpu-smoke": "gpu_smoke", "llama": "llama",
             "llama-blocks": "llama_blocks", "cpu-blocks": "cpu_blocks",
             "cpu-kernels": "cpu_kernels", "prompt-memory": "prompt_memory", "quality": "quality",
-            "serving": "serving", "report": "report", "prediction": "prediction"}
+            "serving": "serving", "report": "report", "prediction": "prediction",
+            "grammar": "grammar"}
 
 
 def command_module(name: str) -> ModuleType:
