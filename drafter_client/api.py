@@ -20,7 +20,6 @@ from typing import Any
 import httpx
 import torch
 
-from drafter_client.constraint import LL_TOKENIZERS, Constraint
 from drafter_client.draft_length import make_draft_length
 from drafter_client.hybrid import HybridDrafter
 from drafter_client.metrics import GenerationMetrics
@@ -54,6 +53,7 @@ from shared.models.catalog import (
     load_tokenizer,
     tokenizer_fingerprint,
 )
+from shared.protocol.grammar import Constraint, GrammarError
 from shared.protocol.schema import (
     PROTOCOL_VERSION,
     GenerateRequest,
@@ -330,9 +330,11 @@ class SpecDecClient:
         """A generation's grammar state (None: unconstrained)."""
         if grammar is None:
             return None
-        ll_tokenizer = LL_TOKENIZERS.get(self.tokenizer, self.info.vocab_size,
-                                         self.info.eos_token_ids)
-        return Constraint(grammar, ll_tokenizer, self.info.vocab_size, self.info.eos_token_ids)
+        try:
+            return Constraint.of(grammar, self.tokenizer, self.info.vocab_size,
+                                 self.info.eos_token_ids)
+        except GrammarError as exc:
+            raise SpecDecError(str(exc)) from None
 
     def prediction_ids(self, prediction: str | list[int]) -> list[int]:
         """A prediction's ids: the text as it would appear inside an answer (no special
@@ -385,7 +387,7 @@ class SpecDecClient:
         and of this many best alternatives (0: the tokens' alone), as ``baseline`` reports.
         ``penalties``: OpenAI's presence / frequency penalties and logit bias, applied to the
         target's rows as a plain decode applies them. ``grammar``: structured output, an
-        llguidance grammar (``constraint.json_schema_grammar``, ``lark_grammar``) that every
+        llguidance grammar (``grammar.json_schema_grammar``, ``lark_grammar``) that every
         generated token keeps; the output follows the target constrained to it."""
         if self.drafter is None:
             raise SpecDecError("this client has no drafter; use baseline() or pass drafter=")
@@ -427,12 +429,14 @@ class SpecDecClient:
                  no_repeat_ngram_size: int = 0, reproducible: bool | None = None,
                  sampling: Sampling | None = None,
                  logprobs: int | None = None,
-                 penalties: Penalties | None = None) -> GenerationResult:
+                 penalties: Penalties | None = None,
+                 grammar: str | None = None) -> GenerationResult:
         """Target-only generation on the verifier (``/v1/generate``), same sampling settings;
         with ``num_beams`` > 1 (greedy only) beam search as transformers' ``generate`` does it,
         with ``length_penalty``, ``early_stopping`` (True, False or "never") and
         ``no_repeat_ngram_size``. Sampling left out (None) is ``sampling``'s, else the client's
-        ``settings``'."""
+        ``settings``'. ``logprobs``, ``penalties`` and ``grammar`` as in :meth:`generate` (the
+        grammar's state kept on the verifier)."""
         s = self._sampling(sampling, max_new_tokens, temperature, top_k, top_p, seed,
                            reproducible)
         max_new_tokens = s.max_new_tokens
@@ -446,7 +450,7 @@ class SpecDecClient:
                 num_beams=num_beams, length_penalty=length_penalty,
                 early_stopping=early_stopping,  # type: ignore[arg-type]
                 no_repeat_ngram_size=no_repeat_ngram_size, encoder_ids=encoder_ids,
-                logprobs=logprobs,
+                logprobs=logprobs, grammar=grammar,
             ))
         except SpecDecError as exc:  # one call: nothing was generated
             exc.partial = GenerationResult(prompt_ids, [], GenerationMetrics(),

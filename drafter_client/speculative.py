@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from drafter_client.constraint import Constraint
 from drafter_client.draft_length import DraftLength, FixedLength
 from drafter_client.metrics import GenerationMetrics, MetricsRecorder
 from drafter_client.outcome import BlockOutcome, TokenLogprob
@@ -34,6 +33,7 @@ from drafter_client.reply_checks import read_verdict
 from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
 from shared.engines.drafter import Draft, Drafter
 from shared.protocol.acceptance import Block, recover_token
+from shared.protocol.grammar import Constraint, GrammarError
 from shared.protocol.sampling import SamplingConfig, draw_uniforms, penalize
 from shared.protocol.schema import (
     CreateSessionRequest,
@@ -177,7 +177,10 @@ class VerifierSession:
     def commit(self, tokens: list[int]) -> None:
         self.committed.extend(tokens)
         if self.constraint is not None:
-            self.constraint.commit(tokens)
+            try:
+                self.constraint.commit(tokens)
+            except GrammarError as exc:
+                raise SpecDecError(f"the verifier returned {exc}") from None
         self.counts.update(tokens)
 
     def shape_row(self, sequence: list[int], logits: torch.Tensor) -> torch.Tensor:

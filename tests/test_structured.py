@@ -1,5 +1,5 @@
 """Structured output: every row of a block masked to what the grammar allows after the tokens
-before it (``drafter_client/constraint.py``), on a tiny GPT-2 whose 97 ids are printable ASCII.
+before it (``shared/protocol/grammar.py``), on a tiny GPT-2 whose 97 ids are printable ASCII.
 
 Greedy speculation equals the target alone under the same grammar (plain steps, each with its
 row's mask) at every k, including blocks the schema's end cuts; every answer parses and
@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import numpy as np
 import openai
@@ -22,10 +23,10 @@ import pytest
 import torch
 
 from drafter_client.api import SpecDecClient
-from drafter_client.constraint import Constraint, json_schema_grammar, lark_grammar
 from drafter_client.transport import SpecDecError
 from shared.engines.drafter import LMDrafter
 from shared.models.catalog import load_causal_lm
+from shared.protocol.grammar import Constraint, json_schema_grammar, lark_grammar
 from shared.protocol.schema import RowMask
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
@@ -56,8 +57,7 @@ def client(json_server: LiveServer, tiny_models: dict[str, Path]) -> SpecDecClie
 def test_greedy_constrained_speculation_equals_the_target_alone(client: SpecDecClient,
                                                                 k: int) -> None:
     grammar = json_schema_grammar(SCHEMA)
-    alone = client.generate(PROMPT, num_draft_tokens=0, max_new_tokens=120, temperature=0,
-                            grammar=grammar)
+    alone = client.baseline(PROMPT, max_new_tokens=120, temperature=0, grammar=grammar)
     spec = client.generate(PROMPT, num_draft_tokens=k, max_new_tokens=120, temperature=0,
                            grammar=grammar)
     assert spec.token_ids == alone.token_ids
@@ -250,3 +250,34 @@ def test_the_drafter_drafts_under_the_grammar(json_server: LiveServer,
     grammar = json_schema_grammar(SCHEMA)
     assert tokens_per_call(twin, monkeypatch, True, grammar=grammar) > 4.0
     assert tokens_per_call(twin, monkeypatch, False, grammar=grammar) < 2.0
+
+
+def test_the_target_alone_keeps_the_grammar_on_the_verifier(client: SpecDecClient) -> None:
+    """``/v1/generate`` with a grammar: its state on the verifier, one mask per step - the
+    same tokens as the client's plain steps (each sending its row's mask), sampled too."""
+    grammar = json_schema_grammar(SCHEMA)
+    for seed in range(3):
+        alone = client.baseline(PROMPT, max_new_tokens=120, temperature=1.0, seed=seed,
+                                grammar=grammar)
+        plain = client.generate(PROMPT, num_draft_tokens=0, max_new_tokens=120,
+                                temperature=1.0, seed=seed, grammar=grammar)
+        jsonschema.validate(json.loads(alone.text), SCHEMA)
+        assert alone.token_ids == plain.token_ids
+    # negative control: without the grammar the same seeds write no JSON
+    free = client.baseline(PROMPT, max_new_tokens=40, temperature=0)
+    with pytest.raises(ValueError):
+        json.loads(free.text)
+
+
+@pytest.mark.parametrize("grammar", ["%%% not a grammar", ""])
+def test_generate_refuses_a_bad_grammar(json_server: LiveServer, grammar: str) -> None:
+    reply = httpx.post(f"{json_server.url}/v1/generate",
+                       json={"prompt_ids": [1, 2, 3], "grammar": grammar})
+    assert 400 <= reply.status_code < 500, reply.text
+    assert reply.json()["error"]["field"] == "grammar"
+    beams = httpx.post(f"{json_server.url}/v1/generate",
+                       json={"prompt_ids": [1, 2, 3], "num_beams": 2,
+                             "grammar": json_schema_grammar(SCHEMA),
+                             "sampling": {"temperature": 0}})
+    assert beams.status_code == 422 and beams.json()["error"]["field"] == "grammar"
+    assert httpx.get(f"{json_server.url}/readyz").status_code == 200  # the server lives on

@@ -26,7 +26,6 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from drafter_client.api import Penalties, SpecDecClient
-from drafter_client.constraint import json_schema_grammar
 from drafter_client.gateway.metrics import GatewayMetrics
 from drafter_client.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIError
 from drafter_client.outcome import BlockOutcome, TokenLogprob
@@ -35,6 +34,7 @@ from drafter_client.speculative import GenerationResult
 from drafter_client.text import TextTracker
 from drafter_client.transport import SpecDecError, VerifierHTTPError, VerifierUnavailable
 from shared.http.auth import bearer_token
+from shared.protocol.grammar import json_schema_grammar
 from shared.protocol.schema import SamplingParams
 
 

@@ -151,6 +151,8 @@ class ModelInfo:
     kernels: str = "exact"
     engine: str = ""  # the engine's name, and why ``--engine auto`` chose it
     engine_choice: str = ""
+    # the Hugging Face tokenizer (structured output's grammar reads it; never sent)
+    tokenizer: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ PROTOCOL_VERSION = 1
 INT32_MAX = 2**31 - 1
 MAX_BEAMS = 64
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs report (OpenAI's limit)
+MAX_GRAMMAR_CHARS = 262144  # the longest grammar /v1/generate takes
 MAX_LOGIT_BIAS = 1024  # the most ids a logit_bias names
 # Integers a client sends are bounded here, so an absurd one is a 422 naming its field, never a
 # failure deep inside (token ids are checked against the vocabulary by the verifier itself).
@@ -452,6 +453,10 @@ class GenerateRequest(_Strict):
     logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="also return each token's raw "
         "log-probability and this many best alternatives (not with beam search)")
+    grammar: str | None = Field(
+        None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description="structured output: an "
+        "llguidance grammar every generated token keeps (shared.protocol.grammar; not with "
+        "beam search)")
 
 
 class GenerateResponse(_Strict):

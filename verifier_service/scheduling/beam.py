@@ -203,6 +203,9 @@ def check_beam_request(req: GenerateRequest) -> None:
                                 "early_stopping and no_repeat_ngram_size need num_beams > 1",
                                 "num_beams")
         return
+    if req.grammar is not None:
+        raise VerifierError(422, "beam_search_grammar", "beam search takes no grammar",
+                            "grammar")
     if req.logprobs is not None:
         raise VerifierError(422, "beam_search_logprobs", "logprobs are not reported for beam "
                             "search", "logprobs")

@@ -13,6 +13,7 @@ import torch
 
 from shared.engines.target import ForwardItem, Step, StepResult
 from shared.protocol.acceptance import Block
+from shared.protocol.grammar import Constraint, GrammarError
 from shared.protocol.sampling import draw_uniforms
 from shared.protocol.schema import (
     CreateSessionRequest,
@@ -20,6 +21,7 @@ from shared.protocol.schema import (
     GenerateRequest,
     GenerateResponse,
     LogprobsEntry,
+    RowMask,
     VerifyRequest,
     VerifyResponse,
 )
@@ -43,12 +45,14 @@ class FirstTokenJob(CreateSessionJob):
 
     uniform: float = 0.0
     logprobs: int | None = None  # also the first token's log-probabilities (and n best)
+    masks: list[RowMask] | None = None  # structured output: what the grammar allows first
 
     def step(self, slot: int) -> Step:
         ids = self.req.prompt_ids
         return Step(ForwardItem(slot, 0, ids, keep_logits=True, keep_from=len(ids) - 1),
                     Block([], None, [], self.uniform, self.req.sampling.to_config(), len(ids),
-                          logprobs=self.logprobs))
+                          logprobs=self.logprobs,
+                          masks=tuple(self.masks) if self.masks is not None else None))
 
     def finish(self, result: StepResult  # type: ignore[override]
                ) -> tuple[CreateSessionResponse, int, list[LogprobsEntry]]:
@@ -58,6 +62,30 @@ class FirstTokenJob(CreateSessionJob):
         entries = [LogprobsEntry.of(e) for e in verdict.logprobs or []]
         # the cache holds the prompt; the first token is committed
         return self.open(len(self.req.prompt_ids) + 1), token, entries
+
+
+async def grammar_of(ctx: JobContext, req: GenerateRequest) -> Constraint | None:
+    """The request's grammar at its start, compiled off the event loop (None: no grammar)."""
+    if req.grammar is None:
+        return None
+    info = ctx.engine.info
+    if info.tokenizer is None:
+        raise VerifierError(422, "grammar_unsupported", "this engine loaded no tokenizer to "
+                            "read a grammar with", "grammar")
+    try:
+        return await asyncio.to_thread(Constraint.of, req.grammar, info.tokenizer,
+                                       info.vocab_size, info.eos_token_ids)
+    except GrammarError as exc:
+        raise VerifierError(422, "bad_grammar", str(exc), "grammar") from None
+
+
+def next_masks(grammar: Constraint | None) -> list[RowMask] | None:
+    """The next step's one row mask: what the grammar allows after the tokens so far."""
+    if grammar is None:
+        return None
+    allowed = grammar.allowed_after([])
+    assert allowed is not None  # no drafts: the committed tokens alone
+    return [RowMask.of(allowed)]
 
 
 async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
@@ -72,6 +100,7 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
     check_beam_request(req)
     if req.num_beams > 1:
         return await beam_generate(ctx, scheduler, req, eos_token_ids, owner)
+    grammar = await grammar_of(ctx, req)
     generator = torch.Generator().manual_seed(req.seed)
     fused = req.encoder_ids is None  # decoder-only: the prefill draws the first token
     create_req = CreateSessionRequest(prompt_ids=req.prompt_ids, sampling=req.sampling,
@@ -81,7 +110,7 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
     if fused:
         created, first, logprobs = await scheduler.submit(FirstTokenJob(
             ctx, create_req, owner, uniform=float(draw_uniforms(generator, 1)[0]),
-            logprobs=req.logprobs))
+            logprobs=req.logprobs, masks=next_masks(grammar)))
     else:
         created = await scheduler.submit(CreateSessionJob(ctx, create_req, owner))
     session_id, position, last = created.session_id, created.position, req.prompt_ids[-1]
@@ -95,6 +124,8 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
             last = first
             tokens.append(last)
             counts[last] += 1
+            if grammar is not None:
+                grammar.commit([last])
             steps -= 1
             if req.stop_at_eos and last in eos_token_ids:
                 steps = 0
@@ -105,6 +136,7 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
                 reply = await scheduler.submit(VerifyJob(ctx, session_id, VerifyRequest(
                     position=position, last_token=last, logprobs=req.logprobs,
                     history=list(counts.items()) if penalized else [],
+                    masks=next_masks(grammar),
                     final_uniform=float(draw_uniforms(generator, 1)[0])), owner))
             except VerifierError as exc:
                 if exc.code != "session_not_found":
@@ -116,6 +148,8 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
             forward_ms += reply.forward_ms
             tokens.append(last)
             counts[last] += 1
+            if grammar is not None:
+                grammar.commit([last])
             logprobs.extend(reply.logprobs or [])
             if req.stop_at_eos and last in eos_token_ids:
                 break

@@ -77,7 +77,7 @@ class Int8Engine(PoolSlots, BatchForward):
             name=name, vocab_size=shape.vocab, eos_token_ids=eos_token_ids,
             fingerprint=tokenizer_fingerprint(tokenizer), max_context=decoder.slot_tokens,
             model_limit=shape.limit or decoder.slot_tokens, dtype="int8", device="cpu",
-            kernels="exact")
+            kernels="exact", tokenizer=tokenizer)
 
     # -- slots (``pool``: their ids; the KV tensors hold them all from the start)
     @property

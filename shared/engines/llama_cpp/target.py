@@ -81,7 +81,8 @@ class LlamaCppEngine(PoolSlots, BatchForward):
         self.info = ModelInfo(
             name=name, vocab_size=model.vocab_size, eos_token_ids=eos_ids(model, tokenizer),
             fingerprint=tokenizer_fingerprint(tokenizer), max_context=model.seq_tokens,
-            model_limit=model.model_limit, dtype=kind, device="cpu", kernels=kernels)
+            model_limit=model.model_limit, dtype=kind, device="cpu", kernels=kernels,
+            tokenizer=tokenizer)
 
     # -- slots (``pool``: their ids; every sequence may fill its share of the cells)
     @property

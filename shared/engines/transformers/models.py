@@ -134,5 +134,5 @@ def describe_model(model: Any, tokenizer: Any, name: str, max_context: int,
         fingerprint=tokenizer_fingerprint(tokenizer), max_context=context,
         model_limit=model_limit,
         dtype=str(next(model.parameters()).dtype).removeprefix("torch."), device=str(device),
-        encoder_decoder=encoder_decoder, decoder_start_token_id=start)
+        encoder_decoder=encoder_decoder, decoder_start_token_id=start, tokenizer=tokenizer)
     return info, max(kv_budget_tokens // context, 1)

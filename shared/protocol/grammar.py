@@ -9,16 +9,17 @@ when a gateway meets each new schema at request time, it compiles Lark too, and 
 consumed tokens, which a block needs: the mask of row i depends on the block's drafts before it.
 
 The constrained target distribution at a position is the target's, masked to the tokens the
-grammar allows there and renormalised. The client owns the sequence, so it owns the grammar's
-state: for each block it computes the mask of every row - row 0 after the committed tokens, row
-i after the first i drafts - and sends them with the block; the verifier applies them to the
-rows before deciding (``shared.protocol.acceptance``), so acceptance, the recovered token and
-the bonus token all use the masked distribution. A draft the grammar refuses ends the block
-there (the target gives it probability 0: it would be rejected; nothing after it can count).
-A model drafter drafts under the same masks (and the generation's penalties): its rows go
-through ``VerifierSession.shape_row``, so its q is the constrained drafter's and its drafts keep
-the grammar. Drafts that draw from no rows (a lookup's copies, a prediction) are checked: one
-the grammar refuses ends the block.
+grammar allows there and renormalised. In speculation the client owns the sequence, so it owns
+the grammar's state: for each block it computes the mask of every row - row 0 after the
+committed tokens, row i after the first i drafts - and sends them with the block; the verifier
+applies them to the rows before deciding (``shared.protocol.acceptance``), so acceptance, the
+recovered token and the bonus token all use the masked distribution. A draft the grammar refuses
+ends the block there (the target gives it probability 0: it would be rejected; nothing after it
+can count). A model drafter drafts under the same masks (and the generation's penalties): its
+rows go through ``VerifierSession.shape_row``, so its q is the constrained drafter's and its
+drafts keep the grammar. Drafts that draw from no rows (a lookup's copies, a prediction) are
+checked: one the grammar refuses ends the block. The target alone (``/v1/generate``) keeps a
+state of its own on the verifier, one mask per step.
 """
 
 from __future__ import annotations
@@ -30,8 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from drafter_client.transport import SpecDecError
 from shared.protocol.schema import RowMask
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile, or a token it does not allow where it came."""
+
 
 MAX_SCHEMA_BYTES = 65536  # a schema larger than this (as JSON) is refused
 MAX_SCHEMA_DEPTH = 32  # and one nested deeper
@@ -108,7 +113,7 @@ _compiled_lock = threading.Lock()
 
 def _fresh_matcher(grammar: str, ll_tokenizer: Any) -> Any:
     """A matcher at the grammar's start: a copy of one compiled earlier for this tokenizer,
-    else compiled now (SpecDecError naming the problem)."""
+    else compiled now (GrammarError naming the problem)."""
     import llguidance
 
     key = (id(ll_tokenizer), grammar)
@@ -120,10 +125,10 @@ def _fresh_matcher(grammar: str, ll_tokenizer: Any) -> Any:
     try:
         _check(grammar, ll_tokenizer)
     except ValueError as exc:
-        raise SpecDecError(str(exc)) from None
+        raise GrammarError(str(exc)) from None
     prototype = llguidance.LLMatcher(ll_tokenizer, grammar)
     if prototype.is_error():
-        raise SpecDecError(f"the grammar does not compile: {prototype.get_error()}")
+        raise GrammarError(f"the grammar does not compile: {prototype.get_error()}")
     with _compiled_lock:
         _compiled[key] = prototype
         while len(_compiled) > COMPILED_GRAMMARS:
@@ -141,6 +146,14 @@ class Constraint:
         words = (vocab_size + 31) // 32
         self._bits = np.zeros(words, dtype=np.int32)
         self._rows: dict[tuple[int, ...], np.ndarray | None] = {}  # this block's, by drafts
+
+    @classmethod
+    def of(cls, grammar: str, tokenizer: Any, vocab_size: int,
+           eos_ids: list[int]) -> Constraint:
+        """A fresh state of ``grammar`` over a Hugging Face tokenizer (GrammarError: it does
+        not compile)."""
+        return cls(grammar, LL_TOKENIZERS.get(tokenizer, vocab_size, eos_ids), vocab_size,
+                   eos_ids)
 
     def allowed(self) -> np.ndarray:
         """[vocab] bool: the tokens the grammar allows next."""
@@ -195,5 +208,5 @@ class Constraint:
             if self.matcher.is_stopped() and token in self.eos_ids:
                 continue
             if not self.matcher.consume_token(token):
-                raise SpecDecError(f"the verifier returned token {token}, which the grammar "
-                                   f"does not allow there ({self.matcher.get_error()})")
+                raise GrammarError(f"token {token}, which the grammar does not allow there "
+                                   f"({self.matcher.get_error()})")
