@@ -24,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMPT_DIR = ROOT / "benchmarks" / "prompts"
 
 
-def add_base_arguments(parser: argparse.ArgumentParser, out: str,
-                       max_new_tokens: int = 64) -> None:
+def add_base_arguments(parser: argparse.ArgumentParser, out: str, max_new_tokens: int = 64,
+                       engines: tuple[str, ...] = ("transformers", "llama-cpp", "auto")) -> None:
     parser.add_argument("--target", default="qwen2.5-coder-1.5b",
                         help="the verifier's model: short name, folder, .gguf file or hub id")
     parser.add_argument("--drafter", default="qwen2.5-coder-0.5b",
@@ -33,7 +33,7 @@ def add_base_arguments(parser: argparse.ArgumentParser, out: str,
     parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
     parser.add_argument("--dtype", default="auto", help="auto (bf16), float32, bfloat16")
     parser.add_argument("--engine", default="transformers",
-                        choices=["transformers", "llama-cpp", "auto"],
+                        choices=engines,
                         help="what runs both models (the verifier's --engine, the drafter's "
                         "--drafter-engine); these benchmarks measure the transformers engine "
                         "next to transformers' own generate(), `python -m scripts.bench llama` "

@@ -111,6 +111,7 @@ class LlamaServer:
         tokens = reply.get("tokens") or []
         timings = reply.get("timings", {})
         return {"tokens": tokens, "wall_s": wall,
+                "prompt_s": timings.get("prompt_ms", 0.0) / 1e3,
                 "drafted": timings.get("draft_n"), "accepted": timings.get("draft_n_accepted")}
 
     def close(self) -> None:
