@@ -1,12 +1,12 @@
 """Structured output: every row of a block masked to what the grammar allows after the tokens
 before it (``shared/protocol/grammar.py``), on a tiny GPT-2 whose 97 ids are printable ASCII.
 
-Greedy speculation equals the target alone under the same grammar (plain steps, each with its
-row's mask) at every k, including blocks the schema's end cuts; every answer parses and
-validates. The first two sampled tokens follow the constrained target (an independent
-reference: the model's rows masked to the sets written out here), and a client that masks every
-row of a block with its first row's mask (a grammar not advanced along the drafts) must fail
-that test."""
+Greedy speculation equals the target alone under the same grammar (``/v1/generate``, the
+grammar's state on the verifier) at every k, including blocks the schema's end cuts; every
+answer parses and validates. The first two sampled tokens follow the constrained target (an
+independent reference: the model's rows masked to the sets written out here), and a client that
+masks every row of a block with its first row's mask (a grammar not advanced along the drafts)
+must fail that test."""
 
 from __future__ import annotations
 
@@ -228,28 +228,31 @@ def test_a_grammar_that_does_not_compile_is_refused(client: SpecDecClient) -> No
 
 
 def tokens_per_call(client: SpecDecClient, monkeypatch: pytest.MonkeyPatch, shaped: bool,
-                    **kwargs: Any) -> float:
+                    overlap: bool = False, **kwargs: Any) -> float:
     """Tokens a greedy run commits per verify call; ``shaped=False`` is the negative control:
     a model drafter that ignores the generation's row rule (``Drafter.shape``)."""
     with monkeypatch.context() as patch:
         if not shaped:
             patch.setattr(LMDrafter, "shape", lambda self, shaper: None)
         result = client.generate(PROMPT, num_draft_tokens=4, max_new_tokens=80,
-                                 temperature=0, **kwargs)
+                                 temperature=0, overlap=overlap, **kwargs)
     return result.metrics.new_tokens / result.metrics.verify_calls
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 def test_the_drafter_drafts_under_the_grammar(json_server: LiveServer,
                                               tiny_models: dict[str, Path],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+                                              monkeypatch: pytest.MonkeyPatch,
+                                              overlap: bool) -> None:
     """The target as its own drafter: drafting each row under the grammar's mask after the
     drafts before it, its drafts are the constrained target's choices and every block passes
     whole (4 drafts + the bonus); drafting the unconstrained model, its drafts leave the
-    grammar at once and each call commits about one token."""
+    grammar at once and each call commits about one token. With ``overlap`` the next block is
+    drafted while this one is verified (the rule then reads the drafts assumed accepted)."""
     twin = SpecDecClient(json_server.url, str(tiny_models["json-target"]))
     grammar = json_schema_grammar(SCHEMA)
-    assert tokens_per_call(twin, monkeypatch, True, grammar=grammar) > 4.0
-    assert tokens_per_call(twin, monkeypatch, False, grammar=grammar) < 2.0
+    assert tokens_per_call(twin, monkeypatch, True, overlap, grammar=grammar) > 4.0
+    assert tokens_per_call(twin, monkeypatch, False, overlap, grammar=grammar) < 2.0
 
 
 def test_the_target_alone_keeps_the_grammar_on_the_verifier(client: SpecDecClient) -> None:
@@ -263,13 +266,13 @@ def test_the_target_alone_keeps_the_grammar_on_the_verifier(client: SpecDecClien
                                 temperature=1.0, seed=seed, grammar=grammar)
         jsonschema.validate(json.loads(alone.text), SCHEMA)
         assert alone.token_ids == plain.token_ids
-    # negative control: without the grammar the same seeds write no JSON
+    # negative control: without the grammar this model writes no JSON
     free = client.baseline(PROMPT, max_new_tokens=40, temperature=0)
     with pytest.raises(ValueError):
         json.loads(free.text)
 
 
-@pytest.mark.parametrize("grammar", ["%%% not a grammar", ""])
+@pytest.mark.parametrize("grammar", ["%%% not a grammar", "", lark_grammar('start: "\u00e9"')])
 def test_generate_refuses_a_bad_grammar(json_server: LiveServer, grammar: str) -> None:
     reply = httpx.post(f"{json_server.url}/v1/generate",
                        json={"prompt_ids": [1, 2, 3], "grammar": grammar})

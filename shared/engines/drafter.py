@@ -157,7 +157,8 @@ class Drafter:
 
     def shape(self, shaper: RowShaper | None) -> None:
         """Draft this generation's rows through ``shaper`` (None: no more). A drafter that
-        draws from no rows (a lookup's copies) ignores it: the loop checks its drafts."""
+        draws from no rows (a lookup's copies) ignores it: the loop cuts its drafts where a
+        grammar refuses one, and a penalised row only lowers their chance to pass."""
 
 
 class TreeBuilder:

@@ -88,19 +88,28 @@ def lark_grammar(lark: str) -> str:
 
 
 class TokenizerCache:
-    """llguidance's view of a tokenizer (about a second to build): built once per client."""
+    """llguidance's view of a tokenizer (about a second to build on a 150k vocabulary): built
+    once per tokenizer, vocabulary size and EOS ids (a client's, the verifier's)."""
 
     def __init__(self) -> None:
-        self._built: dict[int, Any] = {}
+        # keyed by id, so each entry keeps its tokenizer alive (an id is never reused meanwhile)
+        self._built: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = {}
+        self._lock = threading.Lock()
 
     def get(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> Any:
-        key = id(tokenizer)
-        if key not in self._built:
-            import llguidance.hf
+        """GrammarError for a tokenizer llguidance cannot read (a slow one)."""
+        key = (id(tokenizer), vocab_size, tuple(eos_token_ids))
+        with self._lock:
+            if key not in self._built:
+                import llguidance.hf
 
-            self._built[key] = llguidance.hf.from_tokenizer(
-                tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids or None)
-        return self._built[key]
+                try:
+                    built = llguidance.hf.from_tokenizer(
+                        tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids or None)
+                except ValueError as exc:
+                    raise GrammarError(f"llguidance cannot read this tokenizer: {exc}") from None
+                self._built[key] = (tokenizer, built)
+            return self._built[key][1]
 
 
 LL_TOKENIZERS = TokenizerCache()
@@ -178,6 +187,8 @@ class Constraint:
             before = self.allowed_after(drafts[:-1])
             if before is None or not before[drafts[-1]]:
                 return None
+            if drafts[-1] in self.eos_ids:
+                return None  # nothing follows an EOS (and llguidance takes one EOS id alone)
         consumed = 0
         try:
             for token in drafts:

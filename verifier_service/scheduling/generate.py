@@ -80,12 +80,28 @@ async def grammar_of(ctx: JobContext, req: GenerateRequest) -> Constraint | None
 
 
 def next_masks(grammar: Constraint | None) -> list[RowMask] | None:
-    """The next step's one row mask: what the grammar allows after the tokens so far."""
+    """The next step's one row mask: what the grammar allows after the tokens so far (422 when
+    no token of the vocabulary can go on with it)."""
     if grammar is None:
         return None
     allowed = grammar.allowed_after([])
     assert allowed is not None  # no drafts: the committed tokens alone
+    if not allowed.any():
+        raise VerifierError(422, "grammar_dead_end", "no token of this vocabulary can continue "
+                            "the grammar here", "grammar")
     return [RowMask.of(allowed)]
+
+
+def advance(grammar: Constraint | None, token: int) -> None:
+    """The grammar after ``token`` (which its mask allowed; llguidance may still refuse a token
+    that only spells part of what it forces: 422 naming the grammar)."""
+    if grammar is None:
+        return
+    try:
+        grammar.commit([token])
+    except GrammarError as exc:
+        raise VerifierError(422, "grammar_dead_end", f"the grammar cannot go on: {exc}",
+                            "grammar") from None
 
 
 async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
@@ -124,8 +140,7 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
             last = first
             tokens.append(last)
             counts[last] += 1
-            if grammar is not None:
-                grammar.commit([last])
+            advance(grammar, last)
             steps -= 1
             if req.stop_at_eos and last in eos_token_ids:
                 steps = 0
@@ -148,8 +163,7 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
             forward_ms += reply.forward_ms
             tokens.append(last)
             counts[last] += 1
-            if grammar is not None:
-                grammar.commit([last])
+            advance(grammar, last)
             logprobs.extend(reply.logprobs or [])
             if req.stop_at_eos and last in eos_token_ids:
                 break
