@@ -74,6 +74,17 @@ def llama_server_binary() -> Path:
     return binary
 
 
+def peer_modes(drafter: Path, threads: int) -> dict[str, list[str]]:
+    """llama-server's systems, by name: its extra flags for the target alone, its own draft
+    model and its n-gram drafting (which drafts from the prompt too)."""
+    return {
+        "llama-server: target alone": [],
+        "llama-server: draft-simple -md drafter": ["--spec-type", "draft-simple", "-md",
+                                                   str(drafter), "-td", str(threads)],
+        "llama-server: ngram-simple": ["--spec-type", "ngram-simple"],
+    }
+
+
 class LlamaServer:
     """One ``llama-server`` process on a free port (``parallel`` slots of 4096 tokens each,
     continuously batched; greedy requests)."""
@@ -242,12 +253,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ids_of = functools.partial(prompt_ids, tokenizer)
 
     binary = llama_server_binary()
-    peers = {
-        "llama-server: target alone": [],
-        "llama-server: draft-simple -md drafter": ["--spec-type", "draft-simple", "-md",
-                                                   str(drafter), "-td", str(args.threads)],
-        "llama-server: ngram-simple": ["--spec-type", "ngram-simple"],
-    }
+    peers = peer_modes(drafter, args.threads)
     records: list[dict[str, Any]] = []
     servers: dict[str, LlamaServer] = {}
     layouts = extra_buffer_types()  # llama.cpp's repacked weight layouts, and AMX's fate here

@@ -82,17 +82,12 @@ def peer(server: Any, prompt: list[int], max_new: int) -> Callable[[], Run]:
 
 def llama_servers(args: argparse.Namespace) -> dict[str, Any]:
     """llama-server's systems on the same GGUF files (started here; the caller closes them)."""
-    from scripts.bench.llama import LlamaServer, gguf_of, llama_server_binary
+    from scripts.bench.llama import LlamaServer, gguf_of, llama_server_binary, peer_modes
 
-    binary, target, drafter = (llama_server_binary(), gguf_of(args.target),
-                               gguf_of(args.drafter))
-    modes = {"llama-server: target alone": [],
-             "llama-server: draft-simple -md drafter": [
-                 "--spec-type", "draft-simple", "-md", str(drafter), "-td", str(args.threads)],
-             "llama-server: ngram-simple": ["--spec-type", "ngram-simple"]}
+    binary, target = llama_server_binary(), gguf_of(args.target)
     servers: dict[str, Any] = {}
     try:
-        for name, extra in modes.items():
+        for name, extra in peer_modes(gguf_of(args.drafter), args.threads).items():
             servers[name] = LlamaServer(binary, target, args.threads, extra)
     except BaseException:
         for server in servers.values():
