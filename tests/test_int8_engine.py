@@ -30,7 +30,7 @@ from shared.engines.int8.model import Int8Decoder
 from shared.engines.int8.target import Int8Engine
 from shared.engines.transformers.models import eos_ids_of
 from shared.models.catalog import load_causal_lm, load_tokenizer
-from tests.support.greedy import speculative_vs_alone
+from tests.support.greedy import speculative_vs_alone, target_alone
 from tests.support.live_server import LiveServer
 from tests.support.row_layouts import block_layouts, rows_of
 from tests.support.tiny_models import save_perturbed, save_tiny_qwen2
@@ -136,8 +136,9 @@ PROMPTS = [[int(t) for t in ids] for ids in np.random.default_rng(5).integers(2,
 LONG = 48
 
 
-def differ(url: str, drafter: Path, concurrent: int) -> list[str]:
-    return speculative_vs_alone(url, drafter, str(drafter), PROMPTS, LONG, concurrent)
+def differ(url: str, drafter: Path, loads: tuple[int, ...],
+           want: list[list[int]] | None = None) -> list[str]:
+    return speculative_vs_alone(url, drafter, str(drafter), PROMPTS, LONG, loads, want=want)
 
 
 @pytest.fixture(scope="module")
@@ -146,21 +147,27 @@ def int8_server(qwen2: dict[str, Path]) -> LiveServer:
         yield live  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("concurrent", [1, 5])
-def test_greedy_speculation_equals_the_target_alone(concurrent: int, int8_server: LiveServer,
-                                                    qwen2: dict[str, Path]) -> None:
-    """At k = 1, 3, 8 and auto, alone and among 5 concurrent sessions, after the earlier
+@pytest.fixture(scope="module")
+def int8_alone(int8_server: LiveServer, qwen2: dict[str, Path]) -> list[list[int]]:
+    return target_alone(int8_server.url, str(qwen2["drafter"]), PROMPTS, LONG)
+
+
+@pytest.mark.parametrize("sessions", [1, 5])
+def test_greedy_speculation_equals_the_target_alone(sessions: int, int8_server: LiveServer,
+                                                    qwen2: dict[str, Path],
+                                                    int8_alone: list[list[int]]) -> None:
+    """At k = 1, 3, 8 and auto, each prompt alone (1) or 5 sessions at once, after the earlier
     sessions on the same verifier."""
     info = SpecDecClient(int8_server.url, None, tokenizer=str(qwen2["target"])).info
     assert (info.kernels, info.dtype) == ("exact", "int8")
-    assert differ(int8_server.url, qwen2["drafter"], concurrent) == []
+    assert differ(int8_server.url, qwen2["drafter"], (sessions,), int8_alone) == []
 
 
 def test_greedy_speculation_with_outliers_equals_the_target_alone(
         qwen2: dict[str, Path]) -> None:
     settings = int8_settings(qwen2["target"]).model_copy(update={"int8_outliers": 8})
     with LiveServer(settings) as live:
-        assert differ(live.url, qwen2["drafter"], 5) == []
+        assert differ(live.url, qwen2["drafter"], (1, 5)) == []
 
 
 def test_negative_control_a_shared_range_changes_greedy_output(qwen2: dict[str, Path]) -> None:
@@ -170,7 +177,7 @@ def test_negative_control_a_shared_range_changes_greedy_output(qwen2: dict[str, 
     engine = Int8Engine(Int8Decoder(model, 8, 256, SharedRangeLinear), tokenizer,
                         eos_ids_of(model, tokenizer), str(qwen2["target"]), 8)
     with LiveServer(settings, engine) as live:
-        assert differ(live.url, qwen2["drafter"], 5) != []
+        assert differ(live.url, qwen2["drafter"], (1, 5)) != []
 
 
 def test_the_engine_refuses_what_it_cannot_run(tmp_path: Path,

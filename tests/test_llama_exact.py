@@ -22,7 +22,7 @@ from drafter_client import SpecDecClient
 from drafter_client.api import DrafterOptions
 from shared.engines.llama_cpp import runtime
 from shared.engines.llama_cpp.runtime import GGUFWeights, LlamaModel, Segment, exact_kernels
-from tests.support.greedy import speculative_vs_alone
+from tests.support.greedy import speculative_vs_alone, target_alone
 from tests.support.live_server import LiveServer
 from verifier_service.settings import Settings, load_engine
 
@@ -182,11 +182,12 @@ PROMPTS = [[int(t) for t in ids] for ids in np.random.default_rng(5).integers(2,
 LONG = 48
 
 
-def differ(url: str, drafter: Path, concurrent: int) -> list[str]:
+def differ(url: str, drafter: Path, loads: tuple[int, ...],
+           want: list[list[int]] | None = None) -> list[str]:
     """Greedy generations that differ from the target alone's, at k = 1, 3, 8 and auto,
-    alone and among ``concurrent`` sessions."""
-    return speculative_vs_alone(url, drafter, str(drafter.parent), PROMPTS, LONG, concurrent,
-                                DrafterOptions(engine="llama-cpp", threads=1))
+    alone (load 1) and among n sessions at once (load n)."""
+    return speculative_vs_alone(url, drafter, str(drafter.parent), PROMPTS, LONG, loads,
+                                DrafterOptions(engine="llama-cpp", threads=1), want=want)
 
 
 @pytest.fixture(scope="module")
@@ -194,14 +195,20 @@ def server_settings(q4k: dict[str, Path]) -> Settings:
     return exact_settings(q4k["target"])
 
 
-@pytest.mark.parametrize("concurrent", [1, 3, 7])
-def test_greedy_speculation_equals_the_target_alone(concurrent: int, server: LiveServer,
-                                                    q4k: dict[str, Path]) -> None:
-    """At k = 1, 3, 8 and auto, alone and among 3 and 7 concurrent sessions, after every
+@pytest.fixture(scope="module")
+def exact_alone(server: LiveServer, q4k: dict[str, Path]) -> list[list[int]]:
+    return target_alone(server.url, str(q4k["drafter"].parent), PROMPTS, LONG)
+
+
+@pytest.mark.parametrize("sessions", [1, 3, 7])
+def test_greedy_speculation_equals_the_target_alone(sessions: int, server: LiveServer,
+                                                    q4k: dict[str, Path],
+                                                    exact_alone: list[list[int]]) -> None:
+    """At k = 1, 3, 8 and auto, each prompt alone (1) or 3 or 7 sessions at once, after every
     earlier test's sessions on the same verifier."""
     assert SpecDecClient(server.url, None,
                          tokenizer=str(q4k["target"].parent)).info.kernels == "exact"
-    assert differ(server.url, q4k["drafter"], concurrent) == []
+    assert differ(server.url, q4k["drafter"], (sessions,), exact_alone) == []
 
 
 def test_logprobs_equal_the_target_alones_bit_for_bit(server: LiveServer,
@@ -229,4 +236,4 @@ def test_negative_control_fast_kernels_change_greedy_output(q4k: dict[str, Path]
     with LiveServer(settings, engine) as fast:
         assert SpecDecClient(fast.url, None,
                              tokenizer=str(q4k["target"].parent)).info.kernels == "fast"
-        assert differ(fast.url, q4k["drafter"], 7) != []
+        assert differ(fast.url, q4k["drafter"], (1, 7)) != []

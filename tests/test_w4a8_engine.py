@@ -25,7 +25,7 @@ from shared.engines.w4a8.gguf_file import MappedGGUF
 from shared.engines.w4a8.model import Q4_K, Q6_K, GGUFFile, Matrix, W4A8Decoder
 from shared.engines.w4a8.target import W4A8Engine, eos_ids
 from shared.models.catalog import ModelSpecError, load_tokenizer
-from tests.support.greedy import speculative_vs_alone
+from tests.support.greedy import speculative_vs_alone, target_alone
 from tests.support.live_server import LiveServer
 from tests.support.row_layouts import block_layouts, rows_of
 from tests.support.tiny_gguf import save_quantized_gguf, write_llama_gguf
@@ -226,8 +226,9 @@ def w4a8_settings(path: Path) -> Settings:
                     max_context=256)  # type: ignore[arg-type]
 
 
-def differ(url: str, drafter: Path, concurrent: int) -> list[str]:
-    return speculative_vs_alone(url, drafter, str(drafter), PROMPTS, LONG, concurrent)
+def differ(url: str, drafter: Path, loads: tuple[int, ...],
+           want: list[list[int]] | None = None) -> list[str]:
+    return speculative_vs_alone(url, drafter, str(drafter), PROMPTS, LONG, loads, want=want)
 
 
 @pytest.fixture(scope="module")
@@ -236,12 +237,19 @@ def w4a8_server(q4k: dict[str, Path]) -> LiveServer:
         yield live  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("concurrent", [1, 3, 7])
-def test_greedy_speculation_equals_the_target_alone(concurrent: int, w4a8_server: LiveServer,
-                                                    q4k: dict[str, Path]) -> None:
+@pytest.fixture(scope="module")
+def w4a8_alone(w4a8_server: LiveServer, q4k: dict[str, Path]) -> list[list[int]]:
+    return target_alone(w4a8_server.url, str(q4k["drafter"]), PROMPTS, LONG)
+
+
+@pytest.mark.parametrize("sessions", [1, 3, 7])
+def test_greedy_speculation_equals_the_target_alone(sessions: int, w4a8_server: LiveServer,
+                                                    q4k: dict[str, Path],
+                                                    w4a8_alone: list[list[int]]) -> None:
+    """Each prompt alone at k = 1, 3, 8 and auto (1), or 3 or 7 sessions at once."""
     info = SpecDecClient(w4a8_server.url, None, tokenizer=str(q4k["target"])).info
     assert info.kernels == "exact" and info.dtype.startswith("gguf w4a8")
-    assert differ(w4a8_server.url, q4k["drafter"], concurrent) == []
+    assert differ(w4a8_server.url, q4k["drafter"], (sessions,), w4a8_alone) == []
 
 
 def test_negative_control_a_shared_scale_changes_greedy_output(q4k: dict[str, Path]) -> None:
@@ -251,7 +259,7 @@ def test_negative_control_a_shared_scale_changes_greedy_output(q4k: dict[str, Pa
     engine = W4A8Engine(model, tokenizer, eos_ids(file, tokenizer, model.shape.vocab),
                         str(q4k["target"]), 8)
     with LiveServer(w4a8_settings(q4k["target"]), engine) as live:
-        assert differ(live.url, q4k["drafter"], 7) != []
+        assert differ(live.url, q4k["drafter"], (1, 7)) != []
 
 
 # -- what auto picks, what the engine refuses ----------------------------------------------------

@@ -42,7 +42,8 @@ class CommonSettings(BaseSettings):
     engine: str = Field("auto", description=_engine_help())
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     threads: int = Field(0, ge=0, description="the engine's CPU threads (torch intra-op, or "
-                         "llama.cpp's); 0: torch's default, or every core llama.cpp may use")
+                         "llama.cpp's); 0: torch's default, or for llama.cpp "
+                         "`OMP_NUM_THREADS` where set, else every core it may use")
     host: str = Field("127.0.0.1", description="bind address")
     port: int = Field(8000, ge=0, le=65535, description="bind port")
 

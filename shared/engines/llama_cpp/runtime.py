@@ -542,7 +542,13 @@ def _aligned(written: list[Token], size: int) -> list[list[Token]]:
 
 
 def default_threads() -> int:
-    """Physical cores llama.cpp should use: what this process may run on."""
+    """Threads llama.cpp should use: ``OMP_NUM_THREADS`` where it is set (the budget PyTorch's
+    engines already keep to), else every core this process may run on. More threads than free
+    cores costs far more than it gains: llama.cpp's threads spin at each operation's barrier,
+    so one descheduled thread stalls the others for a scheduler tick."""
+    budget = os.environ.get("OMP_NUM_THREADS", "")
+    if budget.isdigit() and int(budget) > 0:
+        return int(budget)
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - not Linux
