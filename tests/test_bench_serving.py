@@ -51,6 +51,7 @@ def test_report_per_round_ratios_fairness_and_identity(tmp_path: Path) -> None:
     assert (tmp_path / "serving.png").stat().st_size > 0  # the plot
 
 
+@pytest.mark.slow  # the serving benchmark end to end: llama-server and our verifier started, timed
 def test_a_short_real_run_on_a_tiny_pair(q4k: dict[str, Path], tmp_path: Path) -> None:
     """Two clients on the default (w4a8) verifier, on llama.cpp's exact kernels and on its
     fast ones: every specdec output equals its target alone's, and the verifier's steps are

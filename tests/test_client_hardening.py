@@ -130,6 +130,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           timeout=120, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow  # one CLI process per exit code
 def test_cli_exit_codes_and_partial_output(fingerprint: str,
                                            tiny_models: dict[str, Path]) -> None:
     tokenizer = str(tiny_models["gpt2-target"])

@@ -36,6 +36,7 @@ def answer(child: pexpect.spawn, line: str) -> str:
     return printed.split("\r\n", 1)[1] if "\r\n" in printed else printed  # drop the echo
 
 
+@pytest.mark.slow  # the console in a pseudo-terminal against a verifier process
 def test_chat_console_streams_in_colour_and_obeys_commands(
         gpt2_server: LiveServer, tiny_models: dict[str, Path]) -> None:
     drafter = tiny_models["gpt2-drafter"]

@@ -123,6 +123,7 @@ def greedy_differences(target: Path, drafter: Path, dtype: str) -> list[tuple[in
                 != want[i]]
 
 
+@pytest.mark.slow  # measures the dtypes, then every k
 def test_auto_keeps_greedy_speculation_equal_to_the_target_alone(
         tiny_models: dict[str, Path]) -> None:
     """auto (float32 here) against bfloat16, the negative control: its blocks round unlike its

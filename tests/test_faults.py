@@ -122,6 +122,7 @@ def tokenizer_of(args: list[str]) -> str:
     return str(model.parent if model.suffix == ".gguf" else model)
 
 
+@pytest.mark.slow  # a verifier process killed and started again
 @pytest.mark.parametrize("engine", ["llama-cpp", "int8"])
 def test_kill9_and_restart_on_the_exact_engines(engine: str,
                                                 exact_targets: dict[str, list[str]]) -> None:
@@ -158,6 +159,7 @@ def test_kill9_and_restart_on_the_exact_engines(engine: str,
     assert result.metrics.session_reopens == 1
 
 
+@pytest.mark.slow  # waits out the client's retry budget
 def test_verifier_gone_for_good_gives_partial_output(tiny_models: dict[str, Path],
                                                      verifier: tuple[subprocess.Popen[bytes],
                                                                      int]) -> None:

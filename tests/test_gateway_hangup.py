@@ -69,6 +69,7 @@ def hang_up(url: str, body: dict[str, object], after_s: float) -> None:
         pass  # no answer yet, the client leaves
 
 
+@pytest.mark.slow  # the control's whole generation
 def test_a_full_generation_is_long(served: tuple[ThreadedServer, Gateway]) -> None:
     """The control: undisturbed, the same request generates to the context's end, which takes
     far longer than the hang-ups below wait."""

@@ -96,6 +96,7 @@ def test_session_ids_are_private_to_their_key(server: LiveServer) -> None:
 
 
 # -- 4. a flooding key next to a slow client ----------------------------------------------------
+@pytest.mark.slow  # a flood held for seconds beside a slow client
 def test_flooding_key_does_not_evict_a_slow_client(tiny_models: dict[str, Path]) -> None:
     settings = fp32_settings(tiny_models["gpt2-target"], api_keys=f"{K1},{K2}",
                              max_draft_tokens=8, max_sessions=6, max_context=64,

@@ -163,6 +163,7 @@ def test_greedy_speculation_equals_the_target_alone(sessions: int, int8_server: 
     assert differ(int8_server.url, qwen2["drafter"], (sessions,), int8_alone) == []
 
 
+@pytest.mark.slow  # a server of its own, every k and 5 sessions
 def test_greedy_speculation_with_outliers_equals_the_target_alone(
         qwen2: dict[str, Path]) -> None:
     settings = int8_settings(qwen2["target"]).model_copy(update={"int8_outliers": 8})

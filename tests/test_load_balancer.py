@@ -191,6 +191,7 @@ def exact_target(engine: str, root: Path) -> tuple[Path, tuple[str, ...], str]:
     return qwen2, common, str(qwen2)
 
 
+@pytest.mark.slow  # two replicas and nginx per engine
 @pytest.mark.parametrize("engine", ["transformers", "llama-cpp", "int8"])
 def test_a_replica_killed_mid_generation_fails_over_with_identical_output(
         engine: str, tiny_models: dict[str, Path], tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ def cli_args(url: str, drafter: Path, prompt: str) -> list[str]:
             "--timeout-s", "20", "--retry-budget-s", "60"]
 
 
+@pytest.mark.slow  # a generation over a link that delays and drops packets
 def test_generation_over_a_delayed_lossy_link(tiny_models: dict[str, Path]) -> None:
     verifier_args = ["--model", str(tiny_models["gpt2-target"]), "--dtype", "float32",
                      "--device", "cpu", "--threads", "1", "--max-draft-tokens", "8"]

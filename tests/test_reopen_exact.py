@@ -115,6 +115,7 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_qwen2(tmp_path_factory.mktemp("qwen2") / "target", 256)
 
 
+@pytest.mark.slow  # sessions dropped and rebuilt all along a generation
 @pytest.mark.parametrize("engine", ["llama-cpp", "int8"])
 def test_greedy_output_with_lost_sessions_equals_the_target_alone(
         engine: str, request: pytest.FixtureRequest) -> None:
