@@ -49,11 +49,13 @@ $(STAMP): $(RUN_STAMP)
 	touch $(STAMP)
 
 # Every core: pytest-xdist workers, each test handed to whichever worker is free. Bytecode is
-# cached in .venv/pycache even where PYTHONDONTWRITEBYTECODE is set: without it every worker and
-# every verifier or client process a test starts compiles the project (and pytest rewrites the
-# asserts of its plugins' modules) again - 2 of the suite's 17 CPU minutes on a 2-core machine.
-PYTEST := env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(abspath $(VENV))/pycache \
-	$(BIN)/python -m pytest -q -n auto --dist worksteal
+# written even where PYTHONDONTWRITEBYTECODE is set: without it every worker and every verifier
+# or client process a test starts compiles the project (and pytest rewrites the asserts of its
+# plugins' modules) again - 2 of the suite's 17 CPU minutes on a 2-core machine. Next to the
+# sources (__pycache__), not under a PYTHONPYCACHEPREFIX: a prefix also hides the bytecode pip
+# compiled at install, so on a fresh clone the first processes compiled torch and transformers
+# again (6.5 s of CPU for one verifier's imports).
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n auto --dist worksteal
 
 test: install ensure-nginx ensure-nettools ensure-chromium
 	$(PYTEST)

@@ -23,7 +23,7 @@ from drafter_client.api import DrafterOptions
 from drafter_client.transport import VerifierHTTPError
 from shared.engines.drafter import common_prefix
 from shared.engines.llama_cpp.drafter import LlamaCppDrafter
-from shared.engines.llama_cpp.runtime import GGUFWeights, LlamaModel, Segment
+from shared.engines.llama_cpp.runtime import GGUFWeights, LlamaModel, Segment, default_threads
 from shared.models.catalog import load_causal_lm
 from shared.protocol.sampling import SamplingConfig
 from tests.support.in_process import CallGroup, InProcessVerifier
@@ -64,6 +64,19 @@ def expected(ggufs: dict[str, Path], ids: list[int], n: int, eos: list[int]) -> 
 
 
 # -- the runtime
+def test_default_threads_keep_to_omp_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp's thread count when none is given: the process's OMP_NUM_THREADS budget (as
+    PyTorch's engines), else every core it may run on; a budget that is not a count is none."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = default_threads()
+    assert cores >= 1
+    monkeypatch.setenv("OMP_NUM_THREADS", str(cores + 2))
+    assert default_threads() == cores + 2
+    for unset in ("0", "", "four"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert default_threads() == cores
+
+
 def test_gguf_logits_equal_the_checkpoint(tiny_models: dict[str, Path],
                                           ggufs: dict[str, Path]) -> None:
     """The written file is the model: llama.cpp's logits are transformers' up to rounding."""
