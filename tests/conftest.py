@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 from drafter_client.api import SpecDecClient
 from drafter_client.gateway import GatewaySettings, create_gateway, server_options
 from tests.support.live_server import LiveServer, fp32_settings
+from tests.support.ordering import worker_order
 from tests.support.servers import ThreadedServer
 from tests.support.tiny_models import build_tiny_set
 from verifier_service.settings import Settings
@@ -27,15 +27,8 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The longest work first, each module's tests still together (its fixtures are set up
-    once per worker): modules by their number of ``slow`` tests, most first, and within each
-    its slow tests first. pytest-xdist hands each worker a contiguous share of this order and
-    idle workers steal from the end of the others' queues, so the run ends on short tests
-    instead of one worker finishing a half-minute chi-square test alone."""
-    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
-    module = {path: i for i, path in enumerate(dict.fromkeys(item.path for item in items))}
-    items.sort(key=lambda item: (-slow[item.path], module[item.path],
-                                 not item.get_closest_marker("slow")))
+    """The longest work first on every worker (tests/support/ordering.py)."""
+    items[:] = worker_order(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
 
 
 @pytest.fixture(scope="session", autouse=True)
