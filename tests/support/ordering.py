@@ -6,7 +6,8 @@ each share. A minute-long test there leaves a core idle while one worker finishe
 ``worker_order`` keeps each module's tests together (its fixtures are set up once per worker),
 puts a module's ``slow`` tests first, spreads the modules that have slow tests over the
 workers' shares (most slow tests first, each to the share with the fewest so far) at the start
-of each share, and fills every share up to its boundary with the quick modules.
+of each share, and fills every share up to its boundary with the quick modules (a share may end
+a few quick tests off its boundary: modules are not split).
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ def worker_order(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
     sizes = [sum(len(modules[p]) for p in share) for share in shares]
     lane, before = 0, 0  # before: the tests in the shares ahead of `lane`
     for path in (p for p in modules if not slow[p]):
-        # fill this share until it reaches its boundary, so that no slow module of the next
-        # share starts inside this worker's share
-        while lane < len(shares) - 1 and before + sizes[lane] >= len(items) * (lane + 1) // len(shares):
+        # fill this share up to its boundary (modules are not split: the module goes where the
+        # share ends nearer its boundary), so that each share starts on its slow modules
+        while lane < len(shares) - 1:
+            boundary = len(items) * (lane + 1) // len(shares)
+            end = before + sizes[lane]
+            if abs(end + len(modules[path]) - boundary) < abs(end - boundary):
+                break
             before += sizes[lane]
             lane += 1
         shares[lane].append(path)
