@@ -11,6 +11,7 @@ batch (what a naive batched W4A8 kernel does), which must fail the same checks.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -20,10 +21,11 @@ import torch
 
 from drafter_client import SpecDecClient
 from shared.engines import resolve
-from shared.engines.w4a8.build import library
+from shared.engines.w4a8.build import choose_isa, library, packing, paths
 from shared.engines.w4a8.gguf_file import MappedGGUF
-from shared.engines.w4a8.model import Q4_K, Q6_K, GGUFFile, Matrix, W4A8Decoder
+from shared.engines.w4a8.model import Q4_K, Q6_K, GGUFFile, Matrix, W4A8Decoder, packed
 from shared.engines.w4a8.target import W4A8Engine, eos_ids
+from shared.machine_cache import cpu_flags
 from shared.models.catalog import ModelSpecError, load_tokenizer
 from tests.support.greedy import speculative_vs_alone, target_alone
 from tests.support.live_server import LiveServer
@@ -32,7 +34,8 @@ from tests.support.tiny_gguf import save_quantized_gguf, write_llama_gguf
 from verifier_service.settings import Settings, load_engine
 
 BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
-ACT = np.dtype([("d", "<f4"), ("q", "i1", 256), ("sums", "<i2", 16)])  # kernels.cpp's ActBlock
+ACT = np.dtype([("q", "i1", 256), ("sums", "<i2", 16), ("d", "<f4"),  # kernels/blocks.h's
+                ("pad", "u1", 28)])  # ActBlock
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,8 @@ def random_matrix(kind: int, rows: int, cols: int, seed: int) -> Matrix:
     where = slice(0, 4) if kind == Q4_K else slice(208, 210)
     blocks[:, :, where] = scales.view(np.uint8).reshape(rows, cols // 256, 4)[:, :, :where.stop
                                                                                - where.start]
-    return Matrix(f"random {kind}", kind, blocks.reshape(rows, -1), rows, cols)
+    matrix = Matrix(f"random {kind}", kind, blocks.reshape(rows, -1), rows, cols)
+    return packed(library(), matrix) if packing() else matrix
 
 
 def activations(x: torch.Tensor, shared: bool = False) -> torch.Tensor:
@@ -72,7 +76,7 @@ def activations(x: torch.Tensor, shared: bool = False) -> torch.Tensor:
 
 
 def interleaved(q: np.ndarray) -> np.ndarray:
-    """[..., 256] values in order -> as kernels.cpp keeps them: each 64 as A[0:16] B[0:16]
+    """[..., 256] values in order -> as the kernels keep them: each 64 as A[0:16] B[0:16]
     A[16:32] B[16:32] (A, B: its two 32-value halves)."""
     shape = q.shape
     return q.reshape(*shape[:-1], 4, 2, 2, 16).swapaxes(-3, -2).reshape(shape)
@@ -85,8 +89,12 @@ def in_order(q: np.ndarray) -> np.ndarray:
 
 def product(matrix: Matrix, act: torch.Tensor, n: int) -> torch.Tensor:
     out = torch.empty(n, matrix.rows)
-    assert library().w4a8_matmul(matrix.type, matrix.address, matrix.rows, matrix.cols,
-                                 act.data_ptr(), n, None, out.data_ptr(), matrix.rows) == 0
+    pack = matrix.packed
+    assert library().w4a8_matmul(matrix.type, matrix.address, matrix.nbytes,
+                                 None if pack is None else pack.data_ptr(),
+                                 0 if pack is None else pack.numel(), matrix.rows, matrix.cols,
+                                 act.data_ptr(), act.numel(), n, None, out.data_ptr(),
+                                 out.numel(), matrix.rows) == 0
     return out
 
 
@@ -98,7 +106,7 @@ def test_the_product_is_the_dequantized_weights_times_the_quantized_rows(kind: i
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
     lib = library()
     act = torch.empty(5 * lib.w4a8_act_bytes(512), dtype=torch.uint8)
-    lib.w4a8_quantize(x.data_ptr(), 5, 512, act.data_ptr())
+    assert lib.w4a8_quantize(x.data_ptr(), 5, 512, act.data_ptr(), act.numel()) == 0
     assert torch.equal(act, activations(x))  # the kernel quantizes as documented
     blocks = act.numpy().view(ACT).reshape(5, 2)
     rows = (in_order(blocks["q"]).astype(np.float64) * blocks["d"][..., None]).reshape(5, 512)
@@ -138,33 +146,71 @@ def test_negative_control_a_shared_activation_scale() -> None:
     assert len(rows_differ(matrix, x, shared=True)) >= 15
 
 
-def test_the_avx2_and_portable_paths_agree_bit_for_bit() -> None:
-    """The portable path holds the AVX2 path's lanes and order: a machine without AVX2
-    computes what this one does (and this machine checks that path)."""
+# Each SIMD path and the CPU flags it needs (lscpu's names); the portable path runs anywhere.
+SIMD_PATHS = {"avx2": ("avx2", "fma", "f16c"),
+              "avx512-vnni": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")}
+
+
+def test_the_library_holds_every_path() -> None:
+    assert list(paths()) == ["portable", *SIMD_PATHS]
+    assert paths()["portable"]
+
+
+def on_path(name: str) -> None:
+    """Use path ``name`` for the calls that follow, or skip naming the flags this CPU lacks."""
+    missing = [flag for flag in SIMD_PATHS.get(name, ()) if flag not in cpu_flags()]
+    if missing:
+        pytest.skip(f"the {name} path needs {', '.join(missing)}, which this CPU lacks")
+    choose_isa(name)
+
+
+@pytest.fixture
+def restore_isa() -> Iterator[None]:
+    yield
+    choose_isa(None)
+
+
+@pytest.mark.parametrize("name", list(SIMD_PATHS))
+def test_every_path_agrees_with_the_portable_one_bit_for_bit(name: str,
+                                                             restore_isa: None) -> None:
+    """Quantization, Q4_K and Q6_K products on the 1.5B's widths at 1-9 and 17 rows and an odd
+    column count, SiLU and exp: each path's bits are the portable path's."""
     lib = library()
-    if not lib.w4a8_isa():
-        pytest.skip("no AVX2 here: the portable path is the only one")
-    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(2)) * 3
+    x = torch.randn(17, 8960, generator=torch.Generator().manual_seed(2)) * 3
     x[0, :256] = 0.0  # an all-zero block
     x[1, 5] = 1e4  # a block ruled by one value
-    quantized = []
-    for isa in (-1, 0):
-        lib.w4a8_set_isa(isa)
-        act = torch.empty(9 * lib.w4a8_act_bytes(1536), dtype=torch.uint8)
-        lib.w4a8_quantize(x.data_ptr(), 9, 1536, act.data_ptr())
-        quantized.append(act)
-    lib.w4a8_set_isa(-1)
-    assert torch.equal(quantized[0], quantized[1])
-    assert torch.equal(quantized[0], activations(x))
-    for kind in (Q4_K, Q6_K):
-        matrix = random_matrix(kind, 24, 1536, seed=kind)
-        fast = product(matrix, activations(x), 9)
-        lib.w4a8_set_isa(0)
-        try:
-            portable = product(matrix, activations(x), 9)
-        finally:
-            lib.w4a8_set_isa(-1)
-        assert torch.equal(fast, portable), kind
+    results = {}
+    for path in ("portable", name):
+        on_path(path)
+        out: list[torch.Tensor] = []
+        for cols in (1536, 8960):
+            act = torch.empty(17 * lib.w4a8_act_bytes(cols), dtype=torch.uint8)
+            rows = x[:, :cols].contiguous()
+            assert lib.w4a8_quantize(rows.data_ptr(), 17, cols, act.data_ptr(), act.numel()) == 0
+            out.append(act)
+            for kind in (Q4_K, Q6_K):
+                matrix = random_matrix(kind, 23, cols, seed=kind + cols)
+                for n in (*range(1, 10), 17):
+                    out.append(product(matrix, act[:n * lib.w4a8_act_bytes(cols)], n))
+        gate_up = x[:4].contiguous()
+        silu = torch.empty(4, 4480)
+        assert lib.w4a8_silu_mul(gate_up.data_ptr(), 4, 4480, silu.data_ptr()) == 0
+        out.append(silu)
+        results[path] = out
+    assert torch.equal(results["portable"][0], activations(x[:, :1536]))
+    for ours, theirs in zip(results[name], results["portable"], strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_silu_follows_torch_within_its_rounding() -> None:
+    """Our own exp (blocks.h's exp_fixed) inside SiLU: within a few float32 ulps of torch's."""
+    lib = library()
+    gate_up = torch.linspace(-90, 90, 2 * 40000).reshape(1, -1).contiguous()
+    ours = torch.empty(1, 40000)
+    assert lib.w4a8_silu_mul(gate_up.data_ptr(), 1, 40000, ours.data_ptr()) == 0
+    gate, up = gate_up[:, :40000].double(), gate_up[:, 40000:].double()
+    want = gate * torch.sigmoid(gate) * up
+    assert torch.allclose(ours.double(), want, rtol=4e-7, atol=1e-30)
 
 
 # -- the decoder on a real Q4_K_M file (llama.cpp quantized it) ---------------------------------

@@ -1,4 +1,4 @@
-"""Build and load the w4a8 engine's kernels (``kernels.cpp``) once per machine.
+"""Build and load the w4a8 engine's kernels (``kernels/``) once per machine.
 
 The library is compiled with the system's g++ against PyTorch's own headers, so its threads are
 PyTorch's (``at::parallel_for``: ``torch.set_num_threads`` sets them), and kept in
@@ -24,24 +24,33 @@ import torch
 from shared.machine_cache import specdec_home
 from shared.models.catalog import ModelSpecError
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
-# -ffp-contract=off: no multiply-add fused unless the source writes one, so the AVX2 and
-# portable paths round alike; the AVX2 code is compiled by target attributes, not -march.
+KERNELS = Path(__file__).with_name("kernels")
+SOURCES = sorted(KERNELS.glob("*.cpp"))
+# -ffp-contract=off: no multiply-add fused unless the source writes one, so every path rounds
+# alike; each ISA's code is compiled by target attributes, not -march, so one library holds
+# every path and picks one at load (kernels/dispatch.cpp).
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off",
          "-fno-fast-math", "-Wall", "-Wno-unused-function"]
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
+    "w4a8_isa_count": (_int, []),
+    "w4a8_isa_name": (ctypes.c_char_p, [_int]),
+    "w4a8_isa_available": (_int, [_int]),
+    "w4a8_isa_packs": (_int, [_int]),
     "w4a8_isa": (_int, []),
-    "w4a8_set_isa": (None, [_int]),
+    "w4a8_set_isa": (_int, [_int]),
     "w4a8_act_bytes": (_i64, [_i64]),
-    "w4a8_quantize": (None, [_ptr, _i64, _i64, _ptr]),
-    "w4a8_matmul": (_int, [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64]),
-    "w4a8_dequantize_rows": (_int, [_int, _ptr, _i64, _ptr, _i64, _ptr]),
-    "w4a8_rms_norm": (None, [_ptr, _ptr, _f32, _i64, _i64, _ptr]),
-    "w4a8_silu_mul": (None, [_ptr, _i64, _i64, _ptr]),
-    "w4a8_attention": (None, [_ptr, _i64, _ptr, _ptr, _int, _int, _int, _ptr, _ptr, _int,
-                              _ptr, _ptr, _i64, _ptr]),
+    "w4a8_quantize": (_int, [_ptr, _i64, _i64, _ptr, _i64]),
+    "w4a8_matmul": (_int, [_int, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr,
+                           _ptr, _i64, _i64]),
+    "w4a8_packed_bytes": (_i64, [_int, _i64, _i64]),
+    "w4a8_pack": (_int, [_int, _ptr, _i64, _i64, _i64, _ptr, _i64]),
+    "w4a8_dequantize_rows": (_int, [_int, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr]),
+    "w4a8_rms_norm": (_int, [_ptr, _ptr, _f32, _i64, _i64, _ptr]),
+    "w4a8_silu_mul": (_int, [_ptr, _i64, _i64, _ptr]),
+    "w4a8_attention": (_int, [_ptr, _i64, _ptr, _ptr, _int, _int, _int, _ptr, _ptr, _int,
+                              _ptr, _ptr, _i64, _i64, _ptr]),
 }
 
 
@@ -49,7 +58,7 @@ def _command(output: Path) -> list[str]:
     torch_dir = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [os.environ.get("CXX", "g++"), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            f"-I{torch_dir / 'include'}", str(SOURCE), "-o", str(output),
+            f"-I{torch_dir / 'include'}", *map(str, SOURCES), "-o", str(output),
             f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
 
 
@@ -63,7 +72,9 @@ def library_path() -> Path:
         raise ModelSpecError(f"the w4a8 engine builds its kernels with a C++ compiler; "
                              f"{compiler!r} did not run ({error}): install g++") from error
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+    sources = b"".join(path.name.encode() + path.read_bytes()
+                       for path in sorted(KERNELS.glob("*.[ch]*")))
+    for part in (sources, " ".join(FLAGS).encode(), version.encode(),
                  torch.__version__.encode(), str(Path(torch.__file__).parent).encode()):
         digest.update(part)
     return specdec_home() / "kernels" / f"w4a8-{digest.hexdigest()[:16]}.so"
@@ -107,11 +118,47 @@ def library() -> ctypes.CDLL:
     return lib
 
 
+def paths() -> dict[str, bool]:
+    """Every path the library holds, and whether this CPU runs it."""
+    lib = library()
+    return {lib.w4a8_isa_name(i).decode(): bool(lib.w4a8_isa_available(i))
+            for i in range(lib.w4a8_isa_count())}
+
+
+def packing() -> bool:
+    """Whether a path this CPU runs reads packed panels (then matrices are packed at load)."""
+    lib = library()
+    return any(lib.w4a8_isa_available(i) and lib.w4a8_isa_packs(i)
+               for i in range(lib.w4a8_isa_count()))
+
+
+def isa_name() -> str:
+    """The path in use (``avx512-vnni``, ``avx2``, ``portable``)."""
+    lib = library()
+    return str(lib.w4a8_isa_name(lib.w4a8_isa()).decode())
+
+
+def choose_isa(name: str | None) -> str:
+    """Use the path called ``name`` (None or "auto": the best this CPU runs); its name, or
+    ModelSpecError naming the paths this CPU runs."""
+    lib = library()
+    if name in (None, "", "auto"):
+        lib.w4a8_set_isa(-1)
+        return isa_name()
+    names = paths()
+    if not names.get(name):
+        runs = ", ".join(n for n, ok in names.items() if ok)
+        why = "this CPU lacks it" if name in names else "no such path"
+        raise ModelSpecError(f"w4a8 path {name!r}: {why}; this CPU runs {runs}")
+    lib.w4a8_set_isa(list(names).index(name))
+    return name
+
+
 def main() -> None:
     """``python -m shared.engines.w4a8.build``: build (``--force``: again) and say where."""
     path = build(force="--force" in sys.argv)
-    isa = "AVX2" if library().w4a8_isa() else "portable"
-    print(f"w4a8 kernels: {path} ({isa} path on this CPU)")
+    print(f"w4a8 kernels: {path} ({isa_name()} path on this CPU; this CPU runs "
+          f"{', '.join(name for name, runs in paths().items() if runs)})")
 
 
 if __name__ == "__main__":

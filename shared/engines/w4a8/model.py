@@ -15,7 +15,7 @@ Keys and values are float16 (as llama.cpp keeps them), one tensor per kind,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from shared.engines.int8.model import Rows
-from shared.engines.w4a8.build import library
+from shared.engines.w4a8.build import library, packing
 from shared.engines.w4a8.gguf_file import MappedGGUF, TensorInfo
 from shared.models.catalog import ModelSpecError
 
@@ -59,6 +59,7 @@ class Matrix:
     rows: int
     cols: int
     bias: torch.Tensor | None = None  # [rows] float32
+    packed: torch.Tensor | None = None  # the same in kernels/packed.h's panels (uint8)
 
     @property
     def address(self) -> int:
@@ -67,6 +68,15 @@ class Matrix:
     @property
     def nbytes(self) -> int:
         return int(self.data.nbytes)
+
+
+def packed(lib: Any, matrix: Matrix) -> Matrix:
+    """``matrix`` with its panels for the paths that read them (``kernels/packed.h``)."""
+    size = lib.w4a8_packed_bytes(matrix.type, matrix.rows, matrix.cols)
+    out = torch.empty(size, dtype=torch.uint8)
+    _check(lib.w4a8_pack(matrix.type, matrix.address, matrix.nbytes, matrix.rows, matrix.cols,
+                         _ptr(out), size), f"packing {matrix.name}")
+    return replace(matrix, packed=out)
 
 
 @dataclass
@@ -84,6 +94,13 @@ class Layer:
 
 def _ptr(tensor: torch.Tensor) -> int:
     return int(tensor.data_ptr())
+
+
+def _check(status: int, what: str) -> None:
+    """The kernels answer a negative code for arguments that do not fit their buffers."""
+    if status != 0:
+        raise RuntimeError(f"the w4a8 kernels refused {what} "
+                           f"({'bad arguments' if status == -1 else 'a buffer too small'})")
 
 
 class GGUFFile:
@@ -178,6 +195,13 @@ class W4A8Decoder:
         self.lib = library()
         s = self.shape = shape_of(file)
         self.embed, self.layers, self.norm, self.head = weights_of(file, s)
+        if packing():  # a path this CPU runs reads panels: every product's matrix, packed once
+            for layer in self.layers:
+                for f in fields(layer):
+                    value = getattr(layer, f.name)
+                    if isinstance(value, Matrix):
+                        setattr(layer, f.name, packed(self.lib, value))
+            self.head = packed(self.lib, self.head)
         self.slot_tokens = slot_tokens
         kv = (s.layers, num_slots, s.kv_heads, slot_tokens, s.head_dim)
         self.keys = torch.empty(kv, dtype=torch.float16)  # a row reads only what was written
@@ -201,23 +225,32 @@ class W4A8Decoder:
                                                  layer.gate, layer.up, layer.down)]}
         return sum(m.nbytes for m in matrices.values())
 
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the packed copies (0 where no path reads them)."""
+        matrices = [self.head] + [x for layer in self.layers for x in vars(layer).values()
+                                  if isinstance(x, Matrix)]
+        return sum(int(m.packed.numel()) for m in matrices if m.packed is not None)
+
     # -- the kernels, on tensors
     def quantize(self, x: torch.Tensor) -> torch.Tensor:
         """[n, k] float32 -> its activation blocks (uint8 bytes)."""
         n, k = x.shape
         out = torch.empty(n * self.lib.w4a8_act_bytes(k), dtype=torch.uint8)
-        self.lib.w4a8_quantize(_ptr(x), n, k, _ptr(out))
+        _check(self.lib.w4a8_quantize(_ptr(x), n, k, _ptr(out), out.numel()), "quantize")
         return out
 
     def matmul(self, matrix: Matrix, act: torch.Tensor, n: int, out: torch.Tensor,
                column: int = 0) -> None:
         """``out[:, column:column + rows] = activations @ matrix.T + bias``."""
         bias = 0 if matrix.bias is None else _ptr(matrix.bias)
-        status = self.lib.w4a8_matmul(matrix.type, matrix.address, matrix.rows, matrix.cols,
-                                      _ptr(act), n, bias or None, _ptr(out) + 4 * column,
-                                      out.shape[1])
-        if status != 0:
-            raise RuntimeError(f"w4a8_matmul refused {matrix.name}")
+        pack = matrix.packed
+        _check(self.lib.w4a8_matmul(matrix.type, matrix.address, matrix.nbytes,
+                                    None if pack is None else _ptr(pack),
+                                    0 if pack is None else pack.numel(), matrix.rows,
+                                    matrix.cols, _ptr(act), act.numel(), n, bias or None,
+                                    _ptr(out) + 4 * column, out.numel() - column,
+                                    out.shape[1]), f"matmul {matrix.name}")
 
     def linear(self, x: torch.Tensor, *matrices: Matrix) -> torch.Tensor:
         """``x`` through the matrices side by side (one quantization of ``x``)."""
@@ -232,16 +265,17 @@ class W4A8Decoder:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
-        self.lib.w4a8_rms_norm(_ptr(x), _ptr(weight), self.shape.eps, x.shape[0], x.shape[1],
-                               _ptr(out))
+        _check(self.lib.w4a8_rms_norm(_ptr(x), _ptr(weight), self.shape.eps, x.shape[0],
+                                      x.shape[1], _ptr(out)), "rms_norm")
         return out
 
     def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.to(torch.int64).contiguous()
         out = torch.empty(len(ids), self.shape.hidden)
-        if self.lib.w4a8_dequantize_rows(self.embed.type, self.embed.address, self.embed.cols,
-                                         _ptr(ids), len(ids), _ptr(out)) != 0:
-            raise RuntimeError("w4a8_dequantize_rows refused the embedding")
+        _check(self.lib.w4a8_dequantize_rows(self.embed.type, self.embed.address,
+                                             self.embed.nbytes, self.embed.rows,
+                                             self.embed.cols, _ptr(ids), len(ids), _ptr(out)),
+               "the embedding")
         return out
 
     def forward(self, rows: Rows, keep: torch.Tensor) -> torch.Tensor:
@@ -257,14 +291,15 @@ class W4A8Decoder:
         attended = torch.empty(n, s.heads * s.head_dim)
         for index, layer in enumerate(self.layers):
             qkv = self.linear(self.rms_norm(x, layer.attn_norm), layer.q, layer.k, layer.v)
-            lib.w4a8_attention(_ptr(qkv), n, _ptr(slots), _ptr(positions), s.heads, s.kv_heads,
-                               s.head_dim, _ptr(self.cos), _ptr(self.sin), int(s.interleaved),
-                               _ptr(self.keys[index]), _ptr(self.values[index]),
-                               self.slot_tokens, _ptr(attended))
+            _check(lib.w4a8_attention(_ptr(qkv), n, _ptr(slots), _ptr(positions), s.heads,
+                                      s.kv_heads, s.head_dim, _ptr(self.cos), _ptr(self.sin),
+                                      int(s.interleaved), _ptr(self.keys[index]),
+                                      _ptr(self.values[index]), self.keys.shape[1],
+                                      self.slot_tokens, _ptr(attended)), "attention")
             x += self.linear(attended, layer.out)
             gate_up = self.linear(self.rms_norm(x, layer.mlp_norm), layer.gate, layer.up)
             act = torch.empty(n, s.intermediate)
-            lib.w4a8_silu_mul(_ptr(gate_up), n, s.intermediate, _ptr(act))
+            _check(lib.w4a8_silu_mul(_ptr(gate_up), n, s.intermediate, _ptr(act)), "silu")
             x += self.linear(act, layer.down)
         last = x[keep].contiguous()
         return self.linear(self.rms_norm(last, self.norm), self.head)
