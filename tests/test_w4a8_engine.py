@@ -202,6 +202,21 @@ def test_every_path_agrees_with_the_portable_one_bit_for_bit(name: str,
         assert torch.equal(ours, theirs)
 
 
+def test_negative_control_the_same_sums_in_another_order_give_other_bits() -> None:
+    """What the path test would catch: the same products added in float32 in another order
+    (numpy's matmul of the dequantized weights) agree to rounding but not bit for bit."""
+    matrix = random_matrix(Q4_K, 64, 1536, seed=3)
+    x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(4))
+    act = activations(x)
+    blocks = act.numpy().view(ACT).reshape(4, 6)
+    rows = (in_order(blocks["q"]).astype(np.float32) * blocks["d"][..., None]).reshape(4, 1536)
+    weights = gguf.quants.dequantize(matrix.data, gguf.GGMLQuantizationType(Q4_K))
+    theirs = rows @ weights.astype(np.float32).T
+    ours = product(matrix, act, 4).numpy()
+    assert np.allclose(ours, theirs, rtol=1e-4, atol=1e-4 * np.abs(theirs).max())
+    assert not np.array_equal(ours, theirs)
+
+
 def test_silu_follows_torch_within_its_rounding() -> None:
     """Our own exp (blocks.h's exp_fixed) inside SiLU: within a few float32 ulps of torch's."""
     lib = library()

@@ -46,9 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--engines", nargs="+", default=["w4a8", "llama.cpp exact",
                                                          "llama.cpp fast"],
-                        choices=["w4a8", "int8", "int8 no outliers", "llama.cpp exact",
-                                 "llama.cpp fast"],
-                        help="int8 no outliers: --int8-outliers 0 whatever --int8-outliers says")
+                        choices=["w4a8", "w4a8 avx2", "w4a8 portable", "int8", "int8 no outliers",
+                                 "llama.cpp exact", "llama.cpp fast"],
+                        help="int8 no outliers: --int8-outliers 0 whatever --int8-outliers says; "
+                        "w4a8 avx2 / portable: the w4a8 engine on that kernel path (w4a8: the "
+                        "best this CPU runs), each path chosen before each of its forwards")
     parser.add_argument("--int8-outliers", type=int, default=0,
                         help="the int8 engine's --int8-outliers (0: the verifier's default)")
     parser.add_argument("--out", default="bench_results/cpu_blocks.json")
@@ -74,12 +76,21 @@ def load(name: str, args: argparse.Namespace) -> tuple[Any, float, int]:
                         kernels="fast" if name.endswith("fast") else "exact",
                         int8_outliers=args.int8_outliers if name == "int8" else 0)
     engine = load_target("int8" if name.startswith("int8") else
-                         "w4a8" if name == "w4a8" else "llama-cpp", settings.target_options(),
+                         "w4a8" if name.startswith("w4a8") else "llama-cpp",
+                         settings.target_options(),
                          settings.engine_options())
     assert isinstance(engine, BatchForward)
     seconds = time.perf_counter() - started
     grown = resident() - before
     return engine, seconds, grown
+
+
+def use_path(name: str) -> None:
+    """The w4a8 kernel path engine ``name`` times (one library serves every w4a8 engine)."""
+    if name.startswith("w4a8"):
+        from shared.engines.w4a8.build import choose_isa
+
+        choose_isa(name.split(" ", 1)[1] if " " in name else None)
 
 
 def forward_ms(engine: BatchForward, sessions: int, context: int, new: int) -> float:
@@ -112,6 +123,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     loads: dict[str, dict[str, float]] = {}
     for name in args.engines:
         engine, seconds, grown = load(name, args)
+        use_path(name)
         for slot in range(max(args.sessions)):  # every session's cache, written once
             assert engine.allocate() == slot
             engine.forward([ForwardItem(slot, 0, [(slot + i) % 1000 + 10
@@ -128,6 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for sessions in args.sessions:
             for new in args.news:
                 for name in order:
+                    use_path(name)
                     times.setdefault((name, sessions, new), []).append(
                         forward_ms(engines[name], sessions, args.context, new))
         print(f"round {round_no}: done", flush=True)

@@ -3,7 +3,8 @@ batch-invariant kernel (4-bit weights times 8-bit activations, integer sums insi
 float sums across blocks in one order for every row count), so every row of a verify block is
 bit-equal to a one-token step and a block of k tokens costs far less than k steps.
 
-``kernels.cpp`` holds the kernels (built once per machine by ``build.py``), ``gguf_file.py``
+``kernels/`` holds the kernels (one file per ISA behind one dispatch table, built once per
+machine by ``build.py``), ``gguf_file.py``
 maps the file, ``model.py`` is the decoder, ``target.py`` the verifier's engine. It serves
 targets only (Qwen2 and Llama GGUF files whose matrices are Q4_K / Q6_K, as Q4_K_M files of
 models with widths that are multiples of 256); ``--engine auto`` picks it for those on a CPU.
@@ -15,6 +16,8 @@ import functools
 import os
 import shutil
 from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, Field
 
 from shared.engines import Backend, register
 from shared.models.catalog import ModelSpecError
@@ -44,8 +47,16 @@ def computes(path: str) -> bool:
         return False
 
 
+class W4A8Options(BaseModel):
+    w4a8_isa: str = Field(
+        "auto", description="the w4a8 engine's kernel path: auto (the best this CPU runs: "
+        "avx512-vnni, then avx2, then portable) or one by name. Every path gives the same bits, "
+        "so replicas on different CPUs serve the same tokens; naming one is for comparing them")
+
+
 class W4A8Backend(Backend):
     name = "w4a8"
+    options = W4A8Options
     summary = ("a Qwen2 / Llama GGUF file's own Q4_K / Q6_K weights on the CPU, by one "
                "batch-invariant kernel (verify blocks much cheaper than their tokens one by "
                "one, every row exact)")

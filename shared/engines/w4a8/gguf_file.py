@@ -25,6 +25,8 @@ BLOCKS = {0: (1, 4), 1: (1, 2), 12: (256, 144), 14: (256, 210), 8: (32, 22), 2: 
           30: (1, 2)}
 TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0",
               10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+MAX_NESTING = 4  # arrays of arrays this deep at most (GGUF's own files use 1)
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}
 STRING, ARRAY = 8, 9
@@ -59,7 +61,8 @@ class MappedGGUF:
             raise GGUFError(f"cannot read {path}: {error}") from error
         try:
             self.fields, self.tensors = self._parse()
-        except (struct.error, UnicodeDecodeError, IndexError, ValueError) as error:
+        except (struct.error, UnicodeDecodeError, IndexError, ValueError, RecursionError,
+                OverflowError, MemoryError) as error:
             raise GGUFError(f"{path} is not a whole GGUF file ({error}): fetch it again") \
                 from error
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
@@ -82,22 +85,26 @@ class MappedGGUF:
             pos += length
             return text
 
-        def value(kind: int) -> Any:
+        def value(kind: int, key: str, depth: int = 0) -> Any:
             nonlocal pos
             if kind in _SCALARS:
                 return take(_SCALARS[kind])
             if kind == STRING:
                 return string()
             if kind != ARRAY:
-                raise ValueError(f"unknown metadata type {kind}")
+                raise ValueError(f"{key}: unknown metadata type {kind}")
+            if depth >= MAX_NESTING:
+                raise ValueError(f"{key}: arrays nested more than {MAX_NESTING} deep")
             inner, count = take("<I"), take("<Q")
             if inner in _SCALARS:
                 pos += struct.calcsize(_SCALARS[inner]) * count
             else:
+                if count > len(buf) - pos:  # every element takes a byte at least
+                    raise ValueError(f"{key}: an array of {count} elements runs past the end")
                 for _ in range(count):
-                    value(inner)
+                    value(inner, key, depth + 1)
             if pos > len(buf):
-                raise ValueError("an array runs past the end of the file")
+                raise ValueError(f"{key}: an array runs past the end of the file")
             return count
 
         if bytes(buf[:4]) != b"GGUF":
@@ -107,20 +114,42 @@ class MappedGGUF:
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} (this reader knows 2 and 3)")
         tensor_count, kv_count = take("<Q"), take("<Q")
+        if tensor_count > len(buf) or kv_count > len(buf):
+            raise ValueError(f"{tensor_count} tensors and {kv_count} keys cannot fit the file")
         fields = {}
         for _ in range(kv_count):
             key = string()
-            fields[key] = value(take("<I"))
+            fields[key] = value(take("<I"), key)
         infos = []
         for _ in range(tensor_count):
             name = string()
-            dims = tuple(take("<Q") for _ in range(take("<I")))
+            n_dims = take("<I")
+            if not 1 <= n_dims <= MAX_DIMS:
+                raise ValueError(f"tensor {name}: n_dims {n_dims} (1 to {MAX_DIMS})")
+            dims = tuple(take("<Q") for _ in range(n_dims))
             infos.append((name, dims, take("<I"), take("<Q")))
-        alignment = int(fields.get("general.alignment", 32))
+        alignment = fields.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1) \
+                or alignment > 1 << 20:
+            raise ValueError(f"general.alignment {alignment!r} is not a power of two")
         start = (pos + alignment - 1) // alignment * alignment
         tensors = {}
         for name, dims, kind, offset in infos:
             info = TensorInfo(name, dims, kind, start + offset)
+            if any(d <= 0 or d >= 1 << 40 for d in dims):
+                raise ValueError(f"tensor {name}: a dimension of {dims} is 0 or past 2^40")
+            if offset % alignment:
+                raise ValueError(f"tensor {name}: offset {offset} is not aligned to {alignment}")
+            if kind in BLOCKS:
+                elements = 1
+                for d in dims:
+                    elements *= d
+                    if elements > len(buf) * 256:  # no type packs 256 values in under a byte
+                        raise ValueError(f"tensor {name}: {dims} holds more values than the "
+                                         "file has bytes for")
+                if dims[0] % BLOCKS[kind][0]:
+                    raise ValueError(f"tensor {name}: a row of {dims[0]} is not whole "
+                                     f"{info.type_name} blocks of {BLOCKS[kind][0]}")
             end = info.offset + self.nbytes(info) if kind in BLOCKS else info.offset
             if end > len(buf):
                 raise ValueError(f"tensor {name} runs past the end of the file")
@@ -130,7 +159,10 @@ class MappedGGUF:
     @staticmethod
     def nbytes(info: TensorInfo) -> int:
         per, size = BLOCKS[info.type]
-        return int(np.prod(info.shape)) // per * size
+        elements = 1
+        for d in info.shape:  # Python integers: no product wraps
+            elements *= d
+        return elements // per * size
 
     def data(self, name: str) -> np.ndarray:
         info = self.tensors[name]

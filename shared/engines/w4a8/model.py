@@ -15,6 +15,7 @@ Keys and values are float16 (as llama.cpp keeps them), one tensor per kind,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -119,14 +120,17 @@ class GGUFFile:
 
     def f32(self, name: str) -> torch.Tensor:
         tensor = self._tensor(name)
-        if tensor.type != F32:
-            raise ModelSpecError(f"{self.path}: {name} is {tensor.type_name}; the w4a8 "
-                                 "engine reads norms and biases in F32")
+        if tensor.type != F32 or len(tensor.shape) != 1:
+            raise ModelSpecError(f"{self.path}: {name} is {tensor.type_name} "
+                                 f"{list(tensor.shape)}; the w4a8 engine reads norms and "
+                                 "biases as F32 vectors")
         return torch.from_numpy(self.mapped.data(name).view(np.float32).copy())
 
     def matrix(self, name: str, bias: str | None = None) -> Matrix:
         tensor = self._tensor(name)
-        cols, rows = tensor.shape[0], int(np.prod(tensor.shape[1:]))
+        if len(tensor.shape) != 2:
+            raise ModelSpecError(f"{self.path}: {name} is {list(tensor.shape)}, not a matrix")
+        cols, rows = tensor.shape
         if tensor.type not in QUANTIZED or cols % 256:
             raise ModelSpecError(
                 f"{self.path}: {name} is {tensor.type_name} [{rows}, {cols}]; the w4a8 engine "
@@ -143,47 +147,109 @@ class GGUFFile:
         return self.tensors[name]
 
 
+def _count(file: GGUFFile, key: str, default: int | None = None, low: int = 1,
+           high: int = 1 << 20) -> int:
+    """An integer field in [low, high], or ModelSpecError naming it."""
+    value = file.field(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ModelSpecError(f"{file.path}: {key} = {value!r}, not a count in [{low}, {high}]")
+    return value
+
+
+def _positive(file: GGUFFile, key: str, default: float | None = None) -> float:
+    value = file.field(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value) or value <= 0:
+        raise ModelSpecError(f"{file.path}: {key} = {value!r}, not a positive number")
+    return float(value)
+
+
 def shape_of(file: GGUFFile) -> Shape:
-    """The decoder's shape, or ModelSpecError for what this engine does not compute."""
+    """The decoder's shape, or ModelSpecError for what this engine does not compute (every
+    field a count in range, the heads dividing the width)."""
     arch = file.architecture()
     if arch not in ARCHITECTURES:
         raise ModelSpecError(f"{file.path} is a {arch} model; the w4a8 engine computes "
                              f"{', '.join(ARCHITECTURES)} (serve it with --engine llama-cpp)")
     if file.field(f"{arch}.rope.scaling.type", "none") not in ("none", None):
         raise ModelSpecError(f"{file.path}: the w4a8 engine has plain rotary embeddings only")
-    heads = int(file.field(f"{arch}.attention.head_count"))
-    hidden = int(file.field(f"{arch}.embedding_length"))
-    head_dim = int(file.field(f"{arch}.attention.key_length", hidden // heads))
-    if int(file.field(f"{arch}.rope.dimension_count", head_dim)) != head_dim or head_dim % 8:
-        raise ModelSpecError(f"{file.path}: the w4a8 engine rotates whole heads of a multiple "
-                             "of 8 values")
-    return Shape(layers=int(file.field(f"{arch}.block_count")), hidden=hidden,
-                 intermediate=int(file.field(f"{arch}.feed_forward_length")), heads=heads,
-                 kv_heads=int(file.field(f"{arch}.attention.head_count_kv", heads)),
-                 head_dim=head_dim, vocab=int(file._tensor("token_embd.weight").shape[1]),
-                 eps=float(file.field(f"{arch}.attention.layer_norm_rms_epsilon")),
-                 rope_theta=float(file.field(f"{arch}.rope.freq_base", 10000.0)),
-                 limit=int(file.field(f"{arch}.context_length", 0)),
+    heads = _count(file, f"{arch}.attention.head_count", high=4096)
+    hidden = _count(file, f"{arch}.embedding_length")
+    kv_heads = _count(file, f"{arch}.attention.head_count_kv", heads, high=heads)
+    if heads % kv_heads:
+        raise ModelSpecError(f"{file.path}: {arch}.attention.head_count_kv = {kv_heads} does not "
+                             f"divide head_count = {heads}")
+    if f"{arch}.attention.key_length" not in file.mapped.fields and hidden % heads:
+        raise ModelSpecError(f"{file.path}: {arch}.attention.head_count = {heads} does not "
+                             f"divide embedding_length = {hidden}")
+    head_dim = _count(file, f"{arch}.attention.key_length", hidden // heads, high=4096)
+    rope = _count(file, f"{arch}.rope.dimension_count", head_dim, high=4096)
+    if rope != head_dim or head_dim % 8:
+        raise ModelSpecError(f"{file.path}: {arch}.rope.dimension_count = {rope} for heads of "
+                             f"{head_dim} ({arch}.embedding_length / head_count, or key_length)"
+                             ": the w4a8 engine rotates whole heads of a multiple of 8 values")
+    embed = file._tensor("token_embd.weight")
+    if len(embed.shape) != 2:
+        raise ModelSpecError(f"{file.path}: token_embd.weight is {embed.shape}, not a matrix")
+    return Shape(layers=_count(file, f"{arch}.block_count", high=4096), hidden=hidden,
+                 intermediate=_count(file, f"{arch}.feed_forward_length"), heads=heads,
+                 kv_heads=kv_heads, head_dim=head_dim, vocab=int(embed.shape[1]),
+                 eps=_positive(file, f"{arch}.attention.layer_norm_rms_epsilon"),
+                 rope_theta=_positive(file, f"{arch}.rope.freq_base", 10000.0),
+                 limit=_count(file, f"{arch}.context_length", 0, low=0, high=1 << 24),
                  interleaved=ARCHITECTURES[arch])
 
 
+def _fits(file: GGUFFile, matrix: Matrix, rows: int, cols: int, why: str) -> Matrix:
+    """``matrix`` if it is [rows, cols] (and its bias [rows]), else ModelSpecError naming it."""
+    if (matrix.rows, matrix.cols) != (rows, cols):
+        raise ModelSpecError(f"{file.path}: {matrix.name} is [{matrix.rows}, {matrix.cols}]; "
+                             f"{why} make it [{rows}, {cols}]")
+    if matrix.bias is not None and matrix.bias.numel() != rows:
+        raise ModelSpecError(f"{file.path}: the bias of {matrix.name} holds "
+                             f"{matrix.bias.numel()} values for {rows} rows")
+    return matrix
+
+
+def _norm(file: GGUFFile, name: str, width: int, why: str) -> torch.Tensor:
+    weight = file.f32(name)
+    if weight.numel() != width:
+        raise ModelSpecError(f"{file.path}: {name} holds {weight.numel()} values; {why} make "
+                             f"it {width}")
+    return weight
+
+
 def weights_of(file: GGUFFile, s: Shape) -> tuple[Matrix, list[Layer], torch.Tensor, Matrix]:
-    """The embedding, the layers, the final norm and the output head, mapped from ``file``
-    (ModelSpecError naming the first tensor this engine cannot read)."""
-    embed = file.matrix("token_embd.weight")
-    layers = [Layer(
-        attn_norm=file.f32(f"blk.{i}.attn_norm.weight"),
-        q=file.matrix(f"blk.{i}.attn_q.weight", f"blk.{i}.attn_q.bias"),
-        k=file.matrix(f"blk.{i}.attn_k.weight", f"blk.{i}.attn_k.bias"),
-        v=file.matrix(f"blk.{i}.attn_v.weight", f"blk.{i}.attn_v.bias"),
-        out=file.matrix(f"blk.{i}.attn_output.weight", f"blk.{i}.attn_output.bias"),
-        mlp_norm=file.f32(f"blk.{i}.ffn_norm.weight"),
-        gate=file.matrix(f"blk.{i}.ffn_gate.weight"),
-        up=file.matrix(f"blk.{i}.ffn_up.weight"),
-        down=file.matrix(f"blk.{i}.ffn_down.weight")) for i in range(s.layers)]
-    norm = file.f32("output_norm.weight")
+    """The embedding, the layers, the final norm and the output head, mapped from ``file``,
+    every one checked against the shape (ModelSpecError naming the first tensor that does not
+    fit, before any kernel reads a byte of it)."""
+    arch = file.architecture()
+    width = f"{arch}.embedding_length = {s.hidden}"
+    q_rows, kv_rows = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    attn = f"{width} and {s.heads} heads ({s.kv_heads} for keys and values) of {s.head_dim}"
+    ffn = f"{width} and {arch}.feed_forward_length = {s.intermediate}"
+    embed = _fits(file, file.matrix("token_embd.weight"), s.vocab, s.hidden,
+                  f"{width} and its vocabulary of {s.vocab}")
+    layers = []
+    for i in range(s.layers):
+        def m(name: str, rows: int, cols: int, why: str, bias: bool = True) -> Matrix:
+            full = f"blk.{i}.{name}.weight"
+            return _fits(file, file.matrix(full, f"blk.{i}.{name}.bias" if bias else None),
+                         rows, cols, why)
+
+        layers.append(Layer(
+            attn_norm=_norm(file, f"blk.{i}.attn_norm.weight", s.hidden, width),
+            q=m("attn_q", q_rows, s.hidden, attn), k=m("attn_k", kv_rows, s.hidden, attn),
+            v=m("attn_v", kv_rows, s.hidden, attn), out=m("attn_output", s.hidden, q_rows, attn),
+            mlp_norm=_norm(file, f"blk.{i}.ffn_norm.weight", s.hidden, width),
+            gate=m("ffn_gate", s.intermediate, s.hidden, ffn, bias=False),
+            up=m("ffn_up", s.intermediate, s.hidden, ffn, bias=False),
+            down=m("ffn_down", s.hidden, s.intermediate, ffn, bias=False)))
+    norm = _norm(file, "output_norm.weight", s.hidden, width)
     # tied embeddings: the file keeps no output matrix, the head is the embedding's
-    head = file.matrix("output.weight") if "output.weight" in file.tensors else embed
+    head = _fits(file, file.matrix("output.weight"), s.vocab, s.hidden,
+                 f"{width} and the embedding's vocabulary of {s.vocab}") \
+        if "output.weight" in file.tensors else embed
     return embed, layers, norm, head
 
 

@@ -14,6 +14,7 @@ import torch
 from shared.engines import DEFAULT_KV_BUDGET
 from shared.engines.int8.target import Int8Engine
 from shared.engines.target import TargetOptions, device_name
+from shared.engines.w4a8.build import choose_isa, isa_name
 from shared.engines.w4a8.model import GGUFFile, W4A8Decoder
 from shared.machine_cache import file_stamp
 from shared.models.catalog import load_tokenizer
@@ -29,8 +30,7 @@ class W4A8Engine(Int8Engine):
                  name: str, num_slots: int, acceptance: str = "device") -> None:
         super().__init__(decoder, tokenizer, eos_token_ids, name, num_slots,  # type: ignore[arg-type]
                          acceptance)
-        isa = "avx2" if decoder.lib.w4a8_isa() else "portable"
-        self.info = replace(self.info, dtype=f"gguf w4a8 ({isa})")
+        self.info = replace(self.info, dtype=f"gguf w4a8 ({isa_name()})")
 
     def counters(self) -> dict[str, int]:
         return {"w4a8_forwards": self.forwards}
@@ -56,6 +56,8 @@ def load_w4a8_engine(o: TargetOptions) -> W4A8Engine:
     if o.threads:
         torch.set_num_threads(o.threads)
     path, tokenizer_spec = resolve_gguf(o.model)
+    options = o.engine_options
+    choose_isa(getattr(options, "w4a8_isa", None))
     file = GGUFFile(path)
     budget = o.kv_budget_tokens or DEFAULT_KV_BUDGET
     limit = int(file.field(f"{file.architecture()}.context_length", 0) or 32768)
@@ -66,10 +68,11 @@ def load_w4a8_engine(o: TargetOptions) -> W4A8Engine:
     engine = W4A8Engine(decoder, tokenizer, eos_ids(file, tokenizer, decoder.shape.vocab),
                         o.model, num_slots, o.acceptance)
     engine.warm_up_and_time(f"w4a8|{file_stamp(path)}|{device_name('cpu')}"
-                            f"|isa={decoder.lib.w4a8_isa()}|threads={torch.get_num_threads()}"
+                            f"|isa={isa_name()}|threads={torch.get_num_threads()}"
                             f"|context={context}")
     log.info("loaded target %s on the w4a8 engine (%s, %d threads): %d slots x %d tokens "
-             "(%.0f MiB of weights mapped, %.0f MiB of KV) in %.1f s", path, engine.info.dtype,
-             torch.get_num_threads(), num_slots, context, decoder.weight_bytes / 2**20,
-             decoder.nbytes / 2**20, time.perf_counter() - started)
+             "(%.0f MiB of weights mapped, %.0f MiB packed, %.0f MiB of KV) in %.1f s", path,
+             engine.info.dtype, torch.get_num_threads(), num_slots, context,
+             decoder.weight_bytes / 2**20, decoder.packed_bytes / 2**20, decoder.nbytes / 2**20,
+             time.perf_counter() - started)
     return engine

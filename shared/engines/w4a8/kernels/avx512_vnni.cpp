@@ -44,6 +44,7 @@ W4A8_AVX512 inline __m512 f16x16(const uint8_t* p) {
 // R rows (a, a + nb, ...) against one Q4_K panel: out[r * 16 + c].
 template <int R>
 W4A8_AVX512 void q4k_panel(const uint8_t* p, const ActBlock* a, int64_t nb, float* out) {
+  constexpr int CHAINS = R == 1 ? 2 : 1;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
@@ -54,24 +55,32 @@ W4A8_AVX512 void q4k_panel(const uint8_t* p, const ActBlock* a, int64_t nb, floa
     __m512i sumi[R], msum[R];
     for (int r = 0; r < R; ++r) sumi[r] = msum[r] = _mm512_setzero_si512();
     for (int i = 0; i < 4; ++i) {  // sub-blocks 2i (low nibbles) and 2i + 1 (high)
-      __m512i lo[R], hi[R];
-      for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+      // CHAINS accumulators a sum (even and odd quads apart at 1 row: vpdpbusd's latency)
+      __m512i lo[CHAINS][R], hi[CHAINS][R];
+      for (int k = 0; k < CHAINS; ++k)
+        for (int r = 0; r < R; ++r) lo[k][r] = hi[k][r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
         const __m512i z = _mm512_loadu_si512(nibbles + (i * 8 + t) * 64);
         const __m512i wl = _mm512_and_si512(z, low4);
         const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(z, 4), low4);
+        const int k = t % CHAINS;
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const int8_t* q = a[r * nb + b].q;
-          lo[r] = _mm512_dpbusd_epi32(lo[r], wl, bcast4(q + at(64 * i + 4 * t)));
-          hi[r] = _mm512_dpbusd_epi32(hi[r], wh, bcast4(q + at(64 * i + 32 + 4 * t)));
+          lo[k][r] = _mm512_dpbusd_epi32(lo[k][r], wl, bcast4(q + at(64 * i + 4 * t)));
+          hi[k][r] = _mm512_dpbusd_epi32(hi[k][r], wh, bcast4(q + at(64 * i + 32 + 4 * t)));
         }
       }
+      for (int k = 1; k < CHAINS; ++k)
+        for (int r = 0; r < R; ++r) {
+          lo[0][r] = _mm512_add_epi32(lo[0][r], lo[k][r]);
+          hi[0][r] = _mm512_add_epi32(hi[0][r], hi[k][r]);
+        }
       const __m512i sc_lo = u8x16(scales + 16 * (2 * i)), sc_hi = u8x16(scales + 16 * (2 * i + 1));
       for (int r = 0; r < R; ++r)
-        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(_mm512_mullo_epi32(lo[r], sc_lo),
-                                                             _mm512_mullo_epi32(hi[r], sc_hi)));
+        sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(_mm512_mullo_epi32(lo[0][r], sc_lo),
+                                                             _mm512_mullo_epi32(hi[0][r], sc_hi)));
     }
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {  // min j x (sums of 16 2j and 2j + 1), 16-bit pairs
@@ -98,6 +107,7 @@ W4A8_AVX512 inline __m512i high_bits(__m512i high, int t) {
 
 template <int R>
 W4A8_AVX512 void q6k_panel(const uint8_t* p, const ActBlock* a, int64_t nb, float* out) {
+  constexpr int CHAINS = R == 1 ? 2 : 1;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low4 = _mm512_set1_epi8(0x0f);
@@ -110,10 +120,12 @@ W4A8_AVX512 void q6k_panel(const uint8_t* p, const ActBlock* a, int64_t nb, floa
     for (int h = 0; h < 2; ++h)
       for (int s = 0; s < 2; ++s)
         for (int g = 0; g < 2; ++g) {  // quads 4g .. 4g + 3: sub-blocks 8h + 2s + g and + 4
-          __m512i lo[R], hi[R];
-          for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_si512();
+          __m512i lo[CHAINS][R], hi[CHAINS][R];
+          for (int k = 0; k < CHAINS; ++k)
+            for (int r = 0; r < R; ++r) lo[k][r] = hi[k][r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
           for (int uu = 0; uu < 4; ++uu) {
+            const int k = uu % CHAINS;
             const int u = 4 * g + uu;
             const __m512i l = _mm512_loadu_si512(low + (((h * 2 + s) * 8 + u) * 16) * 4);
             const __m512i hb = _mm512_loadu_si512(high + ((h * 8 + u) * 16) * 4);
@@ -123,16 +135,23 @@ W4A8_AVX512 void q6k_panel(const uint8_t* p, const ActBlock* a, int64_t nb, floa
 #pragma GCC unroll 4
             for (int r = 0; r < R; ++r) {
               const int8_t* q = a[r * nb + b].q;
-              lo[r] = _mm512_dpbusd_epi32(lo[r], vl, bcast4(q + at(128 * h + 32 * s + 4 * u)));
-              hi[r] = _mm512_dpbusd_epi32(hi[r], vh,
-                                          bcast4(q + at(128 * h + 32 * (s + 2) + 4 * u)));
+              lo[k][r] = _mm512_dpbusd_epi32(lo[k][r], vl,
+                                             bcast4(q + at(128 * h + 32 * s + 4 * u)));
+              hi[k][r] = _mm512_dpbusd_epi32(hi[k][r], vh,
+                                             bcast4(q + at(128 * h + 32 * (s + 2) + 4 * u)));
             }
           }
+          for (int k = 1; k < CHAINS; ++k)
+            for (int r = 0; r < R; ++r) {
+              lo[0][r] = _mm512_add_epi32(lo[0][r], lo[k][r]);
+              hi[0][r] = _mm512_add_epi32(hi[0][r], hi[k][r]);
+            }
           const int sub = 8 * h + 2 * s + g;
           const __m512i sc_lo = s8x16(scales + 16 * sub), sc_hi = s8x16(scales + 16 * (sub + 4));
           for (int r = 0; r < R; ++r)
-            sumi[r] = _mm512_add_epi32(sumi[r], _mm512_add_epi32(_mm512_mullo_epi32(lo[r], sc_lo),
-                                                                 _mm512_mullo_epi32(hi[r], sc_hi)));
+            sumi[r] = _mm512_add_epi32(sumi[r],
+                                       _mm512_add_epi32(_mm512_mullo_epi32(lo[0][r], sc_lo),
+                                                        _mm512_mullo_epi32(hi[0][r], sc_hi)));
         }
 #pragma GCC unroll 8
     for (int m = 0; m < 8; ++m) {  // scales 2m and 2m + 1 as 16-bit pairs x the sums of 16
