@@ -18,7 +18,8 @@ from tests.support.fixed_gguf import write_fixed_gguf
 
 # what is edited -> what the refusal names
 EDITS = {
-    "embedding_length 128 for tensors 256 wide": ({"embedding_length": 128}, {}, "embedding_length"),
+    "embedding_length 128 for tensors 256 wide": ({"embedding_length": 128}, {},
+                                                  "embedding_length"),
     "feed_forward_length 1024 for FFN tensors of 512": ({"feed_forward_length": 1024}, {},
                                                         "ffn_gate"),
     "head_count_kv 0": ({"head_count_kv": 0}, {}, "head_count_kv"),

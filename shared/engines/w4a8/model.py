@@ -232,7 +232,8 @@ def weights_of(file: GGUFFile, s: Shape) -> tuple[Matrix, list[Layer], torch.Ten
                   f"{width} and its vocabulary of {s.vocab}")
     layers = []
     for i in range(s.layers):
-        def m(name: str, rows: int, cols: int, why: str, bias: bool = True) -> Matrix:
+        def m(name: str, rows: int, cols: int, why: str, bias: bool = True,
+              i: int = i) -> Matrix:
             full = f"blk.{i}.{name}.weight"
             return _fits(file, file.matrix(full, f"blk.{i}.{name}.bias" if bias else None),
                          rows, cols, why)
