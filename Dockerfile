@@ -71,6 +71,13 @@ COPY drafter_client ./drafter_client
 COPY verifier_service ./verifier_service
 COPY --from=llama /wheels /wheels
 RUN pip install /wheels/llama_cpp_python-*.whl && pip install ".[llama]"
+# The w4a8 engine's kernels (the default engine for a Q4_K_M file), built here with every ISA path
+# the source has (one library; the CPU picks its path at load) into the venv's
+# share/specdec/kernels, owned by root with its manifest (sha256): the runtime stage has no
+# compiler and loads only that library.
+RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      g++ && rm -rf /var/lib/apt/lists/* \
+    && cd / && python -m shared.engines.w4a8.build --prebuilt
 
 FROM base AS runtime
 # The builds' CA bundle (with deploy/build-extra/ca/*.crt where given): the models service's pip

@@ -87,3 +87,18 @@ def test_no_convert_keeps_the_gguf_and_only_its_tokenizer(
         resolve_model_spec(NAME)
     fetch_models.fetch(NAME, keep_gguf=True)  # the full fetch converts
     assert converted == [NAME]
+
+
+def test_a_tokenizer_folder_without_weights_loads_by_its_path(tmp_path: Path) -> None:
+    """What `make demo` leaves in $SPECDEC_HOME/models/<name> (a tokenizer, no config.json)
+    works wherever a tokenizer is asked for by its path, as the short name does; the control: a
+    folder with neither is still refused."""
+    from shared.models.catalog import ModelSpecError, load_tokenizer
+    from tests.support.tiny_models import build_tokenizer
+
+    folder = tmp_path / "qwen-like"
+    build_tokenizer(64).save_pretrained(folder)
+    assert not (folder / "config.json").exists()
+    assert load_tokenizer(str(folder)).encode("the cat") == build_tokenizer(64).encode("the cat")
+    with pytest.raises(ModelSpecError, match="no config.json"):
+        load_tokenizer(str(tmp_path))

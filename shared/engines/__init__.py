@@ -18,6 +18,7 @@ Importing this module loads no engine; the client imports only engines that draf
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -107,6 +108,11 @@ class Backend:
         if self.cpu_only and target.device not in ("auto", "cpu"):
             raise ValueError(f"device {target.device!r}: the {self.name} engine runs on the "
                              "CPU")
+
+    def passed_over(self, spec: str, device: str) -> str:
+        """Why ``auto`` could not pick this engine for ``spec`` although it computes it (its
+        kernels cannot be had here, say); "" where that is not so."""
+        return ""
 
     def runs_gguf(self) -> bool:
         """Whether it can run a GGUF file on this machine (``specdec-fetch`` keeps the files
@@ -232,9 +238,11 @@ def choose(engine: str, target: TargetOptions, options: Mapping[str, Any]) -> tu
     if pinned:
         return pinned[0].name, f"{_flags(pinned[0], options)} need the {pinned[0].name} engine"
     claimant = resolve("auto", target.model, target.device).name
+    passed = "; ".join(why for b in backends() if b.name != claimant
+                       and (why := b.passed_over(target.model, target.device)))
     challengers = [b.name for b in backends() if b.challenges(claimant, target.model)]
     if not challengers:
-        return claimant, ""
+        return claimant, passed
     auto = options["auto"]
     candidates = [claimant, *challengers]
     choice = price(candidates, recorded_costs(target, options, candidates),
@@ -257,6 +265,8 @@ def load_target(engine: str, target: TargetOptions, options: Mapping[str, Any]) 
     if chosen.cpu_only:
         record_costs(target, name, options[name], loaded.info.verify_ms)
     loaded.info = replace(loaded.info, engine=name, engine_choice=why)
+    if why:
+        logging.getLogger(__name__).info("engine %s: %s", name, why)
     return loaded
 
 

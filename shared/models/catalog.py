@@ -75,12 +75,15 @@ def offline_gguf_path(short_name: str) -> Path:
 
 
 def tokenizer_only(spec: str) -> Path | None:
-    """The folder of a short name of the offline pair that holds its tokenizer and no weights
-    (``shared/models/fetch.py --no-convert``: what the llama.cpp engine needs beside the GGUF
-    file), or None."""
-    if spec not in OFFLINE_MODELS:
-        return None
-    folder = offline_model_dir(spec)
+    """The folder that holds a tokenizer and no weights, or None: a short name of the offline
+    pair fetched so (``shared/models/fetch.py --no-convert``: what the GGUF engines need beside
+    the file), or such a folder named by its path (``$SPECDEC_HOME/models/<name>``)."""
+    if spec in OFFLINE_MODELS:
+        folder = offline_model_dir(spec)
+    else:
+        folder = Path(spec).expanduser()
+        if folder.suffix == ".gguf" or not folder.is_dir():
+            return None
     if (folder / "tokenizer.json").is_file() and not (folder / "config.json").exists():
         return folder
     return None

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
@@ -62,9 +61,8 @@ class W4A8Backend(Backend):
                "one, every row exact)")
     cpu_only = True
 
-    def claims(self, spec: str, device: str) -> bool:
-        """A GGUF file this engine computes (or a short name whose GGUF is kept), on a CPU,
-        where a C++ compiler can build the kernels or they are built already."""
+    def _computes_on(self, spec: str, device: str) -> bool:
+        """A GGUF file this engine computes (or a short name whose GGUF is kept), on a CPU."""
         from shared.engines.llama_cpp.runtime import is_gguf, kept_gguf
 
         path = spec if is_gguf(spec) else kept_gguf(spec)
@@ -72,16 +70,27 @@ class W4A8Backend(Backend):
             return False
         import torch
 
-        if not (device == "cpu" or (device == "auto" and not torch.cuda.is_available())):
-            return False
-        return self.runs_gguf()
+        return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+    def claims(self, spec: str, device: str) -> bool:
+        """Such a file, where its kernels are built (and may be loaded) or a compiler can
+        build them."""
+        return self._computes_on(spec, device) and self.runs_gguf()
+
+    def passed_over(self, spec: str, device: str) -> str:
+        if not self._computes_on(spec, device):
+            return ""
+        from shared.engines.w4a8.build import available
+
+        ok, why = available()
+        return "" if ok else f"w4a8 would compute this file, but {why}"
 
     def runs_gguf(self) -> bool:
-        """Where a C++ compiler can build the kernels, or they are built already."""
-        from shared.engines.w4a8.build import library_path
+        """Where the kernels are built (and may be loaded), or a C++ compiler can build them;
+        never runs the compiler to answer."""
+        from shared.engines.w4a8.build import available
 
-        return shutil.which(os.environ.get("CXX", "g++")) is not None \
-            or library_path().is_file()
+        return available()[0]
 
     def tokenizer_spec(self, spec: str) -> str:
         from shared.engines.llama_cpp.runtime import resolve_gguf

@@ -1,11 +1,23 @@
-"""Build and load the w4a8 engine's kernels (``kernels/``) once per machine.
+"""Build, find and load the w4a8 engine's kernels (``kernels/``): code the verifier runs, so
+it loads only a library it can vouch for.
 
-The library is compiled with the system's g++ against PyTorch's own headers, so its threads are
-PyTorch's (``at::parallel_for``: ``torch.set_num_threads`` sets them), and kept in
-``$SPECDEC_HOME/kernels`` under a digest of the source, the flags, the compiler and PyTorch:
-a changed source or a new PyTorch builds again, an unchanged one loads in milliseconds.
-``make install`` builds it (``python -m shared.engines.w4a8.build``); the first load builds it
-where that did not run. Concurrent loaders wait for one build (a lock file).
+The library is compiled with g++ against PyTorch's own headers, so its threads are PyTorch's
+(``at::parallel_for``: ``torch.set_num_threads`` sets them). It is kept under a key, a digest of
+the sources, the flags and PyTorch (a changed source or a new PyTorch builds again), beside a
+manifest that records its sha256 and the compiler that built it. It is looked for in two places:
+
+* ``<prefix>/share/specdec/kernels`` (``sys.prefix``; ``SPECDEC_W4A8_KERNELS`` overrides it):
+  built at install (``python -m shared.engines.w4a8.build --prebuilt``), as the image's build
+  stage does, so a runtime with no compiler serves on w4a8;
+* ``$SPECDEC_HOME/kernels``: built by this user at ``make install`` or at the first load.
+
+A library is loaded only if it and its manifest are regular files owned by this user or root,
+in a directory of the same owners, none of them writable by group or others, and its sha256 is
+the manifest's: anything else (another user's file, loose modes, a short or edited file) is
+never loaded. Where the user's own cache is not such a directory the build goes to a fresh
+private one; where no library passes and no compiler is here, the engine is unavailable, and
+``auto`` says why it chose another. Finding a library never runs the compiler. Concurrent
+builders wait for one build (a lock file); a reader never takes a half-written file (the sha256).
 """
 
 from __future__ import annotations
@@ -14,15 +26,22 @@ import ctypes
 import fcntl
 import functools
 import hashlib
+import json
+import logging
 import os
+import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 from shared.machine_cache import specdec_home
 from shared.models.catalog import ModelSpecError
+
+log = logging.getLogger(__name__)
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCES = sorted(KERNELS.glob("*.cpp"))
@@ -54,67 +73,185 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
 }
 
 
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def has_compiler() -> bool:
+    return shutil.which(_compiler()) is not None
+
+
 def _command(output: Path) -> list[str]:
     torch_dir = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [os.environ.get("CXX", "g++"), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    return [_compiler(), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             f"-I{torch_dir / 'include'}", *map(str, SOURCES), "-o", str(output),
             f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
 
 
-def library_path() -> Path:
-    """Where this source, built with these flags by this compiler for this PyTorch, is kept."""
-    compiler = os.environ.get("CXX", "g++")
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                                 check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as error:
-        raise ModelSpecError(f"the w4a8 engine builds its kernels with a C++ compiler; "
-                             f"{compiler!r} did not run ({error}): install g++") from error
+def key() -> str:
+    """What a library is kept under: the sources, the flags and this PyTorch (no compiler run)."""
     digest = hashlib.sha256()
-    sources = b"".join(path.name.encode() + path.read_bytes()
-                       for path in sorted(KERNELS.glob("*.[ch]*")))
-    for part in (sources, " ".join(FLAGS).encode(), version.encode(),
-                 torch.__version__.encode(), str(Path(torch.__file__).parent).encode()):
-        digest.update(part)
-    return specdec_home() / "kernels" / f"w4a8-{digest.hexdigest()[:16]}.so"
+    for path in sorted(KERNELS.glob("*.[ch]*")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for part in (" ".join(FLAGS), torch.__version__, str(Path(torch.__file__).parent)):
+        digest.update(b"\0" + part.encode())
+    return digest.hexdigest()[:16]
 
 
-def build(force: bool = False) -> Path:
-    """The compiled library, built here unless a good one is kept already."""
-    output = library_path()
-    if output.is_file() and not force:
-        return output
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with open(output.with_suffix(".lock"), "w") as lock:
+def prebuilt_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_W4A8_KERNELS")
+                or Path(sys.prefix) / "share" / "specdec" / "kernels")
+
+
+def user_dir() -> Path:
+    return specdec_home() / "kernels"
+
+
+def _untrusted(path: Path, kind: int) -> str:
+    """Why ``path`` is not a file (or folder, ``kind``) this process may run code from; "" if
+    it is: not a link, owned by this user or root, writable by neither group nor others."""
+    try:
+        info = os.lstat(path)
+    except OSError as error:
+        return f"{path}: {error.strerror}"
+    if stat.S_IFMT(info.st_mode) != kind:
+        return f"{path} is not a plain {'file' if kind == stat.S_IFREG else 'folder'}"
+    if info.st_uid not in (os.geteuid(), 0):
+        return f"{path} belongs to uid {info.st_uid}, not this user or root"
+    if info.st_mode & 0o022:
+        return f"{path} is writable by others (mode {stat.S_IMODE(info.st_mode):o})"
+    return ""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_kept(folder: Path) -> tuple[Path | None, str]:
+    """The library kept in ``folder`` for this key if it may be loaded, else None and why."""
+    name = f"w4a8-{key()}"
+    library, manifest = folder / f"{name}.so", folder / f"{name}.json"
+    if not library.exists() and not manifest.exists():
+        return None, f"{library} is not built"
+    for path, kind in ((folder, stat.S_IFDIR), (library, stat.S_IFREG),
+                       (manifest, stat.S_IFREG)):
+        if why := _untrusted(path, kind):
+            return None, why
+    try:
+        recorded = json.loads(manifest.read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return None, f"{manifest} is not a manifest ({error})"
+    if _sha256(library) != recorded:
+        return None, f"{library} is not the file its manifest records (sha256 differs)"
+    return library, ""
+
+
+def find() -> tuple[Path | None, list[str]]:
+    """The first library that may be loaded (the prebuilt one, then this user's), and why
+    each place did not give one."""
+    reasons = []
+    for folder in (prebuilt_dir(), user_dir()):
+        found, why = check_kept(folder)
+        if found is not None:
+            return found, reasons
+        reasons.append(why)
+    return None, reasons
+
+
+def _private_folder(folder: Path, mode: int = 0o700) -> Path:
+    """``folder``, made where missing (``mode``), if it is one this process may run code from;
+    else a fresh private folder."""
+    try:
+        folder.mkdir(mode=mode, parents=True, exist_ok=True)
+    except OSError:
+        pass
+    if why := _untrusted(folder, stat.S_IFDIR):
+        fresh = Path(tempfile.mkdtemp(prefix="specdec-kernels-"))
+        log.warning("not building the w4a8 kernels in %s (%s): building them in %s", folder, why,
+                    fresh)
+        return fresh
+    return folder
+
+
+def build(folder: Path | None = None, force: bool = False) -> Path:
+    """The compiled library in ``folder`` (this user's cache where None), built unless a good
+    one is kept there already; its manifest beside it."""
+    # the prebuilt folder is read by every user of the environment (the image's runtime user)
+    target = _private_folder(folder or user_dir(), 0o755 if folder else 0o700)
+    name = f"w4a8-{key()}"
+    output, manifest = target / f"{name}.so", target / f"{name}.json"
+    found, _ = check_kept(target)
+    if found is not None and not force:
+        return found
+    if not has_compiler():
+        raise ModelSpecError(f"the w4a8 kernels are not built in {target} and no C++ compiler "
+                             f"({_compiler()!r}) is on PATH: install g++, or serve with "
+                             "--engine llama-cpp")
+    with open(target / f"{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building it now
-        if output.is_file() and not force:
-            return output
-        scratch = output.with_name(f"{output.stem}.{os.getpid()}.tmp.so")
+        found, _ = check_kept(target)
+        if found is not None and not force:
+            return found
+        scratch = target / f"{name}.{os.getpid()}.tmp.so"
         result = subprocess.run(_command(scratch), capture_output=True, text=True)
         if result.returncode != 0:
             scratch.unlink(missing_ok=True)
-            log = output.with_suffix(".log")
-            log.write_text(" ".join(_command(scratch)) + "\n" + result.stderr)
+            failure = target / f"{name}.log"
+            failure.write_text(" ".join(_command(scratch)) + "\n" + result.stderr)
             last = (result.stderr.strip().splitlines() or ["no output"])[-1]
             raise ModelSpecError(f"building the w4a8 kernels failed ({last}); the compiler's "
-                                 f"output is in {log}; --engine llama-cpp serves GGUF files "
+                                 f"output is in {failure}; --engine llama-cpp serves GGUF files "
                                  "without them")
+        os.chmod(scratch, 0o755)
+        version = subprocess.run([_compiler(), "--version"], capture_output=True,
+                                 text=True).stdout.splitlines()[:1]
+        record = {"sha256": _sha256(scratch), "key": key(), "torch": torch.__version__,
+                  "compiler": version[0] if version else _compiler(), "flags": FLAGS}
         os.replace(scratch, output)
+        written = target / f"{name}.{os.getpid()}.tmp.json"
+        written.write_text(json.dumps(record, indent=1) + "\n")
+        os.chmod(written, 0o644)
+        os.replace(written, manifest)
     return output
+
+
+def available() -> tuple[bool, str]:
+    """Whether the engine can have its kernels here (a library that may be loaded, or a
+    compiler to build one), and why not."""
+    found, reasons = find()
+    if found is not None or has_compiler():
+        return True, ""
+    return False, (f"the w4a8 kernels are not built here ({'; '.join(reasons)}) and no C++ "
+                   f"compiler ({_compiler()!r}) is on PATH to build them")
 
 
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The kernels, loaded (and built first where needed), their signatures declared."""
+    """The kernels, loaded (built first where none may be loaded and a compiler is here),
+    their signatures declared; ModelSpecError in one line where neither."""
+    found, _ = find()
+    if found is None:
+        ok, why = available()
+        if not ok:
+            raise ModelSpecError(f"{why}: install g++, or serve with --engine llama-cpp")
+        found = build()
+    return load(found)
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """The library at ``path`` (checked already), its signatures declared; ModelSpecError in
+    one line where it does not load or lacks a kernel."""
     try:
-        lib = ctypes.CDLL(str(build()))
-    except OSError:  # a file that does not load (truncated, another machine's): build again
-        lib = ctypes.CDLL(str(build(force=True)))
-    for name, (restype, argtypes) in SIGNATURES.items():
-        function = getattr(lib, name)
-        function.restype = restype
-        function.argtypes = argtypes
+        lib = ctypes.CDLL(str(path))
+        for name, (restype, argtypes) in SIGNATURES.items():
+            function = getattr(lib, name)
+            function.restype = restype
+            function.argtypes = argtypes
+    except (OSError, AttributeError) as error:
+        raise ModelSpecError(f"the w4a8 kernels in {path} do not load "
+                             f"({str(error).splitlines()[0]}); delete it to build them again") \
+            from None
     return lib
 
 
@@ -155,8 +292,11 @@ def choose_isa(name: str | None) -> str:
 
 
 def main() -> None:
-    """``python -m shared.engines.w4a8.build``: build (``--force``: again) and say where."""
-    path = build(force="--force" in sys.argv)
+    """``python -m shared.engines.w4a8.build [--force] [--prebuilt]``: build into this user's
+    cache, or (``--prebuilt``) into ``<prefix>/share/specdec/kernels`` for every user of this
+    environment, and say where and which path this CPU runs."""
+    folder = prebuilt_dir() if "--prebuilt" in sys.argv else None
+    path = build(folder, force="--force" in sys.argv)
     print(f"w4a8 kernels: {path} ({isa_name()} path on this CPU; this CPU runs "
           f"{', '.join(name for name, runs in paths().items() if runs)})")
 
