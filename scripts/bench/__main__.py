@@ -16,7 +16,7 @@ COMMANDS = {"suite": "suite", "client": "client", "batching": "batching", "calls
             "llama-blocks": "llama_blocks", "cpu-blocks": "cpu_blocks",
             "cpu-kernels": "cpu_kernels", "prompt-memory": "prompt_memory", "quality": "quality",
             "serving": "serving", "report": "report", "prediction": "prediction",
-            "grammar": "grammar"}
+            "grammar": "grammar", "prefill": "prefill"}
 
 
 def command_module(name: str) -> ModuleType:

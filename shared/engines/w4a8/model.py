@@ -182,7 +182,11 @@ def shape_of(file: GGUFFile) -> Shape:
     if f"{arch}.attention.key_length" not in file.mapped.fields and hidden % heads:
         raise ModelSpecError(f"{file.path}: {arch}.attention.head_count = {heads} does not "
                              f"divide embedding_length = {hidden}")
-    head_dim = _count(file, f"{arch}.attention.key_length", hidden // heads, high=4096)
+    if heads // kv_heads > 64:
+        raise ModelSpecError(f"{file.path}: {heads // kv_heads} query heads a key-value head "
+                             f"({arch}.attention.head_count / head_count_kv); the w4a8 engine "
+                             "attends with up to 64")
+    head_dim = _count(file, f"{arch}.attention.key_length", hidden // heads, high=512)
     rope = _count(file, f"{arch}.rope.dimension_count", head_dim, high=4096)
     if rope != head_dim or head_dim % 8:
         raise ModelSpecError(f"{file.path}: {arch}.rope.dimension_count = {rope} for heads of "

@@ -159,14 +159,16 @@ void matmul(int type, const uint8_t* weight, const uint8_t*, int64_t stride, int
 }
 
 W4A8_AVX2 void quantize_row(const float* x, int64_t k, ActBlock* out) { quantize_row_x86(x, k, out); }
-W4A8_AVX2 float dot_f16(const float* q, const uint16_t* k, int d) { return dot_f16_x86(q, k, d); }
-W4A8_AVX2 void axpy_f16(float* y, float p, const uint16_t* v, int d) { axpy_f16_x86(y, p, v, d); }
+W4A8_AVX2 void attend(const float* q, int group, const uint16_t* keys, const uint16_t* values,
+                      int64_t length, int d, float* scores, float* out) {
+  attend_x86(q, group, keys, values, length, d, scores, out);
+}
 W4A8_AVX2 void silu_mul(const float* g, const float* u, int64_t count, float* out) {
   silu_mul_x86(g, u, count, out);
 }
 W4A8_AVX2 void exp_inplace(float* x, int64_t count) { exp_inplace_x86(x, count); }
 
-const Paths kPaths = {"avx2", quantize_row, matmul, dot_f16, axpy_f16, silu_mul, exp_inplace, false};
+const Paths kPaths = {"avx2", quantize_row, matmul, attend, silu_mul, exp_inplace, false};
 
 }  // namespace
 

@@ -258,13 +258,13 @@ W4A8_AVX512 void exp_inplace(float* x, int64_t count) {
 W4A8_AVX512 void quantize_row(const float* x, int64_t k, ActBlock* out) {
   quantize_row_x86(x, k, out);
 }
-W4A8_AVX512 float dot_f16(const float* q, const uint16_t* k, int d) { return dot_f16_x86(q, k, d); }
-W4A8_AVX512 void axpy_f16(float* y, float p, const uint16_t* v, int d) {
-  axpy_f16_x86(y, p, v, d);
+W4A8_AVX512 void attend(const float* q, int group, const uint16_t* keys, const uint16_t* values,
+                        int64_t length, int d, float* scores, float* out) {
+  attend_x86(q, group, keys, values, length, d, scores, out);
 }
 
-const Paths kPaths = {"avx512-vnni", quantize_row, matmul, dot_f16, axpy_f16, silu_mul,
-                      exp_inplace, true};
+const Paths kPaths = {"avx512-vnni", quantize_row, matmul, attend, silu_mul, exp_inplace,
+                      true};
 
 }  // namespace
 

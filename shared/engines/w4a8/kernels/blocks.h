@@ -185,10 +185,13 @@ struct Paths {
   void (*matmul)(int type, const uint8_t* weight, const uint8_t* packed, int64_t stride,
                  int64_t c_begin, int64_t c_end, const ActBlock* act, int64_t n, int64_t nb,
                  const float* bias, float* y, int64_t ldy);
-  // sum over i of q[i] * float(k[i]), d a multiple of 8, in 8 lanes (i % 8), lanes_sum
-  float (*dot_f16)(const float* q, const uint16_t* k, int d);
-  // y[i] += p * float(v[i]), d a multiple of 8
-  void (*axpy_f16)(float* y, float p, const uint16_t* v, int d);
+  // One key-value head's attention for the `group` query heads that share it, over `length`
+  // positions: for each head h, scores[h][t] = q_h . float(keys[t]) (8 lanes, i % 8, added
+  // in lanes_sum's tree), p = exp_fixed(scores - their max), out_h = (sum over t in order of
+  // p[t] * float(values[t])) * (1 / the sum of p in order). q: [group][d], keys / values:
+  // [length][d] float16, scores: [group][length] of room, out: [group][d]; d a multiple of 8.
+  void (*attend)(const float* q, int group, const uint16_t* keys, const uint16_t* values,
+                 int64_t length, int d, float* scores, float* out);
   // out[i] = silu(gate[i]) * up[i] = gate[i] / (1 + exp_fixed(-gate[i])) * up[i]
   void (*silu_mul)(const float* gate, const float* up, int64_t count, float* out);
   // x[i] = exp_fixed(x[i])

@@ -218,7 +218,8 @@ int w4a8_attention(float* qkv, int64_t n, const int64_t* slots, const int64_t* p
                    int heads, int kv_heads, int d, const float* cos, const float* sin,
                    int interleaved, uint16_t* keys, uint16_t* values, int64_t num_slots,
                    int64_t slot_tokens, float* out) {
-  if (n < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || d <= 0 || d % 8 != 0 ||
+  if (n < 0 || heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > 64 ||
+      d <= 0 || d % 8 != 0 || d > 512 ||
       num_slots <= 0 || slot_tokens <= 0)
     return E_ARGS;
   for (int64_t r = 0; r < n; ++r)
@@ -250,34 +251,22 @@ int w4a8_attention(float* qkv, int64_t n, const int64_t* slots, const int64_t* p
       }
     }
   });
-  // 2. each (row, query head) over its own prefix
+  // 2. each (row, key-value head) over its own prefix, for the query heads that share it
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const int group = heads / kv_heads;
   const Paths* paths = g;
-  at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    std::vector<float> q(d);
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, q(static_cast<size_t>(group) * d);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / heads;
-      const int h = static_cast<int>(task % heads), kv = h / group;
+      const int64_t r = task / kv_heads;
+      const int kv = static_cast<int>(task % kv_heads);
       const int64_t length = positions[r] + 1;
       const int64_t base = (slots[r] * kv_heads + kv) * slot_tokens * d;
-      for (int i = 0; i < d; ++i) q[i] = qkv[r * width + h * d + i] * scale;
-      scores.resize(length);
-      float top = -INFINITY;
-      for (int64_t t = 0; t < length; ++t) {
-        scores[t] = paths->dot_f16(q.data(), keys + base + t * d, d);
-        top = max_like_simd(top, scores[t]);
-      }
-      for (int64_t t = 0; t < length; ++t) scores[t] = scores[t] - top;
-      paths->exp_inplace(scores.data(), length);
-      float total = 0.0f;
-      for (int64_t t = 0; t < length; ++t) total += scores[t];
-      float* o = out + r * heads * d + h * d;
-      std::fill(o, o + d, 0.0f);
-      for (int64_t t = 0; t < length; ++t) paths->axpy_f16(o, scores[t], values + base + t * d, d);
-      const float inv = 1.0f / total;
-      for (int i = 0; i < d; ++i) o[i] *= inv;
+      for (int h = 0; h < group; ++h)
+        for (int i = 0; i < d; ++i) q[h * d + i] = qkv[r * width + (kv * group + h) * d + i] * scale;
+      scores.resize(static_cast<size_t>(group) * length);
+      paths->attend(q.data(), group, keys + base, values + base, length, d, scores.data(),
+                    out + r * heads * d + kv * group * d);
     }
   });
   return 0;

@@ -87,15 +87,32 @@ void matmul(int type, const uint8_t* weight, const uint8_t*, int64_t stride, int
   }
 }
 
-float dot_f16(const float* q, const uint16_t* k, int d) {
-  float lanes[8] = {0};
-  for (int i = 0; i < d; i += 8)
-    for (int l = 0; l < 8; ++l) lanes[l] = lanes[l] + q[i + l] * half_to_float(k[i + l]);
-  return lanes_sum(lanes);
-}
-
-void axpy_f16(float* y, float p, const uint16_t* v, int d) {
-  for (int i = 0; i < d; ++i) y[i] = y[i] + p * half_to_float(v[i]);
+void attend(const float* q, int group, const uint16_t* keys, const uint16_t* values,
+            int64_t length, int d, float* scores, float* out) {
+  for (int h = 0; h < group; ++h) {
+    const float* qh = q + h * d;
+    float* sh = scores + h * length;
+    float top = -INFINITY;
+    for (int64_t t = 0; t < length; ++t) {
+      float lanes[8] = {0};
+      for (int i = 0; i < d; i += 8)
+        for (int l = 0; l < 8; ++l)
+          lanes[l] = lanes[l] + qh[i + l] * half_to_float(keys[t * d + i + l]);
+      sh[t] = lanes_sum(lanes);
+      top = max_like_simd(top, sh[t]);
+    }
+    float total = 0.0f;
+    for (int64_t t = 0; t < length; ++t) {
+      sh[t] = exp_fixed(sh[t] - top);
+      total += sh[t];
+    }
+    float* o = out + h * d;
+    for (int i = 0; i < d; ++i) o[i] = 0.0f;
+    for (int64_t t = 0; t < length; ++t)
+      for (int i = 0; i < d; ++i) o[i] = o[i] + sh[t] * half_to_float(values[t * d + i]);
+    const float inv = 1.0f / total;
+    for (int i = 0; i < d; ++i) o[i] *= inv;
+  }
 }
 
 void silu_mul(const float* gate, const float* up, int64_t count, float* out) {
@@ -109,8 +126,7 @@ void exp_inplace(float* x, int64_t count) {
   for (int64_t i = 0; i < count; ++i) x[i] = exp_fixed(x[i]);
 }
 
-const Paths kPaths = {"portable", quantize_row, matmul, dot_f16, axpy_f16, silu_mul,
-                      exp_inplace, false};
+const Paths kPaths = {"portable", quantize_row, matmul, attend, silu_mul, exp_inplace, false};
 
 }  // namespace
 

@@ -57,24 +57,6 @@ W4A8_AVX2 static inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
-// The f16 kernels of attention on 8 lanes (every x86 path keeps them at 8: the lane order).
-W4A8_AVX2 static inline float dot_f16_x86(const float* q, const uint16_t* k, int d) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int i = 0; i < d; i += 8) {
-    const __m256 kv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + i)));
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + i), kv));
-  }
-  return hsum8(acc);
-}
-
-W4A8_AVX2 static inline void axpy_f16_x86(float* y, float p, const uint16_t* v, int d) {
-  const __m256 pv = _mm256_set1_ps(p);
-  for (int i = 0; i < d; i += 8) {
-    const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i)));
-    _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_mul_ps(pv, x)));
-  }
-}
-
 W4A8_AVX2 static inline void silu_mul_x86(const float* gate, const float* up, int64_t count,
                                           float* out) {
   int64_t i = 0;
@@ -92,6 +74,56 @@ W4A8_AVX2 static inline void exp_inplace_x86(float* x, int64_t count) {
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) _mm256_storeu_ps(x + i, exp8(_mm256_loadu_ps(x + i)));
   for (; i < count; ++i) x[i] = exp_fixed(x[i]);
+}
+
+// attend (blocks.h) on 8 lanes, every x86 path's (the lane order is the portable one's): each
+// key and value converted once for all the group's heads, each head's sums as the portable
+// path adds them.
+W4A8_AVX2 static inline void attend_x86(const float* q, int group, const uint16_t* keys,
+                                        const uint16_t* values, int64_t length, int d,
+                                        float* scores, float* out) {
+  constexpr int MAX_D = 512;
+  alignas(32) float row[MAX_D];
+  for (int64_t t = 0; t < length; ++t) {
+    for (int i = 0; i < d; i += 8)
+      _mm256_store_ps(row + i, _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(keys + t * d + i))));
+    for (int h = 0; h < group; ++h) {
+      __m256 acc = _mm256_setzero_ps();
+      for (int i = 0; i < d; i += 8)
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + h * d + i),
+                                               _mm256_load_ps(row + i)));
+      scores[h * length + t] = hsum8(acc);
+    }
+  }
+  float totals[64];
+  for (int h = 0; h < group; ++h) {
+    float* sh = scores + h * length;
+    float top = -INFINITY;
+    for (int64_t t = 0; t < length; ++t) top = top > sh[t] ? top : sh[t];
+    for (int64_t t = 0; t < length; ++t) sh[t] = sh[t] - top;
+    exp_inplace_x86(sh, length);
+    float total = 0.0f;
+    for (int64_t t = 0; t < length; ++t) total += sh[t];
+    totals[h] = total;
+    for (int i = 0; i < d; ++i) out[h * d + i] = 0.0f;
+  }
+  for (int64_t t = 0; t < length; ++t) {
+    for (int i = 0; i < d; i += 8)
+      _mm256_store_ps(row + i, _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(values + t * d + i))));
+    for (int h = 0; h < group; ++h) {
+      const __m256 p = _mm256_set1_ps(scores[h * length + t]);
+      float* o = out + h * d;
+      for (int i = 0; i < d; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_add_ps(_mm256_loadu_ps(o + i),
+                                              _mm256_mul_ps(p, _mm256_load_ps(row + i))));
+    }
+  }
+  for (int h = 0; h < group; ++h) {
+    const float inv = 1.0f / totals[h];
+    for (int i = 0; i < d; ++i) out[h * d + i] *= inv;
+  }
 }
 
 // quantize_row (portable.cpp) in 8 lanes: the max is exact in any order, the rest elementwise,
