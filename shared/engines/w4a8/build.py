@@ -22,6 +22,7 @@ builders wait for one build (a lock file); a reader never takes a half-written f
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import functools
@@ -150,7 +151,7 @@ def check_kept(folder: Path) -> tuple[Path | None, str]:
 def find() -> tuple[Path | None, list[str]]:
     """The first library that may be loaded (the prebuilt one, then this user's), and why
     each place did not give one."""
-    reasons = []
+    reasons: list[str] = []
     for folder in (prebuilt_dir(), user_dir()):
         found, why = check_kept(folder)
         if found is not None:
@@ -162,10 +163,8 @@ def find() -> tuple[Path | None, list[str]]:
 def _private_folder(folder: Path, mode: int = 0o700) -> Path:
     """``folder``, made where missing (``mode``), if it is one this process may run code from;
     else a fresh private folder."""
-    try:
+    with contextlib.suppress(OSError):  # a read-only place: _untrusted says why below
         folder.mkdir(mode=mode, parents=True, exist_ok=True)
-    except OSError:
-        pass
     if why := _untrusted(folder, stat.S_IFDIR):
         fresh = Path(tempfile.mkdtemp(prefix="specdec-kernels-"))
         log.warning("not building the w4a8 kernels in %s (%s): building them in %s", folder, why,
