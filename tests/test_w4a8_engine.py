@@ -251,6 +251,31 @@ def test_block_rows_equal_one_token_steps(threads: int, q4k: dict[str, Path]) ->
         torch.set_num_threads(before)
 
 
+def rows_in_chunks(model: W4A8Decoder, ids: list[int], n: int, slot: int) -> torch.Tensor:
+    """A prompt written ``n`` rows a forward into ``slot``: every row's logits."""
+    return torch.cat([rows_of(model, [(slot, at, ids[at:at + n])], list(range(len(ids[at:at + n]))))
+                      for at in range(0, len(ids), n)])
+
+
+def row_counts_that_differ(model: W4A8Decoder) -> list[int]:
+    ids = [int(t) for t in np.random.default_rng(11).integers(2, 256, 64)]
+    steps = rows_in_chunks(model, ids, 1, 0)
+    return [n for n in range(2, 65) if not torch.equal(rows_in_chunks(model, ids, n, n % 5 + 1),
+                                                       steps)]
+
+
+def test_every_row_count_from_1_to_64_gives_the_one_token_steps_bits(
+        q4k: dict[str, Path]) -> None:
+    """64 rows written n at a time, n = 1..64 (tiles of 4, a last short tile, panels of 16
+    columns): every row bit-equal to its one-token step."""
+    assert row_counts_that_differ(decoder(q4k["target"])) == []
+
+
+def test_negative_control_a_shared_scale_differs_at_some_row_counts(
+        q4k: dict[str, Path]) -> None:
+    assert len(row_counts_that_differ(decoder(q4k["target"], SharedScaleDecoder))) > 30
+
+
 def test_negative_control_a_shared_activation_scale_in_the_decoder(
         q4k: dict[str, Path]) -> None:
     same = block_layouts(decoder(q4k["target"], SharedScaleDecoder))
