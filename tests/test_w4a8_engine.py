@@ -148,6 +148,8 @@ def test_negative_control_a_shared_activation_scale() -> None:
 
 # Each SIMD path and the CPU flags it needs (lscpu's names); the portable path runs anywhere.
 SIMD_PATHS = {"avx2": ("avx2", "fma", "f16c"),
+              "avx-vnni": ("avx2", "fma", "f16c", "avx_vnni"),
+              "avx512-vnni-256": ("avx512f", "avx512vl", "avx512_vnni"),
               "avx512-vnni": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")}
 
 

@@ -49,8 +49,10 @@ def computes(path: str) -> bool:
 class W4A8Options(BaseModel):
     w4a8_isa: str = Field(
         "auto", description="the w4a8 engine's kernel path: auto (the best this CPU runs: "
-        "avx512-vnni, then avx2, then portable) or one by name. Every path gives the same bits, "
-        "so replicas on different CPUs serve the same tokens; naming one is for comparing them")
+        "avx512-vnni, then avx-vnni, then avx2, then portable) or one by name (also "
+        "avx512-vnni-256: avx-vnni's code on AVX-512, for testing it). Every path gives the same "
+        "bits, so replicas on different CPUs serve the same tokens; naming one is for comparing "
+        "them")
 
 
 class W4A8Backend(Backend):

@@ -93,7 +93,7 @@ def _command(output: Path) -> list[str]:
 def key() -> str:
     """What a library is kept under: the sources, the flags and this PyTorch (no compiler run)."""
     digest = hashlib.sha256()
-    for path in sorted(KERNELS.glob("*.[ch]*")):
+    for path in sorted(p for p in KERNELS.iterdir() if p.is_file()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     for part in (" ".join(FLAGS), torch.__version__, str(Path(torch.__file__).parent)):
         digest.update(b"\0" + part.encode())

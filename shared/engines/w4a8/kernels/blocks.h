@@ -171,7 +171,11 @@ static inline float exp_fixed(float x) {
 // ---- one path's kernels ---------------------------------------------------------------------
 
 // The paths, in the order the dispatcher prefers the last one the CPU has.
-enum Isa { PORTABLE = 0, AVX2 = 1, AVX512_VNNI = 2, ISA_COUNT = 3 };
+// AVX512_VNNI_256 is the AVX-VNNI path's code in EVEX encoding, for testing it where AVX-512
+// runs; `auto` never picks it.
+enum Isa {
+  PORTABLE = 0, AVX2 = 1, AVX_VNNI = 2, AVX512_VNNI_256 = 3, AVX512_VNNI = 4, ISA_COUNT = 5
+};
 
 struct Paths {
   const char* name;
@@ -203,6 +207,8 @@ struct Paths {
 // Each ISA file's table.
 const Paths* portable_paths();
 const Paths* avx2_paths();
+const Paths* avx_vnni_paths();
+const Paths* avx512_vnni256_paths();
 const Paths* avx512_vnni_paths();
 
 }  // namespace w4a8

@@ -28,10 +28,13 @@ bool cpu_has(Isa isa) {
     case AVX2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("f16c");
-    case AVX512_VNNI:
+    case AVX_VNNI: return cpu_has(AVX2) && __builtin_cpu_supports("avxvnni");
+    case AVX512_VNNI_256:
       return cpu_has(AVX2) && __builtin_cpu_supports("avx512f") &&
-             __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni");
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+    case AVX512_VNNI:
+      return cpu_has(AVX512_VNNI_256) && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512dq");
     default: return false;
   }
 }
@@ -39,6 +42,8 @@ bool cpu_has(Isa isa) {
 const Paths* table_of(Isa isa) {
   switch (isa) {
     case AVX2: return avx2_paths();
+    case AVX_VNNI: return avx_vnni_paths();
+    case AVX512_VNNI_256: return avx512_vnni256_paths();
     case AVX512_VNNI: return avx512_vnni_paths();
     default: return portable_paths();
   }
@@ -47,7 +52,7 @@ const Paths* table_of(Isa isa) {
 Isa best() {
   __builtin_cpu_init();  // this runs in a static initializer, maybe before libgcc's own
   for (int i = ISA_COUNT - 1; i > 0; --i)
-    if (cpu_has(static_cast<Isa>(i))) return static_cast<Isa>(i);
+    if (i != AVX512_VNNI_256 && cpu_has(static_cast<Isa>(i))) return static_cast<Isa>(i);
   return PORTABLE;
 }
 
