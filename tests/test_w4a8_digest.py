@@ -39,11 +39,11 @@ def restore() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def digest(path: Path, kind: type[W4A8Decoder] = W4A8Decoder) -> str:
+def digest(path: Path, kind: type[W4A8Decoder] = W4A8Decoder, ops: bool = False) -> str:
     decoder = kind(GGUFFile(path), num_slots=2, slot_tokens=64)
     ids = [(17 * i + 3) % 256 for i in range(20)]
-    logits = decoder.forward(Rows(torch.tensor(ids), [0] * 20, list(range(20))),
-                             torch.arange(20))
+    forward = decoder.forward_ops if ops else decoder.forward
+    logits = forward(Rows(torch.tensor(ids), [0] * 20, list(range(20))), torch.arange(20))
     return hashlib.sha256(logits.numpy().tobytes()).hexdigest()
 
 
@@ -55,6 +55,12 @@ def test_every_path_reproduces_the_committed_digest(name: str, threads: int, fix
     on_path(name)
     torch.set_num_threads(threads)
     assert digest(fixed) == LOGITS_SHA256
+
+
+def test_a_layer_in_one_call_equals_it_operation_by_operation(fixed: Path) -> None:
+    """w4a8_layer (one call a layer) and forward_ops (a call an operation, what the negative
+    controls change) compute the same bits."""
+    assert digest(fixed, ops=True) == digest(fixed) == LOGITS_SHA256
 
 
 def test_negative_control_a_shared_activation_scale_changes_the_digest(fixed: Path) -> None:

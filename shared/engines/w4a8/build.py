@@ -61,6 +61,7 @@ SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
     "w4a8_isa": (_int, []),
     "w4a8_set_isa": (_int, [_int]),
     "w4a8_act_bytes": (_i64, [_i64]),
+    "w4a8_layer": (_int, [_ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]),
     "w4a8_quantize": (_int, [_ptr, _i64, _i64, _ptr, _i64]),
     "w4a8_matmul": (_int, [_int, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr,
                            _ptr, _i64, _i64]),

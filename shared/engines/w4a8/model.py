@@ -15,6 +15,7 @@ Keys and values are float16 (as llama.cpp keeps them), one tensor per kind,
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 
 from shared.engines.int8.model import Rows
 from shared.engines.w4a8.build import library, packing
+from shared.engines.w4a8.fused import Scratch, c_dims, c_layer
 from shared.engines.w4a8.gguf_file import MappedGGUF, TensorInfo
 from shared.models.catalog import ModelSpecError
 
@@ -273,6 +275,7 @@ class W4A8Decoder:
                     if isinstance(value, Matrix):
                         setattr(layer, f.name, packed(self.lib, value))
             self.head = packed(self.lib, self.head)
+        self.c_layers = [c_layer(layer) for layer in self.layers]  # pointers into the above
         self.slot_tokens = slot_tokens
         kv = (s.layers, num_slots, s.kv_heads, slot_tokens, s.head_dim)
         self.keys = torch.empty(kv, dtype=torch.float16)  # a row reads only what was written
@@ -283,6 +286,7 @@ class W4A8Decoder:
         angles = torch.outer(torch.arange(slot_tokens, dtype=torch.float64), inv)
         self.cos = angles.cos().float().contiguous()  # [tokens, head_dim / 2]
         self.sin = angles.sin().float().contiguous()
+        self.c_dims = c_dims(s, num_slots, slot_tokens)
 
     @property
     def nbytes(self) -> int:
@@ -351,7 +355,29 @@ class W4A8Decoder:
 
     def forward(self, rows: Rows, keep: torch.Tensor) -> torch.Tensor:
         """Write the rows' keys and values, and return the logits of rows ``keep`` ([m])
-        ([m, vocab] float32)."""
+        ([m, vocab] float32): each layer in one call of the kernels (``fused.py``), or, where a
+        subclass changes one operation (the tests' negative controls), operation by operation
+        (:meth:`forward_ops`, the same operations in the same order)."""
+        if type(self).quantize is not W4A8Decoder.quantize:
+            return self.forward_ops(rows, keep)
+        s, lib = self.shape, self.lib
+        n = len(rows.slots)
+        if int(rows.ids.min()) < 0 or int(rows.ids.max()) >= s.vocab:
+            raise ValueError(f"token ids must be in [0, {s.vocab})")
+        slots = torch.tensor(rows.slots, dtype=torch.int64)
+        positions = torch.tensor(rows.positions, dtype=torch.int64)
+        x = self.embed_rows(rows.ids)  # [n, hidden]
+        scratch = Scratch(lib, s, n)
+        for index, layer in enumerate(self.c_layers):
+            _check(lib.w4a8_layer(ctypes.addressof(layer), ctypes.addressof(self.c_dims),
+                                  _ptr(x), n, _ptr(slots), _ptr(positions), _ptr(self.cos), _ptr(self.sin),
+                                  _ptr(self.keys[index]), _ptr(self.values[index]),
+                                  ctypes.addressof(scratch.c)), f"layer {index}")
+        last = x[keep].contiguous()
+        return self.linear(self.rms_norm(last, self.norm), self.head)
+
+    def forward_ops(self, rows: Rows, keep: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` an operation at a time (each a call of the kernels)."""
         s, lib = self.shape, self.lib
         n = len(rows.slots)
         if int(rows.ids.min()) < 0 or int(rows.ids.max()) >= s.vocab:

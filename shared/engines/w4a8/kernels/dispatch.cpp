@@ -278,3 +278,100 @@ int w4a8_attention(float* qkv, int64_t n, const int64_t* slots, const int64_t* p
 }
 
 }  // extern "C"
+
+// ---- one decoder layer in one call -------------------------------------------------------------
+// What model.py's per-operation forward does for a layer, in the same operations and order (so
+// the same bits), without a Python round trip between them.
+
+struct W4a8Matrix {
+  int32_t type;
+  int32_t unused;
+  const uint8_t* weight;
+  int64_t weight_bytes;
+  const uint8_t* packed;  // or null
+  int64_t packed_bytes;
+  int64_t rows, cols;
+  const float* bias;  // [rows] or null
+};
+
+struct W4a8Layer {
+  const float* attn_norm;
+  const float* mlp_norm;
+  W4a8Matrix q, k, v, out, gate, up, down;
+};
+
+struct W4a8Dims {
+  int64_t hidden, intermediate, num_slots, slot_tokens;
+  int32_t heads, kv_heads, head_dim, interleaved;
+  float eps;
+  int32_t unused;
+};
+
+// Room for n rows: h [n, hidden], qkv [n, (heads + 2 kv_heads) d], attended [n, heads d],
+// gate_up [n, 2 intermediate], inner [n, intermediate], tmp [n, hidden], act (act_bytes).
+struct W4a8Scratch {
+  float *h, *qkv, *attended, *gate_up, *inner, *tmp;
+  uint8_t* act;
+  int64_t act_bytes;
+};
+
+namespace {
+
+int product(const W4a8Matrix& m, const uint8_t* act, int64_t act_bytes, int64_t n, float* y,
+            int64_t ldy, int64_t y_floats) {
+  return w4a8_matmul(m.type, m.weight, m.weight_bytes, m.packed, m.packed_bytes, m.rows, m.cols,
+                     act, act_bytes, n, m.bias, y, y_floats, ldy);
+}
+
+// x += tmp, elementwise (as torch's x += tmp)
+void add_into(float* x, const float* tmp, int64_t count) {
+  for (int64_t i = 0; i < count; ++i) x[i] = x[i] + tmp[i];
+}
+
+}  // namespace
+
+extern "C" {
+
+// x [n, hidden] through one layer in place (its keys and values written at slots / positions).
+int w4a8_layer(const W4a8Layer* L, const W4a8Dims* s, float* x, int64_t n, const int64_t* slots,
+               const int64_t* positions, const float* cos, const float* sin, uint16_t* keys,
+               uint16_t* values, const W4a8Scratch* w) {
+  if (n <= 0) return E_ARGS;
+  const int64_t d = s->head_dim, q_rows = s->heads * d, kv_rows = s->kv_heads * d;
+  const int64_t width = q_rows + 2 * kv_rows;
+  if (L->q.rows != q_rows || L->k.rows != kv_rows || L->v.rows != kv_rows ||
+      L->out.rows != s->hidden || L->gate.rows != s->intermediate ||
+      L->up.rows != s->intermediate || L->down.rows != s->hidden)
+    return E_ARGS;
+  int status = 0;
+  auto ok = [&](int code) { return (status = code) == 0; };
+  const int64_t act = w->act_bytes;
+  if (!ok(w4a8_rms_norm(x, L->attn_norm, s->eps, n, s->hidden, w->h))) return status;
+  if (!ok(w4a8_quantize(w->h, n, s->hidden, w->act, act))) return status;
+  if (!ok(product(L->q, w->act, act, n, w->qkv, width, n * width))) return status;
+  if (!ok(product(L->k, w->act, act, n, w->qkv + q_rows, width, n * width - q_rows)))
+    return status;
+  if (!ok(product(L->v, w->act, act, n, w->qkv + q_rows + kv_rows, width,
+                  n * width - q_rows - kv_rows)))
+    return status;
+  if (!ok(w4a8_attention(w->qkv, n, slots, positions, s->heads, s->kv_heads, s->head_dim, cos,
+                         sin, s->interleaved, keys, values, s->num_slots, s->slot_tokens,
+                         w->attended)))
+    return status;
+  if (!ok(w4a8_quantize(w->attended, n, q_rows, w->act, act))) return status;
+  if (!ok(product(L->out, w->act, act, n, w->tmp, s->hidden, n * s->hidden))) return status;
+  add_into(x, w->tmp, n * s->hidden);
+  if (!ok(w4a8_rms_norm(x, L->mlp_norm, s->eps, n, s->hidden, w->h))) return status;
+  if (!ok(w4a8_quantize(w->h, n, s->hidden, w->act, act))) return status;
+  const int64_t inner = s->intermediate;
+  if (!ok(product(L->gate, w->act, act, n, w->gate_up, 2 * inner, n * 2 * inner))) return status;
+  if (!ok(product(L->up, w->act, act, n, w->gate_up + inner, 2 * inner, n * 2 * inner - inner)))
+    return status;
+  if (!ok(w4a8_silu_mul(w->gate_up, n, inner, w->inner))) return status;
+  if (!ok(w4a8_quantize(w->inner, n, inner, w->act, act))) return status;
+  if (!ok(product(L->down, w->act, act, n, w->tmp, s->hidden, n * s->hidden))) return status;
+  add_into(x, w->tmp, n * s->hidden);
+  return 0;
+}
+
+}  // extern "C"
