@@ -370,7 +370,8 @@ class W4A8Decoder:
         scratch = Scratch(lib, s, n)
         for index, layer in enumerate(self.c_layers):
             _check(lib.w4a8_layer(ctypes.addressof(layer), ctypes.addressof(self.c_dims),
-                                  _ptr(x), n, _ptr(slots), _ptr(positions), _ptr(self.cos), _ptr(self.sin),
+                                  _ptr(x), n, _ptr(slots), _ptr(positions), _ptr(self.cos),
+                                  _ptr(self.sin),
                                   _ptr(self.keys[index]), _ptr(self.values[index]),
                                   ctypes.addressof(scratch.c)), f"layer {index}")
         last = x[keep].contiguous()
