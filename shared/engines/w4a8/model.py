@@ -353,6 +353,17 @@ class W4A8Decoder:
                "the embedding")
         return out
 
+    def _inputs(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows' slots, positions ([n] int64) and embeddings ([n, hidden])."""
+        if int(rows.ids.min()) < 0 or int(rows.ids.max()) >= self.shape.vocab:
+            raise ValueError(f"token ids must be in [0, {self.shape.vocab})")
+        return (torch.tensor(rows.slots, dtype=torch.int64),
+                torch.tensor(rows.positions, dtype=torch.int64), self.embed_rows(rows.ids))
+
+    def _logits(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """The output head's logits of rows ``keep`` of ``x``."""
+        return self.linear(self.rms_norm(x[keep].contiguous(), self.norm), self.head)
+
     def forward(self, rows: Rows, keep: torch.Tensor) -> torch.Tensor:
         """Write the rows' keys and values, and return the logits of rows ``keep`` ([m])
         ([m, vocab] float32): each layer in one call of the kernels (``fused.py``), or, where a
@@ -362,11 +373,7 @@ class W4A8Decoder:
             return self.forward_ops(rows, keep)
         s, lib = self.shape, self.lib
         n = len(rows.slots)
-        if int(rows.ids.min()) < 0 or int(rows.ids.max()) >= s.vocab:
-            raise ValueError(f"token ids must be in [0, {s.vocab})")
-        slots = torch.tensor(rows.slots, dtype=torch.int64)
-        positions = torch.tensor(rows.positions, dtype=torch.int64)
-        x = self.embed_rows(rows.ids)  # [n, hidden]
+        slots, positions, x = self._inputs(rows)
         scratch = Scratch(lib, s, n)
         for index, layer in enumerate(self.c_layers):
             _check(lib.w4a8_layer(ctypes.addressof(layer), ctypes.addressof(self.c_dims),
@@ -374,18 +381,13 @@ class W4A8Decoder:
                                   _ptr(self.sin),
                                   _ptr(self.keys[index]), _ptr(self.values[index]),
                                   ctypes.addressof(scratch.c)), f"layer {index}")
-        last = x[keep].contiguous()
-        return self.linear(self.rms_norm(last, self.norm), self.head)
+        return self._logits(x, keep)
 
     def forward_ops(self, rows: Rows, keep: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` an operation at a time (each a call of the kernels)."""
         s, lib = self.shape, self.lib
         n = len(rows.slots)
-        if int(rows.ids.min()) < 0 or int(rows.ids.max()) >= s.vocab:
-            raise ValueError(f"token ids must be in [0, {s.vocab})")
-        slots = torch.tensor(rows.slots, dtype=torch.int64)
-        positions = torch.tensor(rows.positions, dtype=torch.int64)
-        x = self.embed_rows(rows.ids)  # [n, hidden]
+        slots, positions, x = self._inputs(rows)
         attended = torch.empty(n, s.heads * s.head_dim)
         for index, layer in enumerate(self.layers):
             qkv = self.linear(self.rms_norm(x, layer.attn_norm), layer.q, layer.k, layer.v)
@@ -399,5 +401,4 @@ class W4A8Decoder:
             act = torch.empty(n, s.intermediate)
             _check(lib.w4a8_silu_mul(_ptr(gate_up), n, s.intermediate, _ptr(act)), "silu")
             x += self.linear(act, layer.down)
-        last = x[keep].contiguous()
-        return self.linear(self.rms_norm(last, self.norm), self.head)
+        return self._logits(x, keep)
