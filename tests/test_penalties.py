@@ -72,6 +72,53 @@ def test_penalize_counts_the_history_and_the_drafts_before_each_row() -> None:
     assert out[1, 4].item() == pytest.approx(-(1.5 + 0.5))
 
 
+def test_penalize_is_bit_equal_to_one_id_at_a_time() -> None:
+    """The vectorised penalties against the rule written one id at a time, on random rows with
+    -inf, -0.0 and large values; the control moves one count and must differ."""
+    generator = torch.Generator().manual_seed(3)
+    rows = torch.randn(5, 300, generator=generator) * 30
+    rows[:, ::17] = float("-inf")
+    rows[:, 5::23] = -0.0
+    ids = torch.randperm(300, generator=generator)[:90].tolist()
+    history = dict(zip(ids, torch.randint(1, 9, (90,), generator=generator).tolist(),
+                       strict=True))
+    before = [[], [7], [7, 7], [7, 200], [0, 17, 299]]
+
+    def one_at_a_time(counts_of: dict[int, int]) -> torch.Tensor:
+        out = rows.float().clone()
+        for r, extra in enumerate(before):
+            counts = dict(counts_of)
+            for token in extra:
+                counts[token] = counts.get(token, 0) + 1
+            ids = torch.tensor(list(counts), dtype=torch.long)
+            seen = torch.tensor(list(counts.values()), dtype=torch.float32)
+            out[r, ids] -= 1.5 * seen + 0.5
+        return out
+
+    config = SamplingConfig(1.0, presence_penalty=0.5, frequency_penalty=1.5)
+    got = penalize(rows, config, history, before)
+    assert torch.equal(got.view(torch.int32), one_at_a_time(history).view(torch.int32))
+    moved = dict(history)
+    moved[next(iter(moved))] += 1
+    assert not torch.equal(got, one_at_a_time(moved))
+
+
+def test_a_history_longer_than_the_session_is_refused(gpt2_server: LiveServer) -> None:
+    from drafter_client.transport import HttpVerifier, VerifierHTTPError
+    from shared.protocol.schema import CreateSessionRequest, SamplingParams, VerifyRequest
+
+    verifier = HttpVerifier(gpt2_server.url)
+    session = verifier.create_session(CreateSessionRequest(
+        prompt_ids=[5, 6, 7], sampling=SamplingParams(presence_penalty=0.5))).session_id
+    with pytest.raises(VerifierHTTPError) as info:
+        verifier.verify(session, VerifyRequest(position=3, last_token=7, final_uniform=0.5,
+                                               history=[(7, 2), (9, 2)]))
+    assert info.value.field == "history" and "at most 3" in str(info.value)
+    ok = verifier.verify(session, VerifyRequest(position=3, last_token=7, final_uniform=0.5,
+                                                history=[(7, 1), (9, 2)]))
+    assert ok.next_token >= 0  # the session survives and serves
+
+
 # -- the sampled distribution ------------------------------------------------------------------
 
 RUNS = 3000

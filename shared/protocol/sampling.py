@@ -79,15 +79,22 @@ def penalize(rows: torch.Tensor, config: SamplingConfig, history: dict[int, int]
         out[:, ids] += bias
     if not (config.presence_penalty or config.frequency_penalty):
         return out
+    # counts as a [vocab] row, built once, and each row's own drafts added to it: work of the
+    # vocabulary's width a row whatever the history's length (a dict a row cost a call with a
+    # long history hundreds of milliseconds, in Python, on the batch's thread)
+    vocab = out.shape[-1]
+    base = torch.zeros(vocab, dtype=torch.float32, device=rows.device)
+    if history:
+        base[to_device(list(history), torch.long, rows.device)] = to_device(
+            list(history.values()), torch.float32, rows.device)
     for r, extra in enumerate(before):
-        counts = dict(history)
-        for token in extra:
-            counts[token] = counts.get(token, 0) + 1
-        if not counts:
-            continue
-        ids = to_device(list(counts), torch.long, rows.device)
-        seen = to_device(list(counts.values()), torch.float32, rows.device)
-        out[r, ids] -= config.frequency_penalty * seen + config.presence_penalty
+        counts = base
+        if extra:
+            counts = base.index_add(0, to_device(extra, torch.long, rows.device),
+                                    torch.ones(len(extra), device=rows.device))
+        # x - 0.0 is x (also -0.0 and -inf): the unseen ids keep their bits, no host sync
+        out[r] -= torch.where(counts > 0,
+                              config.frequency_penalty * counts + config.presence_penalty, 0.0)
     return out
 
 

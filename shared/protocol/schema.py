@@ -145,37 +145,62 @@ class CreateSessionResponse(_Strict):
 
 
 class RowMask(_Strict):
-    """The tokens a grammar allows at one row (structured output): the ``allowed`` ids, or
-    every id but the ``forbidden`` ones, whichever list is shorter; base64 of little-endian
-    int32 ids."""
+    """The tokens a grammar allows at one row (structured output), in whichever form is the
+    shortest: the ``allowed`` ids, every id but the ``forbidden`` ones (base64 of
+    little-endian int32 ids), or ``bits``, base64 of the whole vocabulary's bitmask (bit i of
+    byte i // 8, least significant first, is id i; ceil(vocab / 8) bytes: 19 KB a row for a
+    151,936-id vocabulary, where a free-text pattern's ids took 170 KB)."""
 
     allowed: str | None = None
     forbidden: str | None = None
+    bits: str | None = None
 
     @classmethod
     def of(cls, allowed: Any) -> RowMask:
         """From a [vocab] boolean array (numpy)."""
         import numpy as np
 
-        ids = np.nonzero(allowed)[0]
-        if len(ids) <= len(allowed) // 2:
-            return cls(allowed=_b64(ids.tolist(), "<i4"))
-        return cls(forbidden=_b64(np.nonzero(~allowed)[0].tolist(), "<i4"))
+        ids = np.flatnonzero(allowed)
+        others = len(allowed) - len(ids)
+        if 4 * min(len(ids), others) <= (len(allowed) + 7) // 8:
+            if len(ids) <= others:
+                return cls(allowed=_b64(ids, "<i4"))
+            return cls(forbidden=_b64(np.flatnonzero(~allowed), "<i4"))
+        packed = np.packbits(np.asarray(allowed, dtype=bool), bitorder="little")
+        return cls(bits=base64.b64encode(packed.tobytes()).decode())
 
     def keep(self, vocab_size: int) -> torch.Tensor:
-        """[vocab_size] bool; ValueError for a mask that is not one (both lists or neither,
-        ids outside the vocabulary, nothing allowed)."""
+        """[vocab_size] bool; ValueError for a mask that is not one (not exactly one form, ids
+        outside the vocabulary, a bitmask of another length or with bits past the vocabulary,
+        nothing allowed). Vectorised: a row of any form decodes in well under a millisecond."""
+        import numpy as np
         import torch
 
-        if (self.allowed is None) == (self.forbidden is None):
-            raise ValueError("a row mask has either allowed or forbidden ids")
-        ids = _unb64(self.allowed if self.allowed is not None else self.forbidden or "", "<i4")
-        if any(not 0 <= i < vocab_size for i in ids):
-            raise ValueError(f"a row mask names ids outside [0, {vocab_size})")
-        keep = torch.zeros(vocab_size, dtype=torch.bool)
-        keep[torch.tensor(ids, dtype=torch.long)] = True
-        if self.forbidden is not None:
-            keep = ~keep
+        given = [f for f in (self.allowed, self.forbidden, self.bits) if f is not None]
+        if len(given) != 1:
+            raise ValueError("a row mask has exactly one of allowed, forbidden or bits")
+        try:
+            raw = base64.b64decode(given[0], validate=True)
+        except ValueError:
+            raise ValueError("a row mask is not base64") from None
+        if self.bits is not None:
+            if len(raw) != (vocab_size + 7) // 8:
+                raise ValueError(f"a row mask's bits are {len(raw)} bytes; a vocabulary of "
+                                 f"{vocab_size} takes {(vocab_size + 7) // 8}")
+            bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")
+            if bits[vocab_size:].any():
+                raise ValueError(f"a row mask's bits allow ids past the vocabulary ({vocab_size})")
+            keep = torch.from_numpy(bits[:vocab_size].astype(bool))
+        else:
+            if len(raw) % 4:
+                raise ValueError("a row mask's ids are not whole int32 values")
+            ids = np.frombuffer(raw, dtype="<i4")
+            if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+                raise ValueError(f"a row mask names ids outside [0, {vocab_size})")
+            keep = torch.zeros(vocab_size, dtype=torch.bool)
+            keep[torch.from_numpy(ids.astype(np.int64))] = True
+            if self.forbidden is not None:
+                keep = ~keep
         if not bool(keep.any()):
             raise ValueError("a row mask allows no token")
         return keep
@@ -299,7 +324,7 @@ def decode_logprobs(values: list[float | None]) -> torch.Tensor:
     return torch.tensor([float("-inf") if v is None else v for v in values], dtype=torch.float64)
 
 
-def _b64(values: list[int] | list[float], dtype: str) -> str:
+def _b64(values: Any, dtype: str) -> str:  # a list or an array
     import numpy as np
 
     return base64.b64encode(np.asarray(values, dtype=dtype).tobytes()).decode()

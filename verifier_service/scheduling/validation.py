@@ -82,6 +82,11 @@ class RequestValidator:
             if len({i for i, _ in req.history}) != len(req.history):
                 raise VerifierError(422, "invalid_history", "history names an id more than "
                                     "once", "history")
+            counted = sum(c for _, c in req.history)
+            if counted > session.position:  # generated tokens are among the committed ones
+                raise VerifierError(422, "history_too_long", f"history counts {counted} "
+                                    f"tokens; a session at position {session.position} has "
+                                    f"generated at most {session.position}", "history")
         if len(req.log_uniforms) != k:
             raise VerifierError(422, "length_mismatch", f"log_uniforms has "
                                 f"{len(req.log_uniforms)} entries for {k} drafts", "log_uniforms")
