@@ -100,3 +100,83 @@ def test_a_dimension_of_zero_or_one_whose_product_wraps_is_refused(dims: tuple[i
 def test_the_intact_file_loads(tmp_path: Path) -> None:
     path = write_fixed_gguf(tmp_path / "intact.gguf")
     assert W4A8Decoder(GGUFFile(path), num_slots=1, slot_tokens=16).shape.hidden == 256
+
+
+# -- non-finite weights, a file that changes under the verifier ----------------------------------
+
+def scale_edited(path: Path, tensor: str, block: int, where: int, value: float) -> Path:
+    """``path`` with the fp16 scale at byte ``where`` of block ``block`` of ``tensor`` set."""
+    mapped = MappedGGUF(path)
+    info = mapped.tensors[tensor]
+    size = {12: 144, 14: 210}[info.type]
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<e", data, info.offset + block * size + where, value)
+    out = path.with_name(f"{tensor}-{block}-{where}.gguf")
+    out.write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize(("tensor", "where", "value"), [
+    ("token_embd.weight", 0, float("nan")), ("token_embd.weight", 2, float("inf")),
+    ("output.weight", 208, float("-inf")), ("blk.0.ffn_down.weight", 0, float("nan"))])
+def test_a_block_scale_that_is_not_finite_is_refused_naming_the_tensor(
+        tensor: str, where: int, value: float, tmp_path: Path) -> None:
+    path = write_fixed_gguf(tmp_path / "intact.gguf")
+    info = MappedGGUF(path).tensors[tensor]
+    if info.type == 14 and where != 208:
+        where = 208  # a Q6_K block's d is its last 2 bytes
+    edited = scale_edited(path, tensor, 3, where, value)
+    with pytest.raises(ModelSpecError, match=f"{tensor} has 1 block scales that are not finite"):
+        W4A8Decoder(GGUFFile(edited), num_slots=1, slot_tokens=16)
+    # control: a finite scale at the same place loads
+    W4A8Decoder(GGUFFile(scale_edited(path, tensor, 3, where, 0.5)), num_slots=1,
+                slot_tokens=16)
+
+
+def test_a_file_changed_under_the_engine_stops_it_before_the_mapping_is_read(
+        tmp_path: Path) -> None:
+    from shared.engines.int8.model import Rows
+    from shared.engines.target import EngineLost
+
+    path = write_fixed_gguf(tmp_path / "served.gguf")
+    decoder = W4A8Decoder(GGUFFile(path), num_slots=1, slot_tokens=16)
+    import torch
+
+    rows = Rows(torch.tensor([3, 4]), [0, 0], [0, 1])
+    decoder.forward(rows, torch.tensor([1]))  # the control: it serves
+    size = path.stat().st_size
+    with open(path, "r+b") as handle:
+        handle.truncate(4096)
+    with pytest.raises(EngineLost, match=rf"changed under the verifier \(size {size} -> 4096"):
+        decoder.forward(rows, torch.tensor([1]))
+
+
+@pytest.mark.slow  # a verifier process starts
+def test_a_verifier_whose_file_is_truncated_answers_503_and_ends_in_one_line(
+        q4k: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    import httpx
+
+    from verifier_service.launch import VerifierProcess
+    from verifier_service.scheduling.scheduler import ENGINE_LOST_EXIT
+
+    folder = shutil.copytree(q4k["target"].parent, tmp_path / "served")
+    path = folder / q4k["target"].name
+    log = tmp_path / "verifier.log"
+    with VerifierProcess(["--model", str(path), "--engine", "w4a8", "--max-context", "64"],
+                         log_path=log) as verifier:
+        body = {"prompt_ids": [3, 4, 5], "max_new_tokens": 4}
+        assert httpx.post(f"{verifier.url}/v1/generate", json=body, timeout=60).status_code \
+            == 200  # the control: it serves
+        with open(path, "r+b") as handle:
+            handle.truncate(4096)
+        answer = httpx.post(f"{verifier.url}/v1/generate", json=body, timeout=60)
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["code"] == "engine_lost"
+        assert verifier.proc is not None
+        assert verifier.proc.wait(timeout=30) == ENGINE_LOST_EXIT
+    text = log.read_text()
+    assert len([line for line in text.splitlines() if "changed under the verifier" in line]) \
+        == 1, text[-2000:]
+    assert "Bus error" not in text and "Traceback" not in text, text[-2000:]

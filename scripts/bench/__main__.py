@@ -16,7 +16,8 @@ COMMANDS = {"suite": "suite", "client": "client", "batching": "batching", "calls
             "llama-blocks": "llama_blocks", "cpu-blocks": "cpu_blocks",
             "cpu-kernels": "cpu_kernels", "prompt-memory": "prompt_memory", "quality": "quality",
             "serving": "serving", "report": "report", "prediction": "prediction",
-            "grammar": "grammar", "prefill": "prefill"}
+            "grammar": "grammar", "prefill": "prefill",
+            "w4a8-products": "w4a8_products"}
 
 
 def command_module(name: str) -> ModuleType:

@@ -95,6 +95,11 @@ def device_name(device: torch.device | str) -> str:
     return cpu_name()
 
 
+class EngineLost(RuntimeError):
+    """The engine can serve nothing more (its model file changed or went away under it): the
+    verifier answers the batch with a 503 and ends, in one line, rather than read the file."""
+
+
 @dataclass(frozen=True)
 class ForwardItem:
     """New tokens for one slot; ``keep_logits`` asks for their logits rows back."""

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from shared.engines.target import NOTHING, Engine, Step, StepResult
+from shared.engines.target import NOTHING, Engine, EngineLost, Step, StepResult
 from verifier_service.errors import VerifierError
 from verifier_service.scheduling.load import RowCosts
 
 log = logging.getLogger(__name__)
+ENGINE_LOST_EXIT = 3  # the verifier's exit status when its engine lost its model file
 
 
 class Job(Protocol):
@@ -178,6 +180,10 @@ class Scheduler:
             self.stats.batches += 1
             self.stats.jobs += len(batch)
             self.stats.batch_sizes[len(batch)] += 1
+            if any(ok is False and getattr(value, "code", None) == "engine_lost"
+                   for ok, value in outcomes):
+                # the answers go out first; the exit code tells a supervisor to restart it
+                asyncio.get_running_loop().call_later(0.5, os._exit, ENGINE_LOST_EXIT)
             for pending, (ok, value) in zip(batch, outcomes, strict=True):
                 if pending.future.done():  # the caller went away
                     continue
@@ -224,6 +230,14 @@ def run_jobs(engine: Engine, jobs: list[Job], costs: RowCosts | None = None,
             ran = [replace(result, load=load) for result in ran]
         results = iter(ran)
         answered = [(i, next(results) if step is not None else NOTHING) for i, step in prepared]
+    except EngineLost as exc:  # nothing more can be served: answer, then end (``_loop``)
+        log.critical("%s; the verifier ends (restart it to load the file again)", exc)
+        lost = VerifierError(503, "engine_lost", f"{exc}; retry on another replica",
+                             retry_after_s=1)
+        for i, _ in prepared:
+            jobs[i].abort()
+            outcomes[i] = (False, lost)
+        return [o for o in outcomes if o is not None]
     except Exception as exc:  # the forward failed: every prepared job fails with it
         log.exception("batched forward failed")
         for i, _ in prepared:

@@ -10,6 +10,7 @@ maps the tensor data without reading it.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,10 @@ class GGUFError(ModelSpecError):
     pass
 
 
+def _identity(stat: os.stat_result) -> tuple[int, int, int, int]:
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
 class MappedGGUF:
     """``fields`` (scalar metadata; arrays as their length), ``tensors`` by name, and
     ``data(name)``: a tensor's bytes as a read-only uint8 view of the mapped file."""
@@ -56,7 +61,10 @@ class MappedGGUF:
         self.path = str(path)
         try:
             with open(path, "rb") as handle:
-                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+                # private and read-only: nothing this process does writes the file
+                self._map = mmap.mmap(handle.fileno(), 0, flags=mmap.MAP_PRIVATE,
+                                      prot=mmap.PROT_READ)
+                self.identity = _identity(os.fstat(handle.fileno()))
         except (OSError, ValueError) as error:
             raise GGUFError(f"cannot read {path}: {error}") from error
         try:
@@ -163,6 +171,20 @@ class MappedGGUF:
         for d in info.shape:  # Python integers: no product wraps
             elements *= d
         return elements // per * size
+
+    def changed(self) -> str | None:
+        """Why the file is no longer the one mapped (gone, another inode, another size or
+        modification time), or None. A mapped page of a truncated file is a SIGBUS when
+        read, and a file rewritten in place changes the weights under the engine: the engine
+        asks this before each forward and stops serving instead."""
+        try:
+            now = _identity(os.stat(self.path))
+        except OSError as error:
+            return f"{self.path} is gone ({error.strerror})"
+        if now != self.identity:
+            return (f"{self.path} changed under the verifier (size {self.identity[2]} -> "
+                    f"{now[2]} bytes, or rewritten)")
+        return None
 
     def data(self, name: str) -> np.ndarray:
         info = self.tensors[name]

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from shared.engines.int8.model import Rows
+from shared.engines.target import EngineLost
 from shared.engines.w4a8.build import library, packing
 from shared.engines.w4a8.fused import Scratch, c_dims, c_layer
 from shared.engines.w4a8.gguf_file import MappedGGUF, TensorInfo
@@ -106,6 +107,24 @@ def _check(status: int, what: str) -> None:
                            f"({'bad arguments' if status == -1 else 'a buffer too small'})")
 
 
+# where each block keeps its fp16 scales: Q4_K d and dmin first, Q6_K d last
+SCALES = {Q4_K: (144, slice(0, 4)), Q6_K: (210, slice(208, 210))}
+
+
+def _finite_scales(path: str, name: str, type: int, data: np.ndarray) -> None:
+    """ModelSpecError naming the tensor where a block scale is NaN or infinite: every value
+    of such a block is, and so is every row it reaches (a constant token). A scan of the
+    scales is a small part of the load (one in 36 or 105 of the bytes)."""
+    size, where = SCALES[type]
+    scales = np.ascontiguousarray(data.reshape(-1, size)[:, where]).view(np.float16)
+    bad = ~np.isfinite(scales)  # [blocks, scales a block]
+    if bad.any():
+        row = int(np.flatnonzero(bad.any(axis=1))[0]) // (data.shape[1] // size)
+        raise ModelSpecError(f"{path}: {name} has {int(bad.sum())} block scales that are not "
+                             f"finite (NaN or infinite; the first in row {row}): a damaged "
+                             "file")
+
+
 class GGUFFile:
     """The tensors and metadata of a GGUF file, mapped (``gguf_file.MappedGGUF``)."""
 
@@ -126,7 +145,11 @@ class GGUFFile:
             raise ModelSpecError(f"{self.path}: {name} is {tensor.type_name} "
                                  f"{list(tensor.shape)}; the w4a8 engine reads norms and "
                                  "biases as F32 vectors")
-        return torch.from_numpy(self.mapped.data(name).view(np.float32).copy())
+        values = self.mapped.data(name).view(np.float32).copy()
+        if not np.isfinite(values).all():
+            raise ModelSpecError(f"{self.path}: {name} holds {int((~np.isfinite(values)).sum())}"
+                                 " values that are not finite (NaN or infinite): a damaged file")
+        return torch.from_numpy(values)
 
     def matrix(self, name: str, bias: str | None = None) -> Matrix:
         tensor = self._tensor(name)
@@ -139,6 +162,7 @@ class GGUFFile:
                 "multiplies Q4_K and Q6_K rows of a multiple of 256 (a Q4_K_M or Q4_K_S file "
                 "of such a model): serve this file with --engine llama-cpp")
         data = self.mapped.data(name).reshape(rows, -1)
+        _finite_scales(self.path, name, tensor.type, data)
         return Matrix(name, tensor.type, data, rows, cols,
                       self.f32(bias) if bias and bias in self.tensors else None)
 
@@ -354,7 +378,11 @@ class W4A8Decoder:
         return out
 
     def _inputs(self, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The rows' slots, positions ([n] int64) and embeddings ([n, hidden])."""
+        """The rows' slots, positions ([n] int64) and embeddings ([n, hidden]); EngineLost
+        where the mapped file changed (before anything reads it)."""
+        changed = self.file.mapped.changed()
+        if changed is not None:
+            raise EngineLost(f"the w4a8 engine stops: {changed}")
         if int(rows.ids.min()) < 0 or int(rows.ids.max()) >= self.shape.vocab:
             raise ValueError(f"token ids must be in [0, {self.shape.vocab})")
         return (torch.tensor(rows.slots, dtype=torch.int64),
