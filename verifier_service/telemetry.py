@@ -123,6 +123,8 @@ class StateCollector:
             "sessions_expired": ("Sessions dropped after their idle TTL", m["expired_sessions"]),
             "queue_full_rejections": ("Calls answered 429 because the job queue was full",
                                       m["rejected_queue_full"]),
+            "non_finite_calls": ("Calls failed with 500 because the engine's rows held NaN "
+                                 "or infinite values", m["non_finite_calls"]),
             "kv_region_moves": ("Sessions that outgrew their KV region and were copied to a "
                                 "larger one", m["kv_region_moves"]),
             "static_forwards": ("Forwards run in a static-shape bucket (--cuda-graphs)",

@@ -182,6 +182,9 @@ class StepResult:
     verdict: Verdict | None = None
     rows: torch.Tensor | None = None  # [n, vocab] float32 on the host
     load: StepLoad | None = None
+    # the step's rows held NaN or an infinity (a fault of the engine's arithmetic): the step
+    # is failed alone, nothing of it decided or committed
+    non_finite: bool = False
 
     def decided(self) -> Verdict:
         """The verdict of a step that had a block."""
@@ -361,8 +364,14 @@ class BatchForward:
             if step.prefill is not None and needs_forward(step.prefill):
                 next(scored)  # kept no rows
             rows.append(next(scored) if needs_forward(step.item) else None)
+        # one check for the whole batch (one sync): a step whose rows are not all finite
+        # fails alone, the others are decided as if it were not there
+        kept = [j for j, r in enumerate(rows) if r is not None]
+        finite = (torch.stack([torch.isfinite(rows[j]).all() for j in kept]).tolist()  # type: ignore[arg-type]
+                  if kept else [])
+        broken = {j for j, ok in zip(kept, finite, strict=True) if not ok}
         checked = [j for j, step in enumerate(steps)
-                   if step.block is not None and rows[j] is not None]
+                   if step.block is not None and rows[j] is not None and j not in broken]
         verdicts = decide([rows[j] for j in checked],  # type: ignore[misc]
                           [steps[j].block for j in checked],  # type: ignore[misc]
                           on_device=self.acceptance == "device")
@@ -370,6 +379,8 @@ class BatchForward:
             NOTHING if kept is None or step.block is not None
             else StepResult(rows=kept.float().cpu())
             for step, kept in zip(steps, rows, strict=True)]
+        for j in broken:
+            results[j] = StepResult(non_finite=True)
         for j, verdict in zip(checked, verdicts, strict=True):
             item = steps[j].item
             if verdict.path is not None:

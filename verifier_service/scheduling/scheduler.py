@@ -67,6 +67,7 @@ class SchedulerStats:
     queue_wait_s: float = 0.0
     batch_sizes: Counter[int] = field(default_factory=Counter)
     rejected_full: int = 0
+    non_finite: int = 0  # calls failed because the engine's rows were not finite
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +79,7 @@ class SchedulerStats:
             "mean_queue_wait_ms": round(1e3 * self.queue_wait_s / self.jobs, 3)
             if self.jobs else 0.0,
             "rejected_queue_full": self.rejected_full,
+            "non_finite_calls": self.non_finite,
         }
 
 
@@ -180,8 +182,12 @@ class Scheduler:
             self.stats.batches += 1
             self.stats.jobs += len(batch)
             self.stats.batch_sizes[len(batch)] += 1
-            if any(ok is False and getattr(value, "code", None) == "engine_lost"
-                   for ok, value in outcomes):
+            codes = [getattr(value, "code", None) for ok, value in outcomes if ok is False]
+            if "engine_non_finite" in codes:
+                log.error("%d calls failed: the engine's rows were not finite",
+                          codes.count("engine_non_finite"))
+                self.stats.non_finite += codes.count("engine_non_finite")
+            if "engine_lost" in codes:
                 # the answers go out first; the exit code tells a supervisor to restart it
                 asyncio.get_running_loop().call_later(0.5, os._exit, ENGINE_LOST_EXIT)
             for pending, (ok, value) in zip(batch, outcomes, strict=True):
@@ -245,6 +251,14 @@ def run_jobs(engine: Engine, jobs: list[Job], costs: RowCosts | None = None,
             outcomes[i] = (False, exc)
         return [o for o in outcomes if o is not None]
     for i, result in answered:
+        if result.non_finite:  # this call alone fails; its neighbours were decided
+            jobs[i].abort()
+            outcomes[i] = (False, VerifierError(
+                500, "engine_non_finite",
+                f"the {engine.info.engine or engine.info.dtype} engine's forward gave this "
+                "call's rows NaN or infinite values; nothing was committed (retry, and report "
+                "it if it repeats)"))
+            continue
         try:
             outcomes[i] = (True, jobs[i].finish(result))
         except Exception as exc:  # noqa: BLE001 - reported to that job's caller only
