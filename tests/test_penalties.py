@@ -214,7 +214,8 @@ def test_gateway_penalties_are_the_target_alones(oai: openai.OpenAI,
 
 
 @pytest.mark.parametrize(("logit_bias", "param"), [
-    ({"64": 1.0}, "logit_bias"), ({"x": 1.0}, "logit_bias"), ({"3": 101.0}, "logit_bias")])
+    ({"64": 1.0}, "logit_bias"), ({"x": 1.0}, "logit_bias"), ({"3": 101.0}, "logit_bias"),
+    ({"²": 1.0}, "logit_bias"), ({"①": 1.0}, "logit_bias"), ({"٣": 1.0}, "logit_bias")])
 def test_gateway_bad_logit_bias_is_a_400(oai: openai.OpenAI, logit_bias: dict[str, float],
                                          param: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:

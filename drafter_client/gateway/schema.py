@@ -109,7 +109,7 @@ class _Common(BaseModel):
         400 naming the field."""
         pairs = []
         for key, bias in (self.logit_bias or {}).items():
-            if not key.isdigit() or int(key) >= vocab_size:
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:  # "²", "٣"
                 raise OpenAIError(400, f"logit_bias: {key!r} is not a token id in [0, "
                                   f"{vocab_size})", "logit_bias")
             pairs.append((int(key), bias))
