@@ -5,17 +5,20 @@ One verifier (its own process, the target's GGUF file on the default engine), tw
 once for ``--seconds`` each pairing, each in its own session of a ``--prompt``-token prompt:
 
 * ``ordinary``: blocks of ``-k`` drafts, greedy, nothing else;
-* ``masks``: blocks of 16 drafts with a row mask on each of the 17 rows (``--allowed`` ids of
-  the vocabulary each, a free-text pattern's count on Qwen2.5's 151,936 ids);
+* ``16 drafts``: blocks of 16 drafts, nothing else (a larger share of each forward: the
+  baseline of the next);
+* ``masks``: the same blocks with a row mask on each of the 17 rows (``--allowed`` ids of the
+  vocabulary each, a free-text pattern's count on Qwen2.5's 151,936 ids);
 * ``history``: presence and frequency penalties with a history as long as the verifier takes
   (as many ids as the session's position), and one call a round whose history is 90,000 ids
   (refused: ``history_too_long``).
 
 The table: the ordinary client's p50 / p90 verify ms beside each neighbour, its p50 over its p50
-beside an ordinary neighbour, and the neighbour's own calls (p50 ms, statuses). Rounds rotate the
-neighbours' order.
+beside an ordinary neighbour (masks: beside 16 plain drafts, the same rows), and the neighbour's
+own calls (p50 ms, statuses). Each session's first call (its prompt's write) is not timed.
+Rounds rotate the neighbours' order.
 
-    python -m scripts.bench neighbours --target qwen2.5-coder-0.5b --seconds 8 --rounds 2
+    python -m scripts.bench neighbours --seconds 8 --rounds 2
 """
 
 from __future__ import annotations
@@ -35,11 +38,11 @@ from scripts.bench.common import markdown_table, write_json
 from shared.machine_cache import cpu_flags, cpu_name
 from shared.protocol.schema import RowMask
 
-KINDS = ("ordinary", "masks", "history")
+KINDS = ("ordinary", "16 drafts", "masks", "history")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="qwen2.5-coder-0.5b",
+    parser.add_argument("--target", default="qwen2.5-coder-1.5b",
                         help="a short name whose GGUF file is kept, or a .gguf path")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("-k", type=int, default=4, help="the ordinary client's drafts a block")
@@ -75,7 +78,7 @@ class Client:
                 self.masks.append(RowMask.of(keep).model_dump(exclude_none=True))
 
     def body(self, oversized: bool = False) -> dict[str, Any]:
-        k = 16 if self.kind == "masks" else self.args.k
+        k = 16 if self.kind in ("masks", "16 drafts") else self.args.k
         drafts = [self.rng.randrange(100, 30000) for _ in range(k)]
         body: dict[str, Any] = {"position": self.position, "last_token": self.last,
                                 "draft_ids": drafts, "log_uniforms": [-0.1] * k,
@@ -111,6 +114,10 @@ def pairing(url: str, kind: str, args: argparse.Namespace, vocab: int,
                                                                   timeout=120) as b:
         ours, theirs = Client(a, "ordinary", args, vocab, seed), Client(b, kind, args, vocab,
                                                                          seed + 1)
+        for c in (ours, theirs):  # the prompt's write, untimed
+            c.call()
+            c.ms.clear()
+            c.statuses.clear()
         until = time.perf_counter() + args.seconds
         threads = [threading.Thread(target=c.loop, args=(until,)) for c in (ours, theirs)]
         for t in threads:
@@ -134,20 +141,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          threads=args.threads) as verifier:
         vocab = int(httpx.get(f"{verifier.url}/v1/info").json()["vocab_size"])
         for round_no in range(args.rounds):
-            order = KINDS[round_no % 3:] + KINDS[:round_no % 3]
+            order = KINDS[round_no % 4:] + KINDS[:round_no % 4]
             for kind in order:
                 ours, theirs = pairing(verifier.url, kind, args, vocab, 10 * round_no)
                 ours_ms[kind] += ours.ms
                 theirs_ms[kind] += theirs.ms
                 statuses[kind] += theirs.statuses
             print(f"round {round_no}: done", flush=True)
-    base = statistics.median(ours_ms["ordinary"])
     rows = []
     for kind in KINDS:
         p50 = statistics.median(ours_ms[kind])
+        base = statistics.median(ours_ms["16 drafts" if kind == "masks" else "ordinary"])
         rows.append({"neighbour": kind, "ordinary p50 ms": p50,
                      "ordinary p90 ms": float(np.percentile(ours_ms[kind], 90)),
-                     "x beside ordinary": p50 / base, "ordinary calls": len(ours_ms[kind]),
+                     "x its baseline": p50 / base, "ordinary calls": len(ours_ms[kind]),
                      "neighbour p50 ms": statistics.median(theirs_ms[kind])
                      if theirs_ms[kind] else None,
                      "neighbour statuses": dict(sorted(statuses[kind].items()))})
