@@ -117,6 +117,7 @@ def test_a_history_longer_than_the_session_is_refused(gpt2_server: LiveServer) -
     ok = verifier.verify(session, VerifyRequest(position=3, last_token=7, final_uniform=0.5,
                                                 history=[(7, 1), (9, 2)]))
     assert ok.next_token >= 0  # the session survives and serves
+    verifier.delete_session(session)  # the shared server's other tests count its sessions
 
 
 # -- the sampled distribution ------------------------------------------------------------------
