@@ -11,13 +11,11 @@ import httpx
 import torch
 
 from shared.engines.target import BatchForward, ForwardItem, Step
-from shared.engines.w4a8.model import GGUFFile, W4A8Decoder
-from shared.engines.w4a8.target import W4A8Engine, eos_ids
-from shared.models.catalog import load_tokenizer
+from shared.engines.w4a8.target import W4A8Engine
 from shared.protocol.acceptance import Block
 from shared.protocol.sampling import SamplingConfig
 from tests.support.live_server import LiveServer
-from tests.test_w4a8_engine import w4a8_settings
+from tests.test_w4a8_engine import engine_of, w4a8_settings
 
 POISON = 250  # an item holding this token gets NaN rows
 
@@ -76,11 +74,7 @@ def metric(url: str, name: str) -> float:
 
 def test_a_call_whose_rows_are_not_finite_is_a_500_and_the_session_serves_on(
         q4k: dict[str, Path]) -> None:
-    file = GGUFFile(q4k["target"])
-    tokenizer = load_tokenizer(str(q4k["target"]))
-    decoder = W4A8Decoder(file, 4, 256)
-    engine = Poisoned(decoder, tokenizer, eos_ids(file, tokenizer, decoder.shape.vocab),
-                      str(q4k["target"]), 4)
+    engine = engine_of(q4k["target"], engine=Poisoned, slots=4)
     with LiveServer(w4a8_settings(q4k["target"]), engine) as live:
         http = httpx.Client(base_url=live.url, timeout=60)
         opened: Any = http.post("/v1/sessions", json={"prompt_ids": [5, 6, 7]}).json()

@@ -340,12 +340,19 @@ def test_greedy_speculation_equals_the_target_alone(sessions: int, w4a8_server: 
     assert differ(w4a8_server.url, q4k["drafter"], (sessions,), w4a8_alone) == []
 
 
+def engine_of(path: Path, decoder: type[W4A8Decoder] = W4A8Decoder,
+              engine: type[W4A8Engine] = W4A8Engine, slots: int = 8) -> W4A8Engine:
+    """A w4a8 engine on ``path`` built from these classes (a test's changed decoder or
+    engine), ``slots`` sessions of 256 tokens."""
+    file = GGUFFile(path)
+    tokenizer = load_tokenizer(str(path))
+    model = decoder(file, slots, 256)
+    return engine(model, tokenizer, eos_ids(file, tokenizer, model.shape.vocab), str(path),
+                  slots)
+
+
 def test_negative_control_a_shared_scale_changes_greedy_output(q4k: dict[str, Path]) -> None:
-    file = GGUFFile(q4k["target"])
-    tokenizer = load_tokenizer(str(q4k["target"]))
-    model = SharedScaleDecoder(file, 8, 256)
-    engine = W4A8Engine(model, tokenizer, eos_ids(file, tokenizer, model.shape.vocab),
-                        str(q4k["target"]), 8)
+    engine = engine_of(q4k["target"], decoder=SharedScaleDecoder)
     with LiveServer(w4a8_settings(q4k["target"]), engine) as live:
         assert differ(live.url, q4k["drafter"], (1, 7)) != []
 

@@ -366,10 +366,10 @@ class BatchForward:
             rows.append(next(scored) if needs_forward(step.item) else None)
         # one check for the whole batch (one sync): a step whose rows are not all finite
         # fails alone, the others are decided as if it were not there
-        kept = [j for j, r in enumerate(rows) if r is not None]
-        finite = (torch.stack([torch.isfinite(rows[j]).all() for j in kept]).tolist()  # type: ignore[arg-type]
-                  if kept else [])
-        broken = {j for j, ok in zip(kept, finite, strict=True) if not ok}
+        with_rows = [j for j, r in enumerate(rows) if r is not None]
+        finite = (torch.stack([torch.isfinite(rows[j]).all() for j in with_rows]).tolist()  # type: ignore[arg-type]
+                  if with_rows else [])
+        broken = {j for j, ok in zip(with_rows, finite, strict=True) if not ok}
         checked = [j for j, step in enumerate(steps)
                    if step.block is not None and rows[j] is not None and j not in broken]
         verdicts = decide([rows[j] for j in checked],  # type: ignore[misc]
