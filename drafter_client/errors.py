@@ -1,4 +1,4 @@
-"""The client's one error type, and the check of a verifier URL: light (httpx only), so the
+"""The client's error types and the check of a verifier URL: light (httpx only), so the
 command line reports a bad URL before it loads torch."""
 
 from __future__ import annotations
@@ -13,6 +13,11 @@ class SpecDecError(RuntimeError):
     ``partial``: what was generated before it (a GenerationResult), when anything was."""
 
     partial: Any = None
+
+
+class GrammarRefused(SpecDecError):
+    """The generation's grammar cannot go on (no token of the vocabulary continues it, or
+    llguidance gave up on it): what the request asked for, not a failure of the verifier."""
 
 
 def checked_url(url: str) -> str:

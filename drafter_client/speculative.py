@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from drafter_client.draft_length import DraftLength, FixedLength
+from drafter_client.errors import GrammarRefused
 from drafter_client.metrics import GenerationMetrics, MetricsRecorder
 from drafter_client.outcome import BlockOutcome, TokenLogprob
 from drafter_client.policy import BlockPlan, BlockPolicy
@@ -33,7 +34,7 @@ from drafter_client.reply_checks import read_verdict
 from drafter_client.transport import SpecDecError, Verifier, VerifierHTTPError
 from shared.engines.drafter import Draft, Drafter
 from shared.protocol.acceptance import Block, recover_token
-from shared.protocol.grammar import Constraint, GrammarError
+from shared.protocol.grammar import Constraint, GrammarDeadEnd, GrammarError
 from shared.protocol.sampling import SamplingConfig, draw_uniforms, penalize
 from shared.protocol.schema import (
     CreateSessionRequest,
@@ -372,6 +373,10 @@ def speculative_generate(
     except SpecDecError as exc:  # keep what was generated: the caller reports it as partial
         exc.partial = result(error=True)
         raise
+    except GrammarDeadEnd as exc:
+        refused = GrammarRefused(str(exc))
+        refused.partial = result(error=True)
+        raise refused from None
     finally:
         if pool is not None:
             pool.shutdown(wait=True)

@@ -26,6 +26,7 @@ from fastapi import Request
 from pydantic import ValidationError
 
 from drafter_client.api import Penalties, SpecDecClient
+from drafter_client.errors import GrammarRefused
 from drafter_client.gateway.metrics import GatewayMetrics
 from drafter_client.gateway.schema import ChatCompletionRequest, CompletionRequest, OpenAIError
 from drafter_client.outcome import BlockOutcome, TokenLogprob
@@ -115,6 +116,9 @@ Gone = Callable[[], Awaitable[None]] | None
 
 def _verifier_error(exc: SpecDecError) -> OpenAIError:
     """A failed generation as the status an OpenAI client expects."""
+    if isinstance(exc, GrammarRefused):
+        return OpenAIError(400, f"response_format: {exc}", "response_format",
+                           code="grammar_dead_end")
     if isinstance(exc, VerifierUnavailable):
         return OpenAIError(503, f"the verifier is unavailable: {exc}", code="verifier_unavailable",
                            retry_after_s=1)
@@ -168,9 +172,11 @@ class Gateway:
     # -- requests -> jobs ------------------------------------------------------------------
     async def prepare(self, body: CompletionRequest | ChatCompletionRequest) -> Job:
         """The request's job. A long prompt is tokenized off the event loop, on the tokenizer
-        thread, with at most ``max_tokenizing`` long prompts there at once (else 429)."""
+        thread, with at most ``max_tokenizing`` long prompts there at once (else 429); so is
+        every grammar compiled (``response_format``), whatever its size."""
         make = self.chat_job if isinstance(body, ChatCompletionRequest) else self.completion_job
-        if tokenize_cost(body) <= INLINE_TOKENIZE_CHARS:
+        compiles = isinstance(body, ChatCompletionRequest) and body.output_schema()[0]
+        if tokenize_cost(body) <= INLINE_TOKENIZE_CHARS and not compiles:
             return make(body)  # type: ignore[arg-type]
         with self._lock:
             if self._tokenizing >= self.settings.max_tokenizing:

@@ -24,22 +24,43 @@ state of its own on the verifier, one mask per step.
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import json
+import os
+import select
+import signal
+import subprocess
+import sys
 import threading
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 
+from shared.protocol.grammar_check import read_frame, write_frame
 from shared.protocol.schema import RowMask
+
+T = TypeVar("T")
 
 
 class GrammarError(ValueError):
     """A grammar that does not compile, or a token it does not allow where it came."""
 
 
+class GrammarDeadEnd(GrammarError):
+    """The grammar cannot go on: no token of the vocabulary continues it, or llguidance gave
+    up on it (a lexer or parser limit) mid-generation."""
+
+
 MAX_SCHEMA_BYTES = 65536  # a schema larger than this (as JSON) is refused
 MAX_SCHEMA_DEPTH = 32  # and one nested deeper
+MAX_GRAMMAR_BYTES = 1 << 20  # a grammar's text (Lark, or llguidance's of a schema)
+GRAMMAR_CHECK_SECONDS = 10.0  # the child's check of one grammar
+COMPILE_STACK = 256 * 1024 * 1024  # the stack a grammar is compiled on here (grammar_check)
+CHECKED_GRAMMARS = 1024  # digests of grammars that passed, kept
 
 
 def _depth(value: Any, level: int = 0) -> int:
@@ -65,26 +86,132 @@ def json_schema_grammar(schema: dict[str, Any] | None) -> str:
         grammar = str(llguidance.LLMatcher.grammar_from_json_schema(schema))
     except Exception as exc:  # noqa: BLE001 - llguidance's own error says what is wrong
         raise ValueError(f"the schema does not compile: {exc}") from None
-    _check(grammar)
+    CHECKER.check(grammar)
     return grammar
-
-
-def _check(grammar: str, ll_tokenizer: Any = None) -> None:
-    """ValueError with llguidance's message for a grammar it cannot compile."""
-    import llguidance
-
-    problem = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)
-    if problem and not problem.startswith("WARNING"):
-        raise ValueError(f"the grammar does not compile: {problem}")
 
 
 def lark_grammar(lark: str) -> str:
     """The llguidance grammar of a Lark grammar; ValueError for one that does not compile."""
     import llguidance
 
+    if len(lark.encode()) > MAX_GRAMMAR_BYTES:
+        raise GrammarError(f"the grammar is larger than {MAX_GRAMMAR_BYTES} bytes")
     grammar = str(llguidance.LLMatcher.grammar_from_lark(lark))
-    _check(grammar)
+    CHECKER.check(grammar)
     return grammar
+
+
+class GrammarChecker:
+    """Checks each grammar once, in a child process (``grammar_check``) on a small stack and a
+    memory cap, before this process compiles it: a grammar that crashes llguidance or runs past
+    ``seconds`` is a GrammarError naming what happened, and the child is started again. The
+    digests of grammars that passed are kept, so a gateway's repeated schema costs a lookup."""
+
+    def __init__(self, seconds: float = GRAMMAR_CHECK_SECONDS) -> None:
+        self.seconds = seconds
+        self._child: subprocess.Popen[bytes] | None = None
+        self._passed: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, grammar: str) -> None:
+        body = grammar.encode()
+        if len(body) > MAX_GRAMMAR_BYTES:
+            raise GrammarError(f"the grammar is larger than {MAX_GRAMMAR_BYTES} bytes")
+        digest = hashlib.sha256(body).digest()
+        with self._lock:
+            if digest in self._passed:
+                self._passed.move_to_end(digest)
+                return
+            problem = self._ask(body)
+            if problem:
+                raise GrammarError(problem)
+            self._passed[digest] = None
+            while len(self._passed) > CHECKED_GRAMMARS:
+                self._passed.popitem(last=False)
+
+    def _ask(self, body: bytes) -> str:
+        child = self._started()
+        assert child.stdin is not None and child.stdout is not None
+        try:
+            write_frame(child.stdin, body)
+        except OSError:
+            return self._lost("the grammar check's process ended")
+        readable, _, _ = select.select([child.stdout], [], [], self.seconds)
+        answer = read_frame(child.stdout) if readable else None
+        if not readable:
+            return self._lost(f"the grammar took longer than {self.seconds:g} s to check")
+        if answer is None:
+            return self._lost("the grammar crashed llguidance's check of it (too deep or too "
+                              "large a grammar)")
+        return answer.decode()
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        if self._child is not None and self._child.poll() is None:
+            return self._child
+        root = str(Path(__file__).resolve().parents[2])  # the folder that holds shared/
+        path = os.environ.get("PYTHONPATH")
+        env = {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+        child = subprocess.Popen(  # noqa: S603 - this interpreter, this package's module
+            [sys.executable, "-m", "shared.protocol.grammar_check"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, bufsize=0)
+        assert child.stdout is not None
+        readable, _, _ = select.select([child.stdout], [], [], 60)
+        if not readable or read_frame(child.stdout) != b"ready":
+            child.kill()
+            child.wait()
+            raise GrammarError("the grammar check's process did not start")
+        self._child = child
+        return child
+
+    def _lost(self, what: str) -> str:
+        """``what``, with how the child ended; the next check starts a new one."""
+        child, self._child = self._child, None
+        if child is None:
+            return what
+        child.kill()
+        code = child.wait()
+        if code < 0:
+            what += f" ({signal.Signals(-code).name} in the check's process)"
+        return what
+
+    def close(self) -> None:
+        with self._lock:
+            if self._child is not None:
+                self._child.kill()
+                self._child.wait()
+                self._child = None
+
+
+CHECKER = GrammarChecker()
+atexit.register(CHECKER.close)
+
+
+def on_big_stack(work: Callable[[], T]) -> T:
+    """``work()`` on a thread with a stack of ``COMPILE_STACK`` bytes (llguidance recurses as
+    deep as a grammar's rules chain; the child checked the grammar on a far smaller one)."""
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(work())
+        except BaseException as exc:  # noqa: BLE001 - raised again on the caller's thread
+            failure.append(exc)
+
+    with _stack_lock:
+        before = threading.stack_size(COMPILE_STACK)
+        try:
+            worker = threading.Thread(target=run, name="grammar-compile")
+            worker.start()
+        finally:
+            threading.stack_size(before)
+    worker.join()
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+_stack_lock = threading.Lock()
 
 
 class TokenizerCache:
@@ -115,34 +242,19 @@ class TokenizerCache:
 LL_TOKENIZERS = TokenizerCache()
 
 
-COMPILED_GRAMMARS = 64  # grammars kept compiled (a gateway sees the same schemas again)
-_compiled: OrderedDict[tuple[int, str], Any] = OrderedDict()
-_compiled_lock = threading.Lock()
-
-
 def _fresh_matcher(grammar: str, ll_tokenizer: Any) -> Any:
-    """A matcher at the grammar's start: a copy of one compiled earlier for this tokenizer,
-    else compiled now (GrammarError naming the problem)."""
+    """A matcher at the grammar's start, compiled now for this generation alone: a matcher
+    copied from another shares its lexer with it, so what one generation built would carry over
+    into the next (GrammarError naming the problem)."""
     import llguidance
 
-    key = (id(ll_tokenizer), grammar)
-    with _compiled_lock:
-        prototype = _compiled.get(key)
-        if prototype is not None:
-            _compiled.move_to_end(key)
-            return prototype.deep_copy()
-    try:
-        _check(grammar, ll_tokenizer)
-    except ValueError as exc:
-        raise GrammarError(str(exc)) from None
-    prototype = llguidance.LLMatcher(ll_tokenizer, grammar)
-    if prototype.is_error():
-        raise GrammarError(f"the grammar does not compile: {prototype.get_error()}")
-    with _compiled_lock:
-        _compiled[key] = prototype
-        while len(_compiled) > COMPILED_GRAMMARS:
-            _compiled.popitem(last=False)
-    return prototype.deep_copy()
+    CHECKER.check(grammar)
+    limits = llguidance.LLParserLimits(verbose_errors=False)
+    matcher = on_big_stack(lambda: llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0,
+                                                        limits=limits))
+    if matcher.is_error():
+        raise GrammarError(f"the grammar does not compile: {matcher.get_error()}")
+    return matcher
 
 
 class Constraint:
@@ -169,6 +281,8 @@ class Constraint:
         # straight into our buffer (llguidance.torch's helper does the same, after compiling
         # a kernel at import that this never needs)
         self.matcher.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
+        if self.matcher.is_error():  # a lexer or parser limit: its mask would allow EOS alone
+            raise GrammarDeadEnd(f"the grammar cannot go on: {_first_line(self.matcher)}")
         bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size]
         return bits.astype(bool)
 
@@ -208,6 +322,9 @@ class Constraint:
             allowed = self.allowed_after(drafts[:i])
             if allowed is None:
                 break
+            if i == 0 and not allowed.any():
+                raise GrammarDeadEnd("no token of this vocabulary can continue the grammar "
+                                     "here")
             masks.append(RowMask.of(allowed))
         return len(masks) - 1, masks
 
@@ -220,4 +337,8 @@ class Constraint:
                 continue
             if not self.matcher.consume_token(token):
                 raise GrammarError(f"token {token}, which the grammar does not allow there "
-                                   f"({self.matcher.get_error()})")
+                                   f"({_first_line(self.matcher)})")
+
+
+def _first_line(matcher: Any) -> str:
+    return str(matcher.get_error()).strip().split("\n", 1)[0]
