@@ -180,6 +180,8 @@ class VerifierSession:
         if self.constraint is not None:
             try:
                 self.constraint.commit(tokens)
+            except GrammarDeadEnd:
+                raise
             except GrammarError as exc:
                 raise SpecDecError(f"the verifier returned {exc}") from None
         self.counts.update(tokens)

@@ -11,6 +11,9 @@ must fail that test."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,11 +29,18 @@ from drafter_client.api import SpecDecClient
 from drafter_client.transport import SpecDecError
 from shared.engines.drafter import LMDrafter
 from shared.models.catalog import load_causal_lm
-from shared.protocol.grammar import Constraint, json_schema_grammar, lark_grammar
+from shared.protocol.grammar import (
+    Constraint,
+    GrammarDeadEnd,
+    GrammarError,
+    json_schema_grammar,
+    lark_grammar,
+)
 from shared.protocol.schema import RowMask
 from tests.support.in_process import InProcessVerifier
 from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.statistics import chi_square_p, reference_probs, sample_pairs
+from tests.support.tiny_models import build_ascii_tokenizer
 from tests.test_gateway import error_of
 
 SCHEMA: dict[str, Any] = {
@@ -284,3 +294,153 @@ def test_generate_refuses_a_bad_grammar(json_server: LiveServer, grammar: str) -
                              "sampling": {"temperature": 0}})
     assert beams.status_code == 422 and beams.json()["error"]["field"] == "grammar"
     assert httpx.get(f"{json_server.url}/readyz").status_code == 200  # the server lives on
+
+
+# -- grammars that cannot take a server down or carry over --------------------------------------
+
+
+def chained_lark(rules: int) -> str:
+    """A Lark grammar of ``rules`` rules, each calling the next: llguidance recurses along it."""
+    return "\n".join(["start: r0", *(f'r{i}: r{i + 1} "a"' for i in range(rules)),
+                      f'r{rules}: "b"'])
+
+
+def test_a_grammar_that_crashes_llguidance_is_refused_and_the_server_serves_on(
+        json_server: LiveServer, tmp_path: Path) -> None:
+    """Control: llguidance itself, checking this grammar on an ordinary 8 MiB stack, dies of
+    SIGSEGV. The verifier refuses it in one line naming ``grammar`` (the check runs in a child
+    process) and serves the next request."""
+    import llguidance
+
+    grammar = str(llguidance.LLMatcher.grammar_from_lark(chained_lark(4000)))
+    script = tmp_path / "check.py"
+    script.write_text("import sys, llguidance\n"
+                      "llguidance.LLMatcher.validate_grammar(sys.stdin.read())\n")
+    control = subprocess.run([sys.executable, str(script)], input=grammar.encode(),
+                             capture_output=True, check=False, timeout=120)
+    assert control.returncode == -signal.SIGSEGV
+    reply = httpx.post(f"{json_server.url}/v1/generate", timeout=60,
+                       json={"prompt_ids": [5, 6, 7], "grammar": grammar})
+    assert reply.status_code == 422, reply.text
+    error = reply.json()["error"]
+    assert error["field"] == "grammar" and "SIGSEGV" in error["message"]
+    served = httpx.post(f"{json_server.url}/v1/generate", timeout=60,
+                        json={"prompt_ids": [5, 6, 7], "max_new_tokens": 4,
+                              "grammar": json_schema_grammar(SCHEMA)})
+    assert served.status_code == 200 and len(served.json()["token_ids"]) == 4
+    with pytest.raises(GrammarError, match="SIGSEGV"):  # and no client compiles it either
+        lark_grammar(chained_lark(4000))
+    assert lark_grammar(chained_lark(200))  # a chain a stack holds compiles
+
+
+def test_a_schema_that_crashes_llguidance_is_a_400_on_the_gateway(oai: openai.OpenAI) -> None:
+    """Under the schema size limit, 1,000 definitions each referring to the next crash
+    llguidance's check on its small stack: a 400 naming response_format, and the gateway (in
+    this process) answers the next request."""
+    count = 1000
+    defs: dict[str, Any] = {f"d{i}": {"type": "array", "items": {"$ref": f"#/$defs/d{i + 1}"}}
+                            for i in range(count)}
+    defs[f"d{count}"] = {"type": "integer"}
+    form: Any = {"type": "json_schema", "json_schema": {
+        "name": "chain", "schema": {"$defs": defs, "$ref": "#/$defs/d0"}}}
+    messages: Any = [{"role": "user", "content": PROMPT}]
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model="tiny-gpt2", max_tokens=4, messages=messages,
+                                    response_format=form)
+    error = error_of(info.value)
+    assert error["param"] == "response_format" and "SIGSEGV" in error["message"]
+    reply = oai.chat.completions.create(model="tiny-gpt2", max_tokens=4, messages=messages,
+                                        temperature=0)
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_a_schema_this_vocabulary_cannot_spell_is_a_400(oai: openai.OpenAI,
+                                                         client: SpecDecClient) -> None:
+    """``"é"`` over printable-ASCII ids: the grammar's first dead end is a 400 naming
+    response_format (streamed: an error event), on the verifier's target alone a 422 naming
+    grammar - never a 502 or an answer that does not parse."""
+    form: Any = {"type": "json_schema", "json_schema": {"name": "e", "schema": {"const": "\u00e9"}}}
+    messages: Any = [{"role": "user", "content": PROMPT}]
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model="tiny-gpt2", max_tokens=8, messages=messages,
+                                    response_format=form, temperature=0)
+    error = error_of(info.value)
+    assert error["param"] == "response_format" and error["code"] == "grammar_dead_end"
+    with pytest.raises(openai.APIError, match="grammar"):
+        for _ in oai.chat.completions.create(model="tiny-gpt2", max_tokens=8, stream=True,
+                                             messages=messages, response_format=form):
+            pass
+    with pytest.raises(SpecDecError, match="grammar") as refused:
+        client.baseline(PROMPT, max_new_tokens=8, grammar=json_schema_grammar({"const": "\u00e9"}))
+    assert "422" in str(refused.value)
+
+
+# Nested counted repeats past llguidance's lexer fuel for one step (found by walking them):
+# its lexer gives up after 137 'a's, and keeps that error.
+NESTED_REPEATS: dict[str, Any] = {"type": "string", "pattern": "^(a{1,76}){1,76}$"}
+
+
+def walk(constraint: Constraint, tokens: int) -> int:
+    """Tokens committed taking the highest id the grammar allows (not EOS), up to ``tokens``."""
+    for done in range(tokens):
+        allowed = np.flatnonzero(constraint.allowed_after([]))
+        choice = int(allowed[allowed != 1].max())
+        constraint.commit([choice])
+        if constraint.matcher.is_stopped():
+            return done + 1
+    return tokens
+
+
+def test_no_grammar_state_carries_from_one_generation_to_the_next(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A generation that runs llguidance's lexer out of fuel ends in GrammarDeadEnd; the next
+    generation of the same grammar starts clean. Control: matchers copied from one compiled
+    prototype (they share its lexer) refuse the next generation's first token."""
+    import llguidance
+
+    from shared.protocol import grammar as module
+
+    tokenizer = build_ascii_tokenizer()
+    compiled = json_schema_grammar(NESTED_REPEATS)
+
+    def generations() -> tuple[bool, int]:
+        with pytest.raises(GrammarDeadEnd, match="too many expressions") as first:
+            walk(Constraint.of(compiled, tokenizer, 97, [1]), 400)
+        try:
+            return first.value is not None, walk(Constraint.of(compiled, tokenizer, 97, [1]), 5)
+        except GrammarDeadEnd:
+            return True, 0
+
+    assert generations() == (True, 5)
+    prototypes: dict[str, Any] = {}
+
+    def copied(grammar: str, ll_tokenizer: Any) -> Any:
+        if grammar not in prototypes:
+            prototypes[grammar] = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0)
+        return prototypes[grammar].deep_copy()
+
+    monkeypatch.setattr(module, "_fresh_matcher", copied)
+    assert generations() == (True, 0)
+
+
+def test_the_same_request_gets_the_same_answer_after_a_grammar_gave_up(
+        oai: openai.OpenAI) -> None:
+    """Through the gateway: 'a' pushed by logit_bias walks the nested repeats until llguidance
+    gives up: a 400 naming response_format, never a 200 that does not parse; then the same short
+    request 10 times gets the answer it got before."""
+    messages: Any = [{"role": "user", "content": PROMPT}]
+    form: Any = {"type": "json_schema", "json_schema": {"name": "a", "schema": NESTED_REPEATS}}
+    bias = {str(build_ascii_tokenizer().convert_tokens_to_ids("a")): 100}
+
+    def ask(max_tokens: int) -> str:
+        reply = oai.chat.completions.create(model="tiny-gpt2", messages=messages, temperature=0,
+                                            max_tokens=max_tokens, response_format=form,
+                                            logit_bias=bias)
+        return reply.choices[0].message.content or ""
+
+    before = ask(12)
+    assert before == '"' + "a" * 11
+    with pytest.raises(openai.BadRequestError) as info:
+        ask(300)
+    assert error_of(info.value)["code"] == "grammar_dead_end"
+    assert [ask(12) for _ in range(10)] == [before] * 10

@@ -330,12 +330,19 @@ class Constraint:
 
     def commit(self, tokens: list[int]) -> None:
         """The committed sequence grew by ``tokens`` (each allowed where it came; an EOS
-        after the grammar's end is its end)."""
-        self._rows.clear()
-        for token in tokens:
+        after the grammar's end is its end). GrammarDeadEnd where llguidance refuses a token
+        its own mask allowed (an id it reads as no text, such as ``<unk>``, where the grammar
+        has no other way on); GrammarError for a token the mask did not allow."""
+        rows, self._rows = self._rows, {}
+        for i, token in enumerate(tokens):
             if self.matcher.is_stopped() and token in self.eos_ids:
                 continue
             if not self.matcher.consume_token(token):
+                row = rows.get(tuple(tokens[:i]))
+                if row is not None and row[token]:
+                    raise GrammarDeadEnd(f"the grammar cannot go on: llguidance allowed token "
+                                         f"{token} there, then refused it "
+                                         f"({_first_line(self.matcher)})")
                 raise GrammarError(f"token {token}, which the grammar does not allow there "
                                    f"({_first_line(self.matcher)})")
 
