@@ -383,7 +383,7 @@ NESTED_REPEATS: dict[str, Any] = {"type": "string", "pattern": "^(a{1,76}){1,76}
 def walk(constraint: Constraint, tokens: int) -> int:
     """Tokens committed taking the highest id the grammar allows (not EOS), up to ``tokens``."""
     for done in range(tokens):
-        allowed = np.flatnonzero(constraint.allowed_after([]))
+        allowed = np.flatnonzero(constraint.allowed())
         choice = int(allowed[allowed != 1].max())
         constraint.commit([choice])
         if constraint.matcher.is_stopped():

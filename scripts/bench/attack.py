@@ -138,8 +138,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gateway", action="store_true",
                         help="attack `specdec serve` in front of a tiny verifier instead")
     parser.add_argument("--classes", action="store_true",
-                        help="attack each hole of hardening rounds 3 and 4 in turn, on tiny "
+                        help="attack each hole of hardening rounds 3 to 5 in turn, on tiny "
                         "models, one row a class (scripts/bench/attack_classes.py)")
+    parser.add_argument("--only", action="append", metavar="CLASS",
+                        help="--classes: this class alone (again for more)")
     parser.add_argument("--quick", action="store_true",
                         help="--classes: the short run (the CLI class: two cases on `generate`)")
     parser.add_argument("--large-senders", type=int, default=2,

@@ -60,6 +60,7 @@ import orjson
 
 from scripts.bench.attack import Attack
 from scripts.bench.attack_round4 import ROUND_4
+from scripts.bench.attack_round5 import ROUND_5
 from scripts.bench.attack_servers import (
     AUTH,
     CONTEXT,
@@ -260,6 +261,7 @@ CLASSES: dict[str, Callable[[Servers], Outcome]] = {
     "hang-up": hang_up, "tokenize flood": tokenize_flood, "idle heads": idle_heads,
     "context edge": context_edge, "beams over quota": beams_over_quota,
     "cli input": cli_input, "kv pressure": kv_pressure, "exposure": exposure, **ROUND_4,
+    **ROUND_5,
 }
 
 
@@ -273,7 +275,12 @@ def run_classes(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp, Servers(Path(tmp)) as servers:
         servers.quick = args.quick
         reference = servers.greedy()
+        unknown = set(args.only or ()) - set(CLASSES)
+        if unknown:
+            raise SystemExit(f"--only: no class {sorted(unknown)}; the classes: {list(CLASSES)}")
         for name, attack in CLASSES.items():
+            if args.only and name not in args.only:
+                continue
             tracebacks = servers.tracebacks()
             started = time.perf_counter()
             statuses, held, figures = attack(servers)

@@ -14,6 +14,7 @@ import subprocess
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,8 @@ class Servers:
         self.gateway: subprocess.Popen[bytes] | None = None
         self.gateway_url = ""
         self.quick = False
+        self.closers: list[Callable[[], None]] = []  # servers a class started, stopped at exit
+        self.shared: dict[str, Any] = {}  # what classes keep for each other (round 5's pair)
 
     def __enter__(self) -> Servers:
         self.verifier.start()
@@ -74,6 +77,8 @@ class Servers:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        for close in reversed(self.closers):
+            close()
         if self.gateway is not None:
             self.gateway.terminate()
             self.gateway.wait(30)
