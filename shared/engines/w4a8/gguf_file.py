@@ -161,7 +161,10 @@ class MappedGGUF:
             end = info.offset + self.nbytes(info) if kind in BLOCKS else info.offset
             if end > len(buf):
                 raise ValueError(f"tensor {name} runs past the end of the file")
+            if name in tensors:
+                raise ValueError(f"tensor {name} is described twice")
             tensors[name] = info
+        no_overlaps(tensors)
         return fields, tensors
 
     @staticmethod
@@ -189,3 +192,13 @@ class MappedGGUF:
     def data(self, name: str) -> np.ndarray:
         info = self.tensors[name]
         return self.bytes[info.offset:info.offset + self.nbytes(info)]
+
+
+def no_overlaps(tensors: dict[str, TensorInfo]) -> None:
+    """ValueError where one tensor's bytes lie inside another's (a norm read from the
+    embedding's blocks serves whatever those bytes say as floats)."""
+    spans = sorted((t.offset, t.offset + MappedGGUF.nbytes(t), t.name)
+                   for t in tensors.values() if t.type in BLOCKS)
+    for (_, end, before), (begin, _, name) in zip(spans, spans[1:], strict=False):
+        if begin < end:
+            raise ValueError(f"tensor {name}: its bytes overlap tensor {before}'s")

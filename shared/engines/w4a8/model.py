@@ -221,7 +221,13 @@ def shape_of(file: GGUFFile) -> Shape:
     embed = file._tensor("token_embd.weight")
     if len(embed.shape) != 2:
         raise ModelSpecError(f"{file.path}: token_embd.weight is {embed.shape}, not a matrix")
-    return Shape(layers=_count(file, f"{arch}.block_count", high=4096), hidden=hidden,
+    layers = _count(file, f"{arch}.block_count", high=4096)
+    beyond = sorted(name for name in file.mapped.tensors if name.startswith("blk.")
+                    and name.split(".")[1].isdigit() and int(name.split(".")[1]) >= layers)
+    if beyond:  # llama.cpp refuses a file whose tensors it would not all use, and so do we
+        raise ModelSpecError(f"{file.path}: tensor {beyond[0]} is past {arch}.block_count = "
+                             f"{layers}")
+    return Shape(layers=layers, hidden=hidden,
                  intermediate=_count(file, f"{arch}.feed_forward_length"), heads=heads,
                  kv_heads=kv_heads, head_dim=head_dim, vocab=int(embed.shape[1]),
                  eps=_positive(file, f"{arch}.attention.layer_norm_rms_epsilon"),
