@@ -444,3 +444,19 @@ def test_the_same_request_gets_the_same_answer_after_a_grammar_gave_up(
         ask(300)
     assert error_of(info.value)["code"] == "grammar_dead_end"
     assert [ask(12) for _ in range(10)] == [before] * 10
+
+
+def test_the_target_alone_ends_a_grammar_that_gave_up_with_a_422(client: SpecDecClient) -> None:
+    """``/v1/generate`` walking the nested repeats (its state on the verifier): 422
+    grammar_dead_end naming grammar, not a 500; the verifier serves the next request."""
+    from drafter_client.api import Penalties
+
+    push = Penalties(logit_bias={build_ascii_tokenizer().convert_tokens_to_ids("a"): 100.0})
+    grammar = json_schema_grammar(NESTED_REPEATS)
+    with pytest.raises(SpecDecError, match="too many expressions") as refused:
+        client.baseline(PROMPT, max_new_tokens=300, temperature=0, penalties=push,
+                        grammar=grammar)
+    assert "422" in str(refused.value)
+    short = client.baseline(PROMPT, max_new_tokens=12, temperature=0, penalties=push,
+                            grammar=grammar)
+    assert short.text == '"' + "a" * 11

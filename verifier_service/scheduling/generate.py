@@ -13,7 +13,7 @@ import torch
 
 from shared.engines.target import ForwardItem, Step, StepResult
 from shared.protocol.acceptance import Block
-from shared.protocol.grammar import Constraint, GrammarError
+from shared.protocol.grammar import Constraint, GrammarDeadEnd, GrammarError
 from shared.protocol.sampling import draw_uniforms
 from shared.protocol.schema import (
     CreateSessionRequest,
@@ -84,7 +84,10 @@ def next_masks(grammar: Constraint | None) -> list[RowMask] | None:
     no token of the vocabulary can go on with it)."""
     if grammar is None:
         return None
-    allowed = grammar.allowed_after([])
+    try:
+        allowed = grammar.allowed_after([])
+    except GrammarError as exc:  # llguidance gave up on it (a lexer or parser limit)
+        raise VerifierError(422, "grammar_dead_end", str(exc), "grammar") from None
     assert allowed is not None  # no drafts: the committed tokens alone
     if not allowed.any():
         raise VerifierError(422, "grammar_dead_end", "no token of this vocabulary can continue "
@@ -100,8 +103,9 @@ def advance(grammar: Constraint | None, token: int) -> None:
     try:
         grammar.commit([token])
     except GrammarError as exc:
-        raise VerifierError(422, "grammar_dead_end", f"the grammar cannot go on: {exc}",
-                            "grammar") from None
+        message = str(exc) if isinstance(exc, GrammarDeadEnd) else \
+            f"the grammar cannot go on: {exc}"
+        raise VerifierError(422, "grammar_dead_end", message, "grammar") from None
 
 
 async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
