@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
 
-.PHONY: install test test-fast test-real test-reliability test-compose lint demo bench \
+.PHONY: install test test-fast test-asan test-real test-reliability test-compose lint demo bench \
 	bench-drafters bench-suite bench-batching bench-network bench-profile fetch-models clean \
 	ensure-nginx ensure-nettools ensure-chromium ensure-containers
 
@@ -119,6 +119,19 @@ ensure-containers:
 # Faults, fuzzing, load and the network namespaces alone (all are part of `make test`).
 test-reliability: install ensure-nettools
 	$(PYTEST) -m "faults or fuzz or load or netns"
+
+# The w4a8 kernels built with AddressSanitizer, UBSan and the C++ library's bounds assertions
+# (SPECDEC_W4A8_SANITIZE: a key of their own, built in a fresh SPECDEC_HOME), and the kernel
+# and loader tests run on them. Not in `make test`: the build takes minutes.
+ASAN_TESTS = tests/test_w4a8_engine.py tests/test_w4a8_digest.py tests/test_w4a8_headers.py \
+  tests/test_w4a8_fuzz.py tests/test_w4a8_kernel_library.py
+test-asan: install
+	@home=$$(mktemp -d) && export SPECDEC_HOME=$$home SPECDEC_W4A8_SANITIZE=1 \
+	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  LD_PRELOAD="$$($${CXX:-g++} -print-file-name=libasan.so) $$($${CXX:-g++} -print-file-name=libubsan.so)" && \
+	  $(BIN)/python -m shared.engines.w4a8.build && \
+	  $(BIN)/python -m pytest -q -p no:xdist -m 'not real' $(ASAN_TESTS); \
+	  status=$$?; rm -rf $$home; exit $$status
 
 test-real: install fetch-models
 	$(BIN)/python -m pytest -q -m real

@@ -17,7 +17,8 @@ COMMANDS = {"suite": "suite", "client": "client", "batching": "batching", "calls
             "cpu-kernels": "cpu_kernels", "prompt-memory": "prompt_memory", "quality": "quality",
             "serving": "serving", "report": "report", "prediction": "prediction",
             "grammar": "grammar", "prefill": "prefill",
-            "w4a8-products": "w4a8_products", "neighbours": "neighbours"}
+            "w4a8-products": "w4a8_products", "neighbours": "neighbours",
+            "capacity": "capacity"}
 
 
 def command_module(name: str) -> ModuleType:

@@ -25,6 +25,9 @@ Systems (``--systems``):
                           exactness costs under load
   lookup-selfish          prompt lookup whose ``-k auto`` ignores the verifier's load
                           (``ClientSettings(load_aware=False)``): what load-awareness does
+  replay-0.5, -0.7, -0.9  clients whose drafter replays the target's recorded answer, each token
+                          kept with that probability (``capacity.ReplayDrafter``): drafting on
+                          another machine, costing this one nothing (``scripts.bench capacity``)
 
 Every specdec output is checked against specdec's target alone on the same prompt, and each
 ``llama-server`` mode against ``llama-server``'s target alone (greedy identity under load).
@@ -68,7 +71,9 @@ from shared.models.catalog import OFFLINE_MODELS, load_tokenizer
 from verifier_service.launch import VerifierProcess
 
 SYSTEMS = ("llama-server", "llama-server-ngram", "alone", "lookup", "default", "alone-llama",
-           "lookup-llama", "alone-fast", "lookup-fast", "lookup-selfish")
+           "lookup-llama", "alone-fast", "lookup-fast", "lookup-selfish", "replay-0.5",
+           "replay-0.7", "replay-0.9")
+REPLAY = "replay-"  # clients whose drafting costs nothing here (scripts/bench/capacity.py)
 FAST = "-fast"  # on a second verifier: llama.cpp's whole-batch kernels
 # the systems on verifiers of their own (suffix -> the engine flags that replace --engine's)
 OTHER_VERIFIERS = {"-llama": ["--engine", "llama-cpp"],
@@ -95,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS[:-1]))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS[:9]))
     parser.add_argument("--verifier-arg", action="append", default=[],
                         help="one more flag for the verifier (repeat: --verifier-arg=--x ...)")
     parser.add_argument("--out", default="bench_results/serving.json")
@@ -196,6 +201,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         verifier.start()
         info = SpecDecClient(verifier.url, None, tokenizer=tokenizer).info
+        if any(s.startswith(REPLAY) for s in ours):  # the answers the replay drafters copy
+            alone = SpecDecClient(verifier.url, None, tokenizer=tokenizer)
+            args.replay_answers = {tuple(i): alone.baseline(
+                i, max_new_tokens=args.max_new_tokens).token_ids for i in ids}
+            args.replay_vocab = info.vocab_size
         for other in others.values():
             other.start()
         url = {s: next((v.url for suffix, v in others.items() if s.endswith(suffix)),
@@ -252,6 +262,13 @@ def base_system(name: str) -> str:
 
 def make_clients(system: str, n: int, url: str, tokenizer: Any, drafter: Path | None,
                  args: argparse.Namespace) -> list[SpecDecClient]:
+    if system.startswith(REPLAY):
+        from scripts.bench.capacity import ReplayDrafter
+
+        rate = float(system.removeprefix(REPLAY))
+        return [SpecDecClient(url, ReplayDrafter(args.replay_answers, rate, args.replay_vocab,
+                                                 seed=j), tokenizer=tokenizer)
+                for j in range(n)]
     if system == "alone":
         return [SpecDecClient(url, None, tokenizer=tokenizer) for _ in range(n)]
     if system in ("lookup", "lookup-selfish"):
@@ -273,7 +290,7 @@ def report(records: list[dict[str, Any]], steps: list[dict[str, Any]],
              "alone": "alone", "lookup": "alone", "default": "alone",
              "alone-fast": "alone-fast", "lookup-fast": "alone-fast",
              "alone-llama": "alone-llama", "lookup-llama": "alone-llama",
-             "lookup-selfish": "alone"}
+             "lookup-selfish": "alone", **{s: "alone" for s in SYSTEMS if s.startswith(REPLAY)}}
     reference: dict[tuple[str, str], list[int]] = {}
     for r in sorted(records, key=lambda r: r["clients"]):  # each prompt's target-alone output
         if r["system"] in ("llama-server", "alone", "alone-fast", "alone-llama"):  # lightest load

@@ -51,6 +51,15 @@ SOURCES = sorted(KERNELS.glob("*.cpp"))
 # every path and picks one at load (kernels/dispatch.cpp).
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off",
          "-fno-fast-math", "-Wall", "-Wno-unused-function"]
+# SPECDEC_W4A8_SANITIZE=1: a test build (``make test-asan``) with AddressSanitizer, UBSan and the
+# C++ library's bounds assertions; kept under its own key, never the prebuilt library.
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+                  "-fno-omit-frame-pointer", "-D_GLIBCXX_ASSERTIONS"]
+
+
+def flags() -> list[str]:
+    """The compiler flags of the library this process uses."""
+    return FLAGS + (SANITIZE_FLAGS if os.environ.get("SPECDEC_W4A8_SANITIZE") else [])
 
 _i64, _ptr, _f32, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
 SIGNATURES: dict[str, tuple[type | None, list[type]]] = {
@@ -86,7 +95,7 @@ def has_compiler() -> bool:
 def _command(output: Path) -> list[str]:
     torch_dir = Path(torch.__file__).parent
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [_compiler(), *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+    return [_compiler(), *flags(), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             f"-I{torch_dir / 'include'}", *map(str, SOURCES), "-o", str(output),
             f"-L{torch_dir / 'lib'}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{torch_dir / 'lib'}"]
 
@@ -96,7 +105,7 @@ def key() -> str:
     digest = hashlib.sha256()
     for path in sorted(p for p in KERNELS.iterdir() if p.is_file()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    for part in (" ".join(FLAGS), torch.__version__, str(Path(torch.__file__).parent)):
+    for part in (" ".join(flags()), torch.__version__, str(Path(torch.__file__).parent)):
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()[:16]
 
@@ -207,7 +216,7 @@ def build(folder: Path | None = None, force: bool = False) -> Path:
         version = subprocess.run([_compiler(), "--version"], capture_output=True,
                                  text=True).stdout.splitlines()[:1]
         record = {"sha256": _sha256(scratch), "key": key(), "torch": torch.__version__,
-                  "compiler": version[0] if version else _compiler(), "flags": FLAGS}
+                  "compiler": version[0] if version else _compiler(), "flags": flags()}
         os.replace(scratch, output)
         written = target / f"{name}.{os.getpid()}.tmp.json"
         written.write_text(json.dumps(record, indent=1) + "\n")
