@@ -215,7 +215,8 @@ def schema_flood(s: Servers) -> Outcome:
                       "/health median under 0.25 s": median < 0.25}, {
         "schema_kib": len(str(big_schema(0))) // 1024,
         "health_median_ms": round(1e3 * median, 1), "health_max_ms": round(1e3 * max(waits)),
-        "health_probes": len(waits), "refused": refusals[0] if refusals else "", "chats": sum(statuses.values()),
+        "health_probes": len(waits), "refused": refusals[0] if refusals else "",
+        "chats": sum(statuses.values()),
         "seconds_per_chat": round((2.0 if s.quick else 10.0) * 4 / max(sum(statuses.values()),
                                                                          1), 3)}
 
