@@ -23,7 +23,7 @@ def worker_order(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
     for item in items:
         modules.setdefault(item.path, []).append(item)
     slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
-    for path, tests in modules.items():
+    for tests in modules.values():
         tests.sort(key=lambda item: not item.get_closest_marker("slow"))  # stable
     shares: list[list[Path]] = [[] for _ in range(max(1, workers))]
     weight = [0] * len(shares)
