@@ -124,7 +124,7 @@ test-reliability: install ensure-nettools
 # (SPECDEC_W4A8_SANITIZE: a key of their own, built in a fresh SPECDEC_HOME), and the kernel
 # and loader tests run on them. Not in `make test`: the build takes minutes.
 ASAN_TESTS = tests/test_w4a8_engine.py tests/test_w4a8_digest.py tests/test_w4a8_headers.py \
-  tests/test_w4a8_fuzz.py tests/test_w4a8_kernel_library.py
+  tests/test_w4a8_fuzz.py tests/test_w4a8_kernel_library.py tests/test_w4a8_sanitized.py
 test-asan: install
 	@home=$$(mktemp -d) && export SPECDEC_HOME=$$home SPECDEC_W4A8_SANITIZE=1 \
 	  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
