@@ -14,6 +14,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from tests.support.live_server import LiveServer, fp32_settings
 from tests.support.statistics import chi_square_p, reference_probs, sample_pairs
 from tests.support.tiny_models import build_ascii_tokenizer
 from tests.test_gateway import error_of
+from verifier_service.scheduling import generate
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -114,6 +116,47 @@ def test_a_bad_mask_is_refused_by_the_verifier(json_server: LiveServer) -> None:
     ok = verifier.verify(session, VerifyRequest(position=2, last_token=6, final_uniform=0.5,
                                                 masks=[RowMask.of(np.arange(97) == 40)]))
     assert ok.next_token == 40  # the only token the mask allows
+
+
+def mask_decoders(json_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The threads that decode row masks during a 2-draft verify with masks and a
+    /v1/generate under a grammar."""
+    from drafter_client.transport import HttpVerifier
+    from shared.protocol.schema import CreateSessionRequest, VerifyRequest
+
+    threads: list[str] = []
+    decode = RowMask.keep
+
+    def spy(self: RowMask, vocab_size: int) -> Any:
+        threads.append(threading.current_thread().name)
+        return decode(self, vocab_size)
+
+    monkeypatch.setattr(RowMask, "keep", spy)
+    verifier = HttpVerifier(json_server.url)
+    session = verifier.create_session(CreateSessionRequest(prompt_ids=[5, 6])).session_id
+    verifier.verify(session, VerifyRequest(
+        position=2, last_token=6, draft_ids=[40, 41], log_uniforms=[-1.0, -1.0],
+        final_uniform=0.5, masks=[RowMask.of(np.ones(97, dtype=bool))] * 3))
+    response = httpx.post(f"{json_server.url}/v1/generate", json={
+        "prompt_ids": [5, 6], "max_new_tokens": 3, "grammar": json_schema_grammar(SCHEMA)},
+        timeout=60)
+    assert response.status_code == 200, response.text
+    return threads
+
+
+def test_row_masks_are_decoded_before_the_batch_not_on_its_thread(
+        json_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call's masks are its own work: decoded on a worker thread when it arrives, so a
+    neighbour's block never waits for them (#75). Control: decoding left to the job (as it
+    was) shows up on the model thread."""
+    threads = mask_decoders(json_server, monkeypatch)
+    assert len(threads) >= 3 + 1 and not [t for t in threads if t.startswith("model")], threads
+    monkeypatch.setattr(generate, "decoded_masks", no_decoding)
+    assert [t for t in mask_decoders(json_server, monkeypatch) if t.startswith("model")]
+
+
+async def no_decoding(ctx: Any, req: Any) -> None:
+    return None
 
 
 # -- the sampled distribution ------------------------------------------------------------------

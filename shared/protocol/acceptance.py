@@ -36,7 +36,7 @@ Sections: 1. a block and its verdict; 2. the rule; 3. one block on the host (the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,12 +84,15 @@ class Block:
     history: tuple[tuple[int, int], ...] = ()
     # structured output: the tokens the grammar allows at each row (``RowMask``, one per row)
     masks: tuple[RowMask, ...] | None = None
+    # the masks decoded ([rows, vocab] bool), where the verifier decoded them on arrival
+    keep: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def constrained(self, rows: torch.Tensor) -> torch.Tensor:
         """The rows with every token the grammar refuses at -inf: the target's constrained
         distribution, once processed (its rows renormalise over what is left)."""
         assert self.masks is not None
-        keep = torch.stack([mask.keep(rows.shape[-1]) for mask in self.masks])
+        keep = self.keep if self.keep is not None else \
+            torch.stack([mask.keep(rows.shape[-1]) for mask in self.masks])
         return rows.float().masked_fill(~keep.to(rows.device), float("-inf"))
 
     def penalized(self, rows: torch.Tensor) -> torch.Tensor:

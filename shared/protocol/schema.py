@@ -259,14 +259,15 @@ class VerifyRequest(_Strict):
                    history=[(i, c) for i, c in block.history],
                    masks=list(block.masks) if block.masks is not None else None)
 
-    def block(self, config: SamplingConfig) -> Block:
-        """The block this request carries, under its session's sampling ``config``."""
+    def block(self, config: SamplingConfig, keep: torch.Tensor | None = None) -> Block:
+        """The block this request carries, under its session's sampling ``config``; ``keep``:
+        its masks, decoded already."""
         from shared.protocol.acceptance import Block
 
         return Block(self.draft_ids, self.draft_logprobs, self.log_uniforms, self.final_uniform,
                      config, self.position, self.tree_parents, self.return_top_ids,
                      self.logprobs, tuple((i, c) for i, c in self.history),
-                     tuple(self.masks) if self.masks is not None else None)
+                     tuple(self.masks) if self.masks is not None else None, keep)
 
 
 class EncodedRow(_Strict):

@@ -46,13 +46,15 @@ class FirstTokenJob(CreateSessionJob):
     uniform: float = 0.0
     logprobs: int | None = None  # also the first token's log-probabilities (and n best)
     masks: list[RowMask] | None = None  # structured output: what the grammar allows first
+    keep: torch.Tensor | None = None  # those masks decoded (off the model thread)
 
     def step(self, slot: int) -> Step:
         ids = self.req.prompt_ids
         return Step(ForwardItem(slot, 0, ids, keep_logits=True, keep_from=len(ids) - 1),
                     Block([], None, [], self.uniform, self.req.sampling.to_config(), len(ids),
                           logprobs=self.logprobs,
-                          masks=tuple(self.masks) if self.masks is not None else None))
+                          masks=tuple(self.masks) if self.masks is not None else None,
+                          keep=self.keep))
 
     def finish(self, result: StepResult  # type: ignore[override]
                ) -> tuple[CreateSessionResponse, int, list[LogprobsEntry]]:
@@ -95,6 +97,14 @@ def next_masks(grammar: Constraint | None) -> list[RowMask] | None:
     return [RowMask.of(allowed)]
 
 
+async def decoded_masks(ctx: JobContext, req: VerifyRequest) -> torch.Tensor | None:
+    """The call's row masks decoded on a worker thread, before it is queued: the caller's own
+    work, not the batch's (the model thread then only applies them)."""
+    if req.masks is None:
+        return None
+    return await asyncio.to_thread(ctx.validator.decode_masks, req)
+
+
 def advance(grammar: Constraint | None, token: int) -> None:
     """The grammar after ``token`` (which its mask allowed; llguidance may still refuse a token
     that only spells part of what it forces: 422 naming the grammar)."""
@@ -128,9 +138,12 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
     first: int | None = None
     logprobs: list[LogprobsEntry] = []
     if fused:
+        masks = next_masks(grammar)
+        keep = None if masks is None else await asyncio.to_thread(ctx.validator.decode_rows,
+                                                                  masks)
         created, first, logprobs = await scheduler.submit(FirstTokenJob(
             ctx, create_req, owner, uniform=float(draw_uniforms(generator, 1)[0]),
-            logprobs=req.logprobs, masks=next_masks(grammar)))
+            logprobs=req.logprobs, masks=masks, keep=keep))
     else:
         created = await scheduler.submit(CreateSessionJob(ctx, create_req, owner))
     session_id, position, last = created.session_id, created.position, req.prompt_ids[-1]
@@ -151,12 +164,13 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
         for _ in range(steps):
             if gone is not None and gone.is_set():
                 break
+            step = VerifyRequest(position=position, last_token=last, logprobs=req.logprobs,
+                                 history=list(counts.items()) if penalized else [],
+                                 masks=next_masks(grammar),
+                                 final_uniform=float(draw_uniforms(generator, 1)[0]))
             try:
-                reply = await scheduler.submit(VerifyJob(ctx, session_id, VerifyRequest(
-                    position=position, last_token=last, logprobs=req.logprobs,
-                    history=list(counts.items()) if penalized else [],
-                    masks=next_masks(grammar),
-                    final_uniform=float(draw_uniforms(generator, 1)[0])), owner))
+                reply = await scheduler.submit(VerifyJob(ctx, session_id, step, owner,
+                                                         keep=await decoded_masks(ctx, step)))
             except VerifierError as exc:
                 if exc.code != "session_not_found":
                     raise
@@ -186,6 +200,9 @@ async def verify_call(ctx: JobContext, scheduler: Scheduler, session_id: str,
     ``more_uniforms`` (each an ordinary job, batched with other sessions' work), stopping
     after an EOS id or at the context's end. The answer is remembered for the whole call, so
     the same call again gets it again - while the run is still going, once it is whole."""
+    if req.masks is not None:
+        return await scheduler.submit(  # type: ignore[no-any-return]
+            VerifyJob(ctx, session_id, req, owner, keep=await decoded_masks(ctx, req)))
     if not req.more_uniforms:
         return await scheduler.submit(VerifyJob(ctx, session_id, req, owner))  # type: ignore[no-any-return]
     key = (owner, session_id, request_digest(req))

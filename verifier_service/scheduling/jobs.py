@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from shared.engines.target import Engine, ForwardItem, Step, StepResult
 from shared.protocol.schema import (
     CreateSessionRequest,
@@ -174,6 +176,7 @@ class VerifyJob:
     session: Session | None = None
     replay: VerifyResponse | None = None  # the answer to this very call, already given once
     started: float = field(default_factory=time.perf_counter)
+    keep: torch.Tensor | None = None  # req.masks decoded on arrival (``verify_call``)
 
     kind = "verify"
 
@@ -201,7 +204,10 @@ class VerifyJob:
                       busy | {self.session_key})
         prefill = (ForwardItem(session.slot, 0, session.pending, keep_logits=False,
                                steps_from=session.steps_from) if session.pending else None)
-        block = req.block(session.config)  # the request is its codec: read once, here
+        keep = self.keep
+        if keep is None and req.masks is not None:  # not decoded on arrival
+            keep = self.ctx.validator.decode_masks(req)
+        block = req.block(session.config, keep)  # the request is its codec: read once, here
         return Step(
             ForwardItem(session.slot, session.position - 1, [req.last_token, *block.draft_ids],
                         keep_logits=True, tree_parents=block.tree_parents),

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.protocol.schema import PROTOCOL_VERSION, SamplingParams, VerifyRequest
+import torch
+
+from shared.protocol.schema import PROTOCOL_VERSION, RowMask, SamplingParams, VerifyRequest
 from verifier_service.errors import VerifierError
 from verifier_service.scheduling.sessions import Session
 
@@ -96,8 +98,6 @@ class RequestValidator:
                                 "draft_logprobs")
         if req.tree_parents is not None:
             self.check_tree(req)
-        if req.masks is not None:
-            self.check_masks(req)
         if req.more_uniforms and (k or req.tree_parents is not None):
             raise VerifierError(422, "plain_run_with_drafts", "more_uniforms asks for a plain "
                                 "run, which drafts nothing: send no draft_ids", "more_uniforms")
@@ -117,7 +117,11 @@ class RequestValidator:
             raise VerifierError(422, "context_overflow", f"position {session.position} + {k} "
                                 f"drafts exceeds max_context {self.max_context}", "draft_ids")
 
-    def check_masks(self, req: VerifyRequest) -> None:
+    def decode_masks(self, req: VerifyRequest) -> torch.Tensor:
+        """The block's row masks as one [k + 1, vocab] bool tensor (True: allowed); 422 naming
+        ``masks`` for masks that do not fit the block or are not masks. Needs no session, so
+        it runs when the call arrives, on a worker thread (``verify_call``), not on the batch's
+        model thread: the decoding is the caller's own time, not its neighbours'."""
         masks, k = req.masks or [], len(req.draft_ids)
         if len(masks) != k + 1:
             raise VerifierError(422, "length_mismatch", f"masks has {len(masks)} entries for "
@@ -125,11 +129,13 @@ class RequestValidator:
         if req.tree_parents is not None or req.more_uniforms:
             raise VerifierError(422, "masks_unsupported", "masks go with a chain of drafts or "
                                 "one plain step (no tree_parents, no more_uniforms)", "masks")
-        for mask in masks:
-            try:
-                mask.keep(self.vocab_size)
-            except ValueError as exc:
-                raise VerifierError(422, "invalid_mask", str(exc), "masks") from None
+        return self.decode_rows(masks)
+
+    def decode_rows(self, masks: list[RowMask]) -> torch.Tensor:
+        try:
+            return torch.stack([mask.keep(self.vocab_size) for mask in masks])
+        except ValueError as exc:
+            raise VerifierError(422, "invalid_mask", str(exc), "masks") from None
 
     def check_tree(self, req: VerifyRequest) -> None:
         parents = req.tree_parents or []
