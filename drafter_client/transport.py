@@ -15,6 +15,7 @@ from drafter_client.errors import SpecDecError, checked_url
 from drafter_client.settings import DEFAULTS
 from shared.http.auth import bearer_header
 from shared.protocol.schema import (
+    AFFINITY_HEADER,
     SESSION_HEADER,
     CreateSessionRequest,
     CreateSessionResponse,
@@ -110,6 +111,7 @@ class HttpVerifier:
         self.auth = bearer_header(api_key) if api_key else {}
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.affinity: dict[str, str] = {}  # session id -> the router's AFFINITY_HEADER
 
     def _call(self, method: str, path: str, body: BaseModel | None,
               response_model: type[M] | None, session_id: str | None = None,
@@ -118,6 +120,8 @@ class HttpVerifier:
         headers = {"content-type": "application/json", **self.auth} if content else {**self.auth}
         if session_id is not None:
             headers[SESSION_HEADER] = session_id
+            if session_id in self.affinity:
+                headers[AFFINITY_HEADER] = self.affinity[session_id]
         budget = self.retry_budget_s if budget_s is None else budget_s
         first_failure: float | None = None
         attempt = 0
@@ -138,6 +142,9 @@ class HttpVerifier:
             else:
                 self.bytes_sent += len(content or b"")
                 self.bytes_received += len(response.content)
+                token = response.headers.get(AFFINITY_HEADER)
+                if session_id is not None and token:
+                    self.affinity[session_id] = token
                 turned_away = response.status_code in (429, 503)
                 if response.status_code not in RETRY_STATUSES or not (repeatable or turned_away):
                     break
@@ -181,6 +188,7 @@ class HttpVerifier:
         """Opens a session under an id we choose, so a balancer can route every call by it."""
         if req.session_id is None:
             req = req.model_copy(update={"session_id": secrets.token_urlsafe(12)})
+        self.affinity.pop(req.session_id or "", None)  # a reopen: the router places it afresh
         return self._call("POST", "/v1/sessions", req,  # type: ignore[return-value]
                           CreateSessionResponse, req.session_id)
 
@@ -190,8 +198,11 @@ class HttpVerifier:
 
     def delete_session(self, session_id: str, budget_s: float = 2.0) -> None:
         """Best effort with a short budget: an unused session expires on the verifier anyway."""
-        self._call("DELETE", f"/v1/sessions/{session_id}", None, None, session_id,
-                   budget_s=budget_s)
+        try:
+            self._call("DELETE", f"/v1/sessions/{session_id}", None, None, session_id,
+                       budget_s=budget_s)
+        finally:
+            self.affinity.pop(session_id, None)
 
     def generate(self, req: GenerateRequest) -> GenerateResponse:
         return self._call("POST", "/v1/generate", req,  # type: ignore[return-value]

@@ -79,7 +79,8 @@ class VerifierState:
             "accepted_tokens": counters.accepted_tokens,
             "acceptance_rate": round(counters.accepted_tokens / counters.drafted_tokens, 4)
             if counters.drafted_tokens else 0.0,
-            "prefill_tokens": counters.prefill_tokens,
+            "prefill_tokens": counters.prefill_tokens, "drafts": counters.drafts,
+            "accepted_at": list(counters.accepted_at), "model": engine.info.name,
             "static_forwards": 0, "static_fallbacks": 0, "kv_region_moves": 0,
             **engine.counters(),
         }

@@ -134,3 +134,36 @@ class StateCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"specdec_verifier_{name}", doc, value=value)
+        yield from router_metrics(m)
+
+
+def router_metrics(m: dict[str, Any]) -> Iterator[Metric]:
+    """The same state under vLLM's names and meanings, which inference routers read (llm-d,
+    the Gateway API Inference Extension): the load gauges and the speculation counters, with
+    vLLM's ``model_name`` and ``engine`` labels. docs/metrics.md maps each to ours."""
+    labels, values = ["model_name", "engine"], [m["model"], "0"]
+
+    def family(kind: type, name: str, doc: str, value: float) -> Metric:
+        metric = kind(f"vllm:{name}", doc, labels=labels)
+        metric.add_metric(values, value)
+        return metric
+
+    slots = m["kv_slots"]
+    yield family(GaugeMetricFamily, "num_requests_running", "Sessions open (each holds its KV "
+                 "cache, as a running request does)", m["sessions"])
+    yield family(GaugeMetricFamily, "num_requests_waiting", "Jobs waiting for a batch",
+                 m["queued"])
+    yield family(GaugeMetricFamily, "kv_cache_usage_perc", "KV-cache usage; 1 means 100 "
+                 "percent", (slots - m["kv_slots_free"]) / slots if slots else 0.0)
+    yield family(CounterMetricFamily, "spec_decode_num_drafts", "Verify calls with at least one "
+                 "draft", m["drafts"])
+    yield family(CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens received",
+                 m["drafted_tokens"])
+    yield family(CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens "
+                 "accepted", m["accepted_tokens"])
+    per_position = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos", "Drafts whose token at this 0-based "
+        "position was accepted", labels=[*labels, "position"])
+    for position, count in enumerate(m["accepted_at"]):
+        per_position.add_metric([*values, str(position)], count)
+    yield per_position

@@ -118,6 +118,9 @@ class InfoResponse(_Strict):
 
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{8,64}$"
 SESSION_HEADER = "X-Session-Id"  # sent with every session call, so a balancer can route by it
+# set by an inference router (llm-d's session affinity) on an answer; the client echoes it on
+# the session's later calls, so the router keeps the session on the replica that holds its KV
+AFFINITY_HEADER = "x-session-token"
 REPLICA_HEADER = "X-Verifier-Replica"  # which verifier answered
 
 

@@ -37,6 +37,23 @@ class VerifyCounters:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     prefill_tokens: int = 0
+    drafts: int = 0  # verify calls that ran with at least one draft (vLLM's num_drafts)
+    # accepted_at[i]: drafts whose token at 0-based position i was accepted (a tree's: the
+    # i-th node of the accepted path)
+    accepted_at: list[int] = field(default_factory=list)
+
+    def count_block(self, drafted: int, accepted: int, positions: int) -> None:
+        """A block of ``drafted`` tokens over ``positions`` positions (a chain's k, a tree's
+        accepted depth) passed ``accepted``: each position is counted from its first block on,
+        0 until a draft there passes, as vLLM reports one per speculative position."""
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        if drafted:
+            self.drafts += 1
+        if positions > len(self.accepted_at):
+            self.accepted_at.extend([0] * (positions - len(self.accepted_at)))
+        for i in range(accepted):
+            self.accepted_at[i] += 1
 
 
 @dataclass
@@ -226,8 +243,9 @@ class VerifyJob:
         counters = self.ctx.counters
         counters.verify_calls += 1
         counters.scored_tokens += len(req.draft_ids) + 1
-        counters.drafted_tokens += len(req.draft_ids)
-        counters.accepted_tokens += verdict.num_accepted
+        counters.count_block(len(req.draft_ids), verdict.num_accepted,
+                             len(req.draft_ids) if req.tree_parents is None
+                             else verdict.num_accepted)
         reply = VerifyResponse.of(verdict, session.position,
                                   1e3 * (time.perf_counter() - self.started), result.load)
         session.last_verify_position, session.last_verify_digest = req.position, self.digest
