@@ -155,7 +155,7 @@ def test_row_masks_are_decoded_before_the_batch_not_on_its_thread(
     assert [t for t in mask_decoders(json_server, monkeypatch) if t.startswith("model")]
 
 
-async def no_decoding(ctx: Any, req: Any) -> None:
+async def no_decoding(ctx: Any, scheduler: Any, req: Any) -> None:
     return None
 
 

@@ -111,6 +111,9 @@ class _HereScheduler:
     async def run(self, fn: Any, *args: Any) -> Any:
         return fn(*args)
 
+    async def aside(self, fn: Any, *args: Any) -> Any:
+        return fn(*args)
+
 
 class InProcessVerifier:
     """Implements the client's ``Verifier`` protocol on an :class:`Engine` in this

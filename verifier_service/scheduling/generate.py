@@ -97,12 +97,13 @@ def next_masks(grammar: Constraint | None) -> list[RowMask] | None:
     return [RowMask.of(allowed)]
 
 
-async def decoded_masks(ctx: JobContext, req: VerifyRequest) -> torch.Tensor | None:
-    """The call's row masks decoded on a worker thread, before it is queued: the caller's own
-    work, not the batch's (the model thread then only applies them)."""
+async def decoded_masks(ctx: JobContext, scheduler: Scheduler, req: VerifyRequest
+                        ) -> torch.Tensor | None:
+    """The call's row masks decoded aside (``Scheduler.aside``: a worker thread) before it is
+    queued: the caller's own work, not the batch's (the model thread then only applies them)."""
     if req.masks is None:
         return None
-    return await asyncio.to_thread(ctx.validator.decode_masks, req)
+    return await scheduler.aside(ctx.validator.decode_masks, req)
 
 
 def advance(grammar: Constraint | None, token: int) -> None:
@@ -139,8 +140,8 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
     logprobs: list[LogprobsEntry] = []
     if fused:
         masks = next_masks(grammar)
-        keep = None if masks is None else await asyncio.to_thread(ctx.validator.decode_rows,
-                                                                  masks)
+        keep = None if masks is None else await scheduler.aside(ctx.validator.decode_rows,
+                                                                masks)
         created, first, logprobs = await scheduler.submit(FirstTokenJob(
             ctx, create_req, owner, uniform=float(draw_uniforms(generator, 1)[0]),
             logprobs=req.logprobs, masks=masks, keep=keep))
@@ -168,9 +169,10 @@ async def generate(ctx: JobContext, scheduler: Scheduler, req: GenerateRequest,
                                  history=list(counts.items()) if penalized else [],
                                  masks=next_masks(grammar),
                                  final_uniform=float(draw_uniforms(generator, 1)[0]))
+            keep = await decoded_masks(ctx, scheduler, step)
             try:
                 reply = await scheduler.submit(VerifyJob(ctx, session_id, step, owner,
-                                                         keep=await decoded_masks(ctx, step)))
+                                                         keep=keep))
             except VerifierError as exc:
                 if exc.code != "session_not_found":
                     raise
@@ -202,7 +204,7 @@ async def verify_call(ctx: JobContext, scheduler: Scheduler, session_id: str,
     the same call again gets it again - while the run is still going, once it is whole."""
     if req.masks is not None:
         return await scheduler.submit(  # type: ignore[no-any-return]
-            VerifyJob(ctx, session_id, req, owner, keep=await decoded_masks(ctx, req)))
+            VerifyJob(ctx, session_id, req, owner, keep=await decoded_masks(ctx, scheduler, req)))
     if not req.more_uniforms:
         return await scheduler.submit(VerifyJob(ctx, session_id, req, owner))  # type: ignore[no-any-return]
     key = (owner, session_id, request_digest(req))

@@ -16,15 +16,16 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from shared.engines.target import NOTHING, Engine, EngineLost, Step, StepResult
 from verifier_service.errors import VerifierError
 from verifier_service.scheduling.load import RowCosts
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 ENGINE_LOST_EXIT = 3  # the verifier's exit status when its engine lost its model file
 
 
@@ -125,6 +126,11 @@ class Scheduler:
         for sid in stale:
             del self._last_seen[sid]
         return any(sid not in mine for sid in self._last_seen)
+
+    async def aside(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn`` on a worker thread, neither the event loop nor the model thread: a call's own
+        work before it is queued (decoding its row masks)."""
+        return await asyncio.to_thread(fn, *args)
 
     def forget(self, session_key: Hashable) -> None:
         """The session was closed: it will not send more jobs."""
